@@ -1,0 +1,28 @@
+# Two entry points on a fresh machine: `make run` (the main job on a small default)
+# and `make test`. Both create the virtual environment first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# This machine's disk holds the CPU build of torch 2.13.0; override on a CUDA box if needed.
+TORCH_SPEC ?= torch==2.13.0
+ARGS ?=
+
+.PHONY: run test setup clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test,bench]"
+	touch $@
+
+run: $(VENV)/.installed
+	$(PY) -m flexh2o.run $(ARGS)
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,146 @@
+"""The Python API: Engine.from_pretrained(...) and engine.generate(...)."""
+
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from .errors import UsageError
+from .models import resolve_model
+from .policy import Policy
+from .sampling import Sampler
+from .schedule import Schedule
+from .sequences import Sequences
+from .tiers import Tiers
+from .weights import CheckpointWeights, DummyWeights
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_dtype(device) -> torch.dtype:
+    # float16 matrix products on a CPU are hundreds of times slower than bfloat16.
+    return torch.float16 if torch.device(device).type == "cuda" else torch.bfloat16
+
+
+def parse_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise UsageError("--dtype", f"unknown dtype {dtype!r}; accepted: {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def parse_device(device: str) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise UsageError("--device", f"unknown device {device!r}; accepted: cpu, cuda, cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise UsageError("--device", f"unsupported device {device!r}; accepted: cpu, cuda, cuda:N")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device", "cuda was asked for but torch sees no CUDA device; use --device cpu")
+    return dev
+
+
+@dataclass
+class GenerateOutput:
+    sequences: torch.Tensor
+    scores: list
+
+
+@dataclass
+class GenerationStats:
+    batch_size: int
+    prompt_len: int
+    gen_len: int          # tokens asked for per sequence
+    steps_done: int       # token steps run (fewer than gen_len when every sequence hit EOS)
+    prefill_seconds: float
+    decode_seconds: float
+
+
+class Engine:
+    def __init__(self, spec, layers, policy: Policy, tiers: Tiers, weights_source: str):
+        self.spec, self.layers, self.policy, self.tiers = spec, layers, policy, tiers
+        self.weights_source = weights_source
+        self.last_stats: GenerationStats | None = None
+
+    @classmethod
+    def from_pretrained(cls, model: str, policy: Policy | None = None, device=None, dtype=None,
+                        dummy: bool = False, path: str | None = None, offload_dir: str | None = None,
+                        progress: bool = False, seed: int = 0):
+        """Loads `model` (a preset name such as opt-1.3b or facebook/opt-1.3b, or a local HF
+        directory) with its weights from `path` (or the directory itself), or dummy weights."""
+        policy = policy or Policy()
+        device = parse_device(device or default_device())
+        dtype = parse_dtype(dtype) if dtype is not None else default_dtype(device)
+        for kind in ("w", "cache", "act"):
+            if policy.disk_percent(kind) > 0 or (device.type == "cuda" and getattr(policy, f"{kind}_cpu_percent")):
+                raise UsageError("--percent", "offloading to CPU memory or disk is not available yet; "
+                                 "use --percent 100 0 100 0 100 0")
+        spec, weights_dir = resolve_model(model, path)
+        if dummy:
+            source = DummyWeights(seed)
+        elif weights_dir is None:
+            raise UsageError("--path", f"{spec.name} needs its weights: give path=DIR (--path) or dummy=True (--dummy)")
+        else:
+            source = CheckpointWeights(weights_dir)
+        layers = spec.build_layers()
+        source.check([s for layer in layers for s in layer.weight_specs()])
+        tiers = Tiers(device, dtype)
+        for layer in tqdm(layers, desc="load weights", unit="layer", disable=not progress, leave=False):
+            layer.init_weight(source, tiers)
+        return cls(spec, layers, policy, tiers, source.describe())
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 max_new_tokens: int = 32, do_sample: bool = False, temperature: float = 1.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 eos_token_id: int | None = -1, pad_token_id: int | None = None,
+                 output_scores: bool = False, progress: bool = False):
+        """Generates for a left-padded batch [gpu_batch_size * num_gpu_batches, prompt_len].
+
+        Returns the ids [batch, prompt_len + max_new_tokens] (sequences that hit EOS continue
+        with padding), or with output_scores=True a GenerateOutput whose scores hold one
+        [batch, vocab] float32 tensor of logits per generated token. eos_token_id=-1 means the
+        model's own; None disables stopping at EOS.
+        """
+        policy, spec = self.policy, self.spec
+        if input_ids.dim() != 2 or input_ids.shape[0] != policy.batch_size:
+            raise UsageError("input_ids", f"must be [gpu_batch_size * num_gpu_batches = {policy.batch_size}, "
+                             f"prompt_len], got {list(input_ids.shape)}")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if attention_mask.shape != input_ids.shape:
+            raise UsageError("attention_mask", f"must match input_ids {list(input_ids.shape)}, "
+                             f"got {list(attention_mask.shape)}")
+        prompt_len = input_ids.shape[1]
+        if max_new_tokens < 1:
+            raise UsageError("--gen-len", f"must be at least 1, got {max_new_tokens}")
+        if prompt_len + max_new_tokens > spec.max_positions:
+            raise UsageError("--prompt-len/--gen-len", f"prompt_len + gen_len = {prompt_len + max_new_tokens} "
+                             f"exceeds the {spec.max_positions} positions of {spec.name}")
+        sampler = Sampler(do_sample, temperature, top_k, top_p, seed)
+        eos = spec.eos_token_id if eos_token_id == -1 else eos_token_id
+        pad = spec.pad_token_id if pad_token_id is None else pad_token_id
+        seqs = Sequences(input_ids.cpu().long(), attention_mask.cpu(), max_new_tokens, policy.gpu_batch_size,
+                         sampler, eos, pad, output_scores, self.tiers.compute)
+        batch_sizes = [policy.gpu_batch_size] * policy.num_gpu_batches
+        for layer in self.layers:
+            layer.init_cache(batch_sizes, prompt_len + max_new_tokens)
+        try:
+            schedule = Schedule(self.layers, seqs, policy.num_gpu_batches, self.tiers)
+            with torch.inference_mode():
+                steps_done = schedule.run(max_new_tokens, progress)
+        finally:
+            for layer in self.layers:
+                layer.free_cache()
+        times = schedule.step_seconds
+        self.last_stats = GenerationStats(policy.batch_size, prompt_len, max_new_tokens, steps_done,
+                                          times[0], sum(times[1:]))
+        if output_scores:
+            return GenerateOutput(seqs.ids, seqs.score_list(steps_done))
+        return seqs.ids

@@ -1,0 +1,135 @@
+"""flexh2o's own OPT layers: input embedding, self-attention, ReLU MLP, output embedding.
+
+Each is written to the uniform layer interface (layer.py); weights are named as in Hugging Face
+OPT checkpoints (without the leading `model.`).
+"""
+
+import torch
+import torch.nn.functional as F
+
+from ..kv import KVCache
+from .attention import decode_attention, prompt_attention
+from .layer import Layer
+
+POSITION_OFFSET = 2  # OPT's learned position table starts at row 2
+
+
+def _layer_norm(x, weight, bias):
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps=1e-5)
+
+
+class InputEmbed(Layer):
+    def __init__(self, spec):
+        self.spec = spec
+
+    def weight_specs(self):
+        s = self.spec
+        specs = [("decoder.embed_tokens.weight", (s.vocab_size, s.embed_dim)),
+                 ("decoder.embed_positions.weight", (s.max_positions + POSITION_OFFSET, s.hidden_size))]
+        if s.embed_dim != s.hidden_size:
+            specs.append(("decoder.project_in.weight", (s.hidden_size, s.embed_dim)))
+        return specs
+
+    def forward(self, hidden, step):
+        tokens, positions, *project_in = self.weights
+        x = F.embedding(step.token_ids, tokens)
+        if project_in:
+            x = F.linear(x, project_in[0])
+        return x + F.embedding(step.positions + POSITION_OFFSET, positions)
+
+
+class SelfAttention(Layer):
+    def __init__(self, spec, index: int):
+        self.spec = spec
+        self.prefix = f"decoder.layers.{index}."
+        self.caches = []
+        self.cache_on_device = []
+
+    def weight_specs(self):
+        h, p = self.spec.hidden_size, self.prefix
+        specs = [(p + "self_attn_layer_norm.weight", (h,)), (p + "self_attn_layer_norm.bias", (h,))]
+        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            specs += [(f"{p}self_attn.{proj}.weight", (h, h)), (f"{p}self_attn.{proj}.bias", (h,))]
+        return specs
+
+    def prepare(self, t):
+        ln_w, ln_b, q_w, q_b, k_w, k_b, v_w, v_b, out_w, out_b = t
+        # One matrix product for q, k and v instead of three.
+        return [ln_w, ln_b, torch.cat([q_w, k_w, v_w]), torch.cat([q_b, k_b, v_b]), out_w, out_b]
+
+    def init_cache(self, batch_sizes, capacity):
+        s = self.spec
+        self.caches = [KVCache(self.tiers, b, s.num_kv_heads, s.head_dim, capacity) for b in batch_sizes]
+        self.cache_on_device = [None] * len(batch_sizes)
+
+    def free_cache(self):
+        self.caches, self.cache_on_device = [], []
+
+    def load_cache(self, i, k):
+        self.cache_on_device[k] = self.caches[k]
+
+    def forward(self, hidden, step):
+        ln_w, ln_b, qkv_w, qkv_b, out_w, out_b = self.weights
+        s = self.spec
+        b, n, h = hidden.shape
+        x = _layer_norm(hidden, ln_w, ln_b) if s.do_layer_norm_before else hidden
+        qkv = F.linear(x, qkv_w, qkv_b).view(b, n, 3, s.num_heads, s.head_dim)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [b, heads, n, head_dim]
+        cache = self.cache_on_device[step.k]
+        if step.prefill:
+            cache.write_prompt(k, v, step.key_valid)
+            out = prompt_attention(q, k, v, step.prompt_mask, scale=s.head_dim ** -0.5)
+        else:
+            cache.append(k, v)
+            out = decode_attention(q, cache.k, cache.v, cache.valid, scale=s.head_dim ** -0.5)
+        hidden = hidden.add_(F.linear(out.transpose(1, 2).reshape(b, n, h), out_w, out_b))
+        return hidden if s.do_layer_norm_before else _layer_norm(hidden, ln_w, ln_b)
+
+
+class MLP(Layer):
+    def __init__(self, spec, index: int):
+        self.spec = spec
+        self.prefix = f"decoder.layers.{index}."
+
+    def weight_specs(self):
+        h, f, p = self.spec.hidden_size, self.spec.ffn_dim, self.prefix
+        return [(p + "final_layer_norm.weight", (h,)), (p + "final_layer_norm.bias", (h,)),
+                (p + "fc1.weight", (f, h)), (p + "fc1.bias", (f,)),
+                (p + "fc2.weight", (h, f)), (p + "fc2.bias", (h,))]
+
+    def forward(self, hidden, step):
+        ln_w, ln_b, fc1_w, fc1_b, fc2_w, fc2_b = self.weights
+        pre = self.spec.do_layer_norm_before
+        x = _layer_norm(hidden, ln_w, ln_b) if pre else hidden
+        x = F.linear(x, fc1_w, fc1_b).relu_()
+        hidden = hidden.add_(F.linear(x, fc2_w, fc2_b))
+        return hidden if pre else _layer_norm(hidden, ln_w, ln_b)
+
+
+class OutputEmbed(Layer):
+    """Final layer norm, projection and the (tied) LM head; picks the next token of each sequence."""
+
+    def __init__(self, spec):
+        self.spec = spec
+
+    def weight_specs(self):
+        s = self.spec
+        specs = []
+        if s.final_layer_norm:
+            specs += [("decoder.final_layer_norm.weight", (s.hidden_size,)),
+                      ("decoder.final_layer_norm.bias", (s.hidden_size,))]
+        if s.embed_dim != s.hidden_size:
+            specs.append(("decoder.project_out.weight", (s.embed_dim, s.hidden_size)))
+        head = "decoder.embed_tokens.weight" if s.tie_word_embeddings else "lm_head.weight"
+        return specs + [(head, (s.vocab_size, s.embed_dim))]
+
+    def forward(self, hidden, step):
+        s = self.spec
+        w = list(self.weights)
+        x = hidden[:, -1]  # only the last position predicts the next token
+        if s.final_layer_norm:
+            x = _layer_norm(x, w.pop(0), w.pop(0))
+        if s.embed_dim != s.hidden_size:
+            x = F.linear(x, w.pop(0))
+        logits = F.linear(x, w.pop(0))
+        return step.choose_next(logits.float())

@@ -1,0 +1,92 @@
+"""The throughput report: FlexGen's figures and definitions, as text and as JSON.
+
+prefill throughput = batch * prompt_len / prefill time; decode throughput = batch * (steps - 1) /
+decode time; total throughput = batch * steps / (prefill + decode time), steps being the token
+steps run (gen_len unless every sequence stopped at EOS earlier).
+"""
+
+import json
+import os
+import resource
+import tempfile
+import time
+
+import torch
+
+from .machine import describe_machine
+
+GB = 1 << 30
+
+
+def peak_memory(device: torch.device) -> tuple[int, int]:
+    """(peak bytes on the compute device, peak resident bytes of this process)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), rss
+    return rss, rss  # the CPU is the compute device
+
+
+def build_report(engine, stats, policy, sample_text=None) -> dict:
+    spec, dtype_bytes = engine.spec, torch.empty(0, dtype=engine.tiers.dtype).element_size()
+    batch, steps = stats.batch_size, stats.steps_done
+    total = stats.prefill_seconds + stats.decode_seconds
+    peak_gpu, peak_cpu = peak_memory(engine.tiers.compute)
+    return {
+        "model": spec.name,
+        "weights": engine.weights_source,
+        "device": str(engine.tiers.compute),
+        "dtype": str(engine.tiers.dtype).removeprefix("torch."),
+        "policy": policy.to_dict(),
+        "batch_size": batch,
+        "prompt_len": stats.prompt_len,
+        "gen_len": stats.gen_len,
+        "steps_done": steps,
+        "model_size_bytes": spec.param_count() * dtype_bytes,
+        "cache_size_bytes": spec.cache_bytes(batch, stats.prompt_len + stats.gen_len, dtype_bytes),
+        "hidden_size_bytes": spec.hidden_bytes(batch, stats.prompt_len, dtype_bytes),
+        "peak_gpu_mem_bytes": peak_gpu,
+        "peak_cpu_mem_bytes": peak_cpu,
+        "prefill_latency_s": stats.prefill_seconds,
+        "prefill_throughput": batch * stats.prompt_len / stats.prefill_seconds,
+        "decode_latency_s": stats.decode_seconds,
+        "decode_throughput": batch * (steps - 1) / max(stats.decode_seconds, 1e-10),
+        "total_latency_s": total,
+        "total_throughput": batch * steps / total,
+        "sample": sample_text,
+        "machine": describe_machine(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def format_report(r: dict) -> str:
+    p = r["policy"]
+    lines = [
+        f"model: {r['model']}\tweights: {r['weights']}\tdevice: {r['device']}\tdtype: {r['dtype']}",
+        f"batch: {r['batch_size']} ({p['gpu_batch_size']} x {p['num_gpu_batches']} gpu-batches)\t"
+        f"prompt_len: {r['prompt_len']}\tgen_len: {r['gen_len']}"
+        + (f"\t(all sequences hit EOS after {r['steps_done']})" if r["steps_done"] < r["gen_len"] else ""),
+        f"model size: {r['model_size_bytes'] / GB:.3f} GB\tcache size: {r['cache_size_bytes'] / GB:.3f} GB\t"
+        f"hidden size (p): {r['hidden_size_bytes'] / GB:.3f} GB",
+        f"peak gpu mem: {r['peak_gpu_mem_bytes'] / GB:.3f} GB\tpeak cpu mem: {r['peak_cpu_mem_bytes'] / GB:.3f} GB"
+        + ("\t(the CPU is the compute device)" if r["device"] == "cpu" else ""),
+        f"prefill latency: {r['prefill_latency_s']:.3f} s\tprefill throughput: {r['prefill_throughput']:.3f} token/s",
+        f"decode latency: {r['decode_latency_s']:.3f} s\tdecode throughput: {r['decode_throughput']:.3f} token/s",
+        f"total latency: {r['total_latency_s']:.3f} s\ttotal throughput: {r['total_throughput']:.3f} token/s",
+    ]
+    if r.get("sample") is not None:
+        lines.append(f"sample: {r['sample']!r}")
+    return "\n".join(lines)
+
+
+def write_json_atomic(path: str, data: dict):
+    """Writes to a temporary name in the same directory, then renames: never a half-written file."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

@@ -1,0 +1,136 @@
+"""Command line: python -m flexh2o.run --model opt-1.3b --gpu-batch-size 8 ...
+
+Runs one generation job and prints a FlexGen-style throughput report (and JSON with --json-out).
+With no flags it runs a small default: opt-125m, dummy weights, 4 x (512 + 32) tokens.
+"""
+
+import argparse
+import os
+import sys
+import tempfile
+
+import torch
+
+from .engine import Engine, default_device, parse_device, parse_dtype
+from .errors import UsageError
+from .models import resolve_model
+from .policy import Policy
+from .prompts import file_prompts, load_tokenizer, synthetic_prompts
+from .sampling import check_sampling
+from .report import build_report, format_report, write_json_atomic
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    def error(self, message):
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineErrorParser(prog="python -m flexh2o.run", description=__doc__.split("\n\n")[1].strip())
+    p.add_argument("--model", default="opt-125m",
+                   help="preset (opt-125m ... opt-175b, also as facebook/opt-*) or a directory with an HF config.json")
+    p.add_argument("--path", help="directory holding the weights for a preset --model")
+    p.add_argument("--dummy", action="store_true",
+                   help="deterministic dummy weights (the default for a preset --model without --path)")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--gen-len", type=int, default=32)
+    p.add_argument("--gpu-batch-size", type=int, default=4)
+    p.add_argument("--num-gpu-batches", type=int, default=1)
+    p.add_argument("--percent", type=float, nargs=6, default=[100, 0, 100, 0, 100, 0],
+                   metavar=("W_GPU", "W_CPU", "CACHE_GPU", "CACHE_CPU", "ACT_GPU", "ACT_CPU"),
+                   help="FlexGen's six placement percentages; the rest of each kind goes to disk")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+                   help="overlap weight / cache I/O with compute")
+    p.add_argument("--device", default=None, help="cuda when available, else cpu")
+    p.add_argument("--dtype", default=None, help="float16 (CUDA default), bfloat16 (CPU default) or float32")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts, dummy weights and sampling")
+    p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--no-stop-at-eos", dest="stop_at_eos", action="store_false",
+                   help="keep generating after EOS (benchmarks)")
+    p.add_argument("--offload-dir", default=os.path.join(tempfile.gettempdir(), "flexh2o_offload"),
+                   help="directory for tensors placed on disk")
+    p.add_argument("--json-out", help="write the report's figures, the policy and the machine as JSON here")
+    p.add_argument("--prompts-file", help="one prompt per line (needs a tokenizer next to the weights)")
+    p.add_argument("--verbose", action="store_true", help="progress bars and more detail")
+    return p
+
+
+def check_positive(args):
+    for flag in ("prompt_len", "gen_len"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')}", f"must be a positive integer, got {getattr(args, flag)}")
+
+
+def check_writable_dir(flag: str, directory: str):
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory):
+            pass
+    except OSError as e:
+        raise UsageError(flag, f"cannot write to {directory}: {e.strerror}") from None
+
+
+def check_output_file(flag: str, path: str):
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
+        raise UsageError(flag, f"cannot write {path}: its directory is missing or not writable")
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(args) -> int:
+    check_positive(args)
+    check_sampling(args.temperature, args.top_k, args.top_p)
+    w_gpu, w_cpu, c_gpu, c_cpu, a_gpu, a_cpu = args.percent
+    policy = Policy(args.gpu_batch_size, args.num_gpu_batches, w_gpu, w_cpu, c_gpu, c_cpu, a_gpu, a_cpu,
+                    overlap=args.overlap)
+    device = parse_device(args.device or default_device())
+    dtype = parse_dtype(args.dtype) if args.dtype else None
+    spec, weights_dir = resolve_model(args.model, args.path)
+    if args.prompt_len + args.gen_len > spec.max_positions:
+        raise UsageError("--prompt-len/--gen-len", f"prompt_len + gen_len = {args.prompt_len + args.gen_len} "
+                         f"exceeds the {spec.max_positions} positions of {spec.name}")
+    if any(policy.disk_percent(kind) > 0 for kind in ("w", "cache", "act")):
+        check_writable_dir("--offload-dir", args.offload_dir)
+    if args.json_out:
+        check_output_file("--json-out", args.json_out)
+    dummy = args.dummy or weights_dir is None
+    tokenizer = None if dummy and not args.prompts_file else load_tokenizer(weights_dir)
+    if args.prompts_file:
+        input_ids, mask = file_prompts(args.prompts_file, tokenizer, policy.batch_size, args.prompt_len,
+                                       spec.pad_token_id)
+    else:
+        input_ids, mask = synthetic_prompts(policy.batch_size, args.prompt_len, spec.vocab_size, args.seed)
+
+    engine = Engine.from_pretrained(args.model, policy=policy, device=device, dtype=dtype, dummy=dummy,
+                                    path=args.path, offload_dir=args.offload_dir, progress=args.verbose,
+                                    seed=args.seed)
+    if dummy and not args.dummy:
+        print(f"note: no --path given for {spec.name}: using dummy weights", file=sys.stderr)
+    ids = engine.generate(input_ids, mask, max_new_tokens=args.gen_len, do_sample=args.do_sample,
+                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                          eos_token_id=-1 if args.stop_at_eos else None, progress=True)
+    sample = None
+    if tokenizer is not None and not dummy:
+        sample = tokenizer.decode(ids[0, args.prompt_len:], skip_special_tokens=True)
+    report = build_report(engine, engine.last_stats, policy, sample)
+    print(format_report(report))
+    if args.json_out:
+        write_json_atomic(args.json_out, report)
+    return 0
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""Next-token choice: greedy, or sampling with temperature, top-k and top-p.
+
+Sampling draws one uniform number per sequence per token for the whole batch at once and picks by
+inverse CDF, so a seed gives the same tokens however the batch is split into gpu-batches.
+"""
+
+import torch
+
+from .errors import UsageError
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float):
+    if not temperature > 0:
+        raise UsageError("--temperature", f"must be > 0, got {temperature}")
+    if top_k < 0:
+        raise UsageError("--top-k", f"must be >= 0 (0 disables it), got {top_k}")
+    if not 0 < top_p <= 1:
+        raise UsageError("--top-p", f"must be within (0, 1], got {top_p}")
+
+
+class Sampler:
+    def __init__(self, do_sample: bool = False, temperature: float = 1.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int | None = None):
+        check_sampling(temperature, top_k, top_p)
+        self.do_sample = do_sample
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.generator = torch.Generator()
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    def uniforms(self, batch: int) -> torch.Tensor | None:
+        """The random numbers of one token step, one per sequence (None when greedy)."""
+        return torch.rand(batch, generator=self.generator, dtype=torch.float64) if self.do_sample else None
+
+    def pick(self, logits: torch.Tensor, uniforms: torch.Tensor | None) -> torch.Tensor:
+        """logits [b, vocab] (float32) -> token ids [b]."""
+        if not self.do_sample:
+            return logits.argmax(dim=-1)
+        logits = logits / self.temperature
+        if 0 < self.top_k < logits.shape[-1]:
+            values, index = logits.topk(self.top_k, dim=-1)
+        else:
+            values, index = logits.sort(dim=-1, descending=True)
+        probs = torch.softmax(values, dim=-1, dtype=torch.float64)
+        if self.top_p < 1:
+            mass_before = probs.cumsum(dim=-1) - probs
+            probs = probs.masked_fill(mass_before >= self.top_p, 0)  # the first token always stays
+        cdf = probs.cumsum(dim=-1)
+        target = (uniforms.to(cdf.device) * cdf[:, -1]).unsqueeze(1)
+        choice = torch.searchsorted(cdf, target).clamp_(max=cdf.shape[-1] - 1)
+        return index.gather(1, choice).squeeze(1)

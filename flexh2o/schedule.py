@@ -1,0 +1,75 @@
+"""The zig-zag block schedule (FlexGen): for each token i, each layer j, each gpu-batch k.
+
+A layer's weights are loaded once per token and used by every gpu-batch of the block; the cache of
+the next (layer, gpu-batch) loads and the previous one stores while (j, k) computes. The layers do
+the work behind load / store / forward; the schedule only orders it.
+"""
+
+import time
+
+from tqdm import tqdm
+
+
+class Schedule:
+    def __init__(self, layers, sequences, num_gpu_batches, tiers):
+        self.layers, self.seqs, self.tiers = layers, sequences, tiers
+        self.num_gpu_batches = num_gpu_batches
+        self.hidden = [None] * num_gpu_batches
+        self.step_seconds = []
+
+    def run(self, gen_len: int, progress: bool = False) -> int:
+        """Generates up to gen_len tokens; returns how many token steps ran (fewer when all hit EOS)."""
+        num_layers, nb = len(self.layers), self.num_gpu_batches
+        self.gen_len = gen_len
+        self.load_weight(0, 0, 0)
+        self.load_cache(0, 0, 0)
+        self.sync()
+        for i in tqdm(range(gen_len), desc="generate", unit="tok", disable=not progress, leave=False):
+            start = time.perf_counter()
+            self.steps = self.seqs.steps(i, nb)
+            for j in range(num_layers):
+                for k in range(nb):
+                    self.load_weight(i, j + 1, k)
+                    self.load_cache(i, j, k + 1)
+                    self.store_cache(i, j, k - 1)
+                    self.compute(i, j, k)
+                    self.sync()
+            self.store_cache(i, num_layers - 1, nb - 1)
+            self.sync()
+            self.step_seconds.append(time.perf_counter() - start)
+            if self.seqs.all_finished():
+                return i + 1
+        return gen_len
+
+    def _at(self, i, j, k):
+        """(i, j, k) with k or j one step out of range moved to its zig-zag neighbour; None past the ends."""
+        nb, num_layers = self.num_gpu_batches, len(self.layers)
+        if k == nb:
+            j, k = j + 1, 0
+        elif k < 0:
+            j, k = j - 1, nb - 1
+        if j == num_layers:
+            i, j = i + 1, 0
+        elif j < 0:
+            i, j = i - 1, num_layers - 1
+        return (i, j, k) if 0 <= i < self.gen_len else None
+
+    def load_weight(self, i, j, k):
+        at = self._at(i, j, k)
+        if at and at[2] == 0:
+            self.layers[at[1]].load_weight(0)
+
+    def load_cache(self, i, j, k):
+        if at := self._at(i, j, k):
+            self.layers[at[1]].load_cache(at[0], at[2])
+
+    def store_cache(self, i, j, k):
+        at = self._at(i, j, k)
+        if at and at[0] == i:  # the last (layer, gpu-batch) of a token is stored when that token ends
+            self.layers[at[1]].store_cache(i, at[2])
+
+    def compute(self, i, j, k):
+        self.hidden[k] = self.layers[j].forward(self.hidden[k], self.steps[k])
+
+    def sync(self):
+        self.tiers.sync()

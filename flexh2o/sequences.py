@@ -1,0 +1,82 @@
+"""The batch being generated: token ids, padding, positions, finished flags and scores.
+
+It hands each layer a `Step` (what token step i of gpu-batch k needs) and receives the logits
+of the output layer to choose the next tokens.
+"""
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class Step:
+    i: int
+    k: int
+    prefill: bool
+    token_ids: torch.Tensor          # [b, s] input tokens of this step
+    positions: torch.Tensor          # [b, s] absolute positions (-1 at padding, as transformers)
+    key_valid: torch.Tensor | None   # [b, s] real (non-padding) prompt tokens, prefill only
+    prompt_mask: torch.Tensor | None  # [b, 1, s, s] who may attend to whom; None: plain causal
+    choose_next: Callable[[torch.Tensor], torch.Tensor]
+
+
+class Sequences:
+    def __init__(self, input_ids, attention_mask, gen_len, gpu_batch_size, sampler,
+                 eos_token_id, pad_token_id, keep_scores, device):
+        batch, self.prompt_len = input_ids.shape
+        self.gen_len, self.gpu_batch_size = gen_len, gpu_batch_size
+        self.sampler, self.eos, self.pad, self.device = sampler, eos_token_id, pad_token_id, device
+        self.ids = torch.full((batch, self.prompt_len + gen_len), pad_token_id, dtype=torch.long)
+        self.ids[:, : self.prompt_len] = input_ids
+        self.prompt_valid = attention_mask.bool()
+        self.real_prompt_len = self.prompt_valid.sum(dim=1)
+        self.finished = torch.zeros(batch, dtype=torch.bool)
+        self.scores = [[None] * (batch // gpu_batch_size) for _ in range(gen_len)] if keep_scores else None
+        self._uniforms = None
+
+    def rows(self, k: int) -> slice:
+        return slice(k * self.gpu_batch_size, (k + 1) * self.gpu_batch_size)
+
+    def steps(self, i: int, num_gpu_batches: int) -> list[Step]:
+        self._uniforms = self.sampler.uniforms(self.ids.shape[0])
+        return [self._step(i, k) for k in range(num_gpu_batches)]
+
+    def _step(self, i, k) -> Step:
+        rows, dev = self.rows(k), self.device
+        choose = lambda logits: self._choose_next(i, k, logits)  # noqa: E731
+        if i == 0:
+            valid = self.prompt_valid[rows]
+            positions = (valid.long().cumsum(dim=1) * valid - 1)
+            mask = None
+            if not valid.all():
+                s = self.prompt_len
+                causal = torch.ones(s, s, dtype=torch.bool).tril_()
+                # A padding query attends to itself only, so its row stays finite and unused.
+                mask = (causal & valid[:, None, None, :]) | torch.eye(s, dtype=torch.bool)
+                mask = mask.to(dev)
+            return Step(i, k, True, self.ids[rows, : self.prompt_len].to(dev), positions.to(dev),
+                        valid.to(dev), mask, choose)
+        col = self.prompt_len + i - 1
+        positions = (self.real_prompt_len[rows] + i - 1).unsqueeze(1)
+        return Step(i, k, False, self.ids[rows, col: col + 1].to(dev), positions.to(dev), None, None, choose)
+
+    def _choose_next(self, i, k, logits):
+        rows = self.rows(k)
+        if self.scores is not None:
+            self.scores[i][k] = logits.cpu()
+        u = None if self._uniforms is None else self._uniforms[rows]
+        tokens = self.sampler.pick(logits, u).cpu()
+        finished = self.finished[rows]
+        tokens = tokens.masked_fill(finished, self.pad)  # finished sequences emit padding
+        if self.eos is not None:
+            self.finished[rows] = finished | (tokens == self.eos)
+        self.ids[rows, self.prompt_len + i] = tokens
+        return tokens.unsqueeze(1).to(self.device)
+
+    def all_finished(self) -> bool:
+        return bool(self.finished.all())
+
+    def score_list(self, steps_done: int) -> list[torch.Tensor]:
+        return [torch.cat(self.scores[i]) for i in range(steps_done)]

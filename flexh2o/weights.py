@@ -1,0 +1,117 @@
+"""Weight sources: a Hugging Face checkpoint directory, or deterministic dummy weights.
+
+Both hand out one tensor at a time by its checkpoint name (without the leading `model.`), so a
+model larger than memory is never read whole. `check` validates names and shapes up front, so a
+wrong checkpoint is a clear error before anything runs.
+"""
+
+import glob
+import hashlib
+import os
+
+import torch
+
+from .errors import UsageError
+
+
+def canonical_name(name: str) -> str:
+    return name.removeprefix("model.")
+
+
+class CheckpointWeights:
+    """safetensors shards, or `.bin` shards read with torch.load(weights_only=True, mmap=True)."""
+
+    def __init__(self, directory: str, flag: str = "--path"):
+        self.directory, self.flag = directory, flag
+        self._where = {}  # canonical name -> (file, stored name)
+        self._open = {}
+        files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+        self.format = "safetensors"
+        if not files:
+            files = sorted(glob.glob(os.path.join(directory, "*.bin")))
+            self.format = "bin"
+        if not files:
+            raise UsageError(flag, f"no *.safetensors or *.bin weight files in {directory}")
+        for file in files:
+            for name in self._names(file):
+                self._where[canonical_name(name)] = (file, name)
+
+    def _handle(self, file):
+        if file not in self._open:
+            try:
+                if self.format == "safetensors":
+                    from safetensors import safe_open
+                    self._open[file] = safe_open(file, framework="pt")
+                else:
+                    self._open[file] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as e:  # a corrupt or foreign file: say which one
+                raise UsageError(self.flag, f"cannot read weights file {file}: {e}") from None
+        return self._open[file]
+
+    def _names(self, file):
+        handle = self._handle(file)
+        return list(handle.keys())
+
+    def shape(self, name: str):
+        if name not in self._where:
+            return None
+        file, stored = self._where[name]
+        handle = self._handle(file)
+        if self.format == "safetensors":
+            return tuple(handle.get_slice(stored).get_shape())
+        return tuple(handle[stored].shape)
+
+    def check(self, specs: list[tuple[str, tuple]]):
+        missing = [n for n, _ in specs if n not in self._where]
+        if missing:
+            raise UsageError(self.flag, f"{self.directory} lacks {len(missing)} weight(s) the model needs, "
+                             f"e.g. {missing[0]}")
+        for name, want in specs:
+            got = self.shape(name)
+            if got != tuple(want):
+                raise UsageError(self.flag, f"weight {name} in {self.directory} has shape {list(got)}, "
+                                 f"expected {list(want)}")
+
+    def get(self, name: str, shape) -> torch.Tensor:
+        file, stored = self._where[name]
+        handle = self._handle(file)
+        return handle.get_tensor(stored) if self.format == "safetensors" else handle[stored]
+
+    def describe(self) -> str:
+        return f"{self.directory} ({self.format})"
+
+
+class DummyWeights:
+    """Deterministic weights of any size, made without reading files (for benchmarks).
+
+    Layer norms get weight 1 and bias 0; every other tensor is a window, at an offset derived
+    from its name, into one shared block of normal(0, 0.02) numbers, so that a 175B model is as
+    quick to make as copying its bytes.
+    """
+
+    BLOCK = 1 << 22
+
+    def __init__(self, seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        self.block = torch.randn(self.BLOCK * 2, generator=gen) * 0.02
+
+    def check(self, specs):
+        pass
+
+    def get(self, name: str, shape) -> torch.Tensor:
+        if "layer_norm" in name:
+            return torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)
+        numel = 1
+        for d in shape:
+            numel *= d
+        offset = int(hashlib.sha256(name.encode()).hexdigest(), 16) % self.BLOCK
+        out = torch.empty(numel)
+        done = 0
+        while done < numel:
+            n = min(numel - done, self.BLOCK)
+            out[done: done + n] = self.block[offset: offset + n]
+            done += n
+        return out.view(shape)
+
+    def describe(self) -> str:
+        return "dummy"

@@ -1,0 +1,61 @@
+import os
+
+import pytest
+import torch
+from transformers import OPTConfig, OPTForCausalLM
+
+# Tiny OPT shapes: plain pre-norm, a wider one, and opt-350m's post-norm with projections.
+CONFIGS = {
+    "tiny": dict(hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4),
+    "wide": dict(hidden_size=48, num_hidden_layers=3, ffn_dim=96, num_attention_heads=6),
+    "post_norm_proj": dict(hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=2,
+                           word_embed_proj_dim=16, do_layer_norm_before=False),
+}
+VOCAB = 128
+
+
+def make_tiny_opt(directory, seed=0, safe_serialization=True, max_shard_size=None, **overrides):
+    torch.manual_seed(seed)
+    config = OPTConfig(vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=1, bos_token_id=2,
+                       eos_token_id=2, **overrides)
+    model = OPTForCausalLM(config).eval()
+    # transformers' init (std 0.02) gives near-uniform logits; larger weights make greedy choices clear.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layer_norm" not in name:
+                p.normal_(0, 0.3)
+    kwargs = {"safe_serialization": safe_serialization}
+    if max_shard_size:
+        kwargs["max_shard_size"] = max_shard_size
+    model.save_pretrained(directory, **kwargs)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """name -> (directory, transformers model) for every config in CONFIGS."""
+    out = {}
+    for i, (name, cfg) in enumerate(CONFIGS.items()):
+        d = str(tmp_path_factory.mktemp(name))
+        out[name] = (d, make_tiny_opt(d, seed=i, **cfg))
+    return out
+
+
+def padded_batch(batch, prompt_len, pads, seed=0):
+    """Random prompts, row r left-padded with pads[r] padding tokens."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (batch, prompt_len), generator=g)
+    mask = torch.ones_like(ids)
+    for row, n in enumerate(pads):
+        ids[row, :n] = 1
+        mask[row, :n] = 0
+    return ids, mask
+
+
+def hf_generate(model, ids, mask, new_tokens, eos_token_id=None):
+    return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                          output_scores=True, return_dict_in_generate=True, eos_token_id=eos_token_id,
+                          pad_token_id=1)
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

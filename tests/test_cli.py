@@ -1,0 +1,128 @@
+"""The command line: a real run writing its JSON, prompts from a file, and every bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from flexh2o.run import main
+from conftest import REPO, VOCAB
+
+FIGURES = ["model_size_bytes", "cache_size_bytes", "hidden_size_bytes", "peak_gpu_mem_bytes",
+           "peak_cpu_mem_bytes", "prefill_latency_s", "prefill_throughput", "decode_latency_s",
+           "decode_throughput", "total_latency_s", "total_throughput"]
+
+
+def cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "flexh2o.run", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_cli_run_writes_every_figure(tmp_path):
+    out = tmp_path / "report.json"
+    r = cli("--model", "opt-125m", "--dummy", "--prompt-len", "32", "--gen-len", "4", "--gpu-batch-size", "2",
+            "--num-gpu-batches", "2", "--json-out", str(out))
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    for key in FIGURES:
+        assert report[key] > 0, key
+    assert report["policy"]["num_gpu_batches"] == 2 and report["batch_size"] == 4
+    assert report["machine"]["logical_cores"] >= 1 and report["machine"]["torch"]
+    assert "total throughput" in r.stdout and "decode latency" in r.stdout
+    assert [f for f in os.listdir(tmp_path) if f.startswith(".tmp")] == []
+
+
+@pytest.fixture
+def model_with_tokenizer(tiny_models, tmp_path):
+    directory, _ = tiny_models["tiny"]
+    for f in os.listdir(directory):
+        os.symlink(os.path.join(directory, f), tmp_path / f)
+    words = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran"]
+    vocab = {"<pad>": 1, "</s>": 2, "<unk>": 3, **{w: 4 + i for i, w in enumerate(words)}}
+    vocab.update({f"w{i}": i for i in range(len(vocab) + 1, VOCAB)})
+    vocab["<s>"] = 0
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(tmp_path)
+    return tmp_path
+
+
+def test_prompts_file_with_real_weights_prints_a_sample(model_with_tokenizer, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the cat sat on a mat\nthe dog ran\n")
+    out = tmp_path / "r.json"
+    r = cli("--model", str(model_with_tokenizer), "--prompt-len", "8", "--gen-len", "3", "--gpu-batch-size", "2",
+            "--prompts-file", str(prompts), "--json-out", str(out), "--device", "cpu", "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    assert "sample:" in r.stdout
+    assert isinstance(json.loads(out.read_text())["sample"], str)
+
+
+def test_bad_input_from_a_subprocess_is_one_line_without_traceback():
+    r = cli("--model", "opt-9b")
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("error: --model: unknown model 'opt-9b'")
+
+
+BAD = [
+    (["--prompt-len", "2040", "--gen-len", "32"], "--prompt-len/--gen-len", "exceeds the 2048 positions"),
+    (["--percent", "100", "0", "120", "0", "100", "0"], "--percent", "within 0..100"),
+    (["--percent", "60", "50", "100", "0", "100", "0"], "--percent", "sum to 110"),
+    (["--percent", "100", "0", "-5", "0", "100", "0"], "--percent", "within 0..100"),
+    (["--gpu-batch-size", "0"], "--gpu-batch-size", "positive integer"),
+    (["--num-gpu-batches", "-1"], "--num-gpu-batches", "positive integer"),
+    (["--model", "gpt-17"], "--model", "unknown model 'gpt-17'"),
+    (["--path", "/nonexistent/weights"], "--path", "does not exist"),
+    (["--dtype", "int3"], "--dtype", "accepted: float16, bfloat16, float32"),
+    (["--device", "tpu"], "--device", "accepted: cpu, cuda"),
+    (["--gen-len", "0"], "--gen-len", "positive integer"),
+    (["--top-p", "1.5", "--do-sample"], "--top-p", "within (0, 1]"),
+    (["--percent", "100", "0"], "--percent", "expected 6 arguments"),
+]
+
+
+def exit_code(argv):
+    """main's return code, or the parser's own exit code for malformed flags."""
+    try:
+        return main(argv)
+    except SystemExit as e:
+        return e.code
+
+
+@pytest.mark.parametrize("argv,flag,text", BAD, ids=[b[1] + ":" + b[2] for b in BAD])
+def test_bad_input_exits_2_naming_the_flag(argv, flag, text, capsys):
+    assert exit_code(["--prompt-len", "8", "--gen-len", "2", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0
+    assert flag in err and text in err, err
+
+
+def test_unwritable_offload_dir(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    code = main(["--prompt-len", "8", "--gen-len", "2", "--percent", "50", "0", "100", "0", "100", "0",
+                 "--offload-dir", str(blocker / "sub")])
+    assert code == 2
+    assert "--offload-dir: cannot write to" in capsys.readouterr().err
+
+
+def test_prompts_file_count_must_match_the_batch(model_with_tokenizer, tmp_path, capsys):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("the cat\n")
+    assert main(["--model", str(model_with_tokenizer), "--prompt-len", "8", "--gen-len", "2",
+                 "--gpu-batch-size", "2", "--prompts-file", str(prompts)]) == 2
+    assert "--prompts-file" in capsys.readouterr().err
+
+
+def test_prompt_longer_than_prompt_len(model_with_tokenizer, tmp_path, capsys):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("the cat sat on a mat the dog ran\n")
+    assert main(["--model", str(model_with_tokenizer), "--prompt-len", "4", "--gen-len", "2",
+                 "--gpu-batch-size", "1", "--prompts-file", str(prompts)]) == 2
+    assert "over --prompt-len 4" in capsys.readouterr().err

@@ -1,0 +1,76 @@
+"""The zig-zag order: per token, per layer, every gpu-batch; weights loaded once per (token, layer);
+the cache of the next (layer, gpu-batch) loaded before the current one computes."""
+
+import torch
+
+from flexh2o import Engine, Policy, UsageError
+from flexh2o.kv import KVCache
+from flexh2o.schedule import Schedule
+from flexh2o.tiers import Tiers
+
+
+class RecordingLayer:
+    def __init__(self, j, log):
+        self.j, self.log = j, log
+
+    def load_weight(self, k):
+        self.log.append(("load_weight", self.j))
+
+    def load_cache(self, i, k):
+        self.log.append(("load_cache", i, self.j, k))
+
+    def store_cache(self, i, k):
+        self.log.append(("store_cache", i, self.j, k))
+
+    def forward(self, hidden, step):
+        self.log.append(("compute", step.i, self.j, step.k))
+        return hidden
+
+
+class FakeSequences:
+    def steps(self, i, nb):
+        return [type("Step", (), {"i": i, "k": k})() for k in range(nb)]
+
+    def all_finished(self):
+        return False
+
+
+def test_zig_zag_order():
+    log = []
+    layers = [RecordingLayer(j, log) for j in range(3)]
+    Schedule(layers, FakeSequences(), num_gpu_batches=2, tiers=Tiers("cpu", torch.float32)).run(gen_len=2)
+    computes = [e[1:] for e in log if e[0] == "compute"]
+    assert computes == [(i, j, k) for i in range(2) for j in range(3) for k in range(2)]
+    assert [e for e in log if e[0] == "load_weight"] == [("load_weight", j) for _ in range(2) for j in range(3)]
+    for i, j, k in computes:
+        position = log.index(("compute", i, j, k))
+        assert ("load_cache", i, j, k) in log[:position]
+        assert log.count(("load_cache", i, j, k)) == 1
+        assert log.count(("store_cache", i, j, k)) == 1
+        assert log.index(("store_cache", i, j, k)) > position
+        if k == 0 and j + 1 < 3:  # the next layer's weights load while gpu-batch 0 computes
+            loads_before = [e for e in log[:position] if e[0] == "load_weight"]
+            assert loads_before[-1] == ("load_weight", j + 1)
+
+
+def test_kv_cache_slots_are_written_in_place():
+    cache = KVCache(Tiers("cpu", torch.float32), batch=2, kv_heads=3, head_dim=4, capacity=6)
+    k_ptr, v_ptr = cache.k.data_ptr(), cache.v.data_ptr()
+    prompt = torch.randn(2, 3, 4, 4)
+    cache.write_prompt(prompt, prompt + 1, torch.tensor([[False, True, True, True], [True] * 4]))
+    new = torch.randn(2, 3, 1, 4)
+    cache.append(new, new)
+    assert (cache.k.data_ptr(), cache.v.data_ptr()) == (k_ptr, v_ptr)
+    assert cache.length == 5 and torch.equal(cache.k[:, :, 4], new[:, :, 0])
+    assert cache.valid.tolist() == [[False, True, True, True, True, False], [True] * 5 + [False]]
+
+
+def test_batch_not_matching_the_policy_is_refused(tiny_models):
+    directory, _ = tiny_models["tiny"]
+    engine = Engine.from_pretrained(directory, policy=Policy(gpu_batch_size=2, num_gpu_batches=2), device="cpu",
+                                    dtype=torch.float32)
+    try:
+        engine.generate(torch.ones(3, 5, dtype=torch.long), max_new_tokens=2)
+        raise AssertionError("expected a UsageError")
+    except UsageError as e:
+        assert "gpu_batch_size * num_gpu_batches = 4" in str(e)
