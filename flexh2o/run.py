@@ -51,8 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--no-stop-at-eos", dest="stop_at_eos", action="store_false",
                    help="keep generating after EOS (benchmarks)")
-    p.add_argument("--offload-dir", default=os.path.join(tempfile.gettempdir(), "flexh2o_offload"),
-                   help="directory for tensors placed on disk")
+    p.add_argument("--offload-dir", default=None,
+                   help="directory for tensors placed on disk (default: $TMPDIR/flexh2o_offload)")
     p.add_argument("--json-out", help="write the report's figures, the policy and the machine as JSON here")
     p.add_argument("--prompts-file", help="one prompt per line (needs a tokenizer next to the weights)")
     p.add_argument("--verbose", action="store_true", help="progress bars and more detail")
@@ -101,7 +101,8 @@ def run(args) -> int:
     if args.prompt_len + args.gen_len > spec.max_positions:
         raise UsageError("--prompt-len/--gen-len", f"prompt_len + gen_len = {args.prompt_len + args.gen_len} "
                          f"exceeds the {spec.max_positions} positions of {spec.name}")
-    if any(policy.disk_percent(kind) > 0 for kind in ("w", "cache", "act")):
+    if args.offload_dir is not None or any(policy.disk_percent(kind) > 0 for kind in ("w", "cache", "act")):
+        args.offload_dir = args.offload_dir or os.path.join(tempfile.gettempdir(), "flexh2o_offload")
         check_writable_dir("--offload-dir", args.offload_dir)
     if args.json_out:
         check_output_file("--json-out", args.json_out)

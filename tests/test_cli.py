@@ -106,8 +106,7 @@ def test_bad_input_exits_2_naming_the_flag(argv, flag, text, capsys):
 def test_unwritable_offload_dir(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    code = main(["--prompt-len", "8", "--gen-len", "2", "--percent", "50", "0", "100", "0", "100", "0",
-                 "--offload-dir", str(blocker / "sub")])
+    code = main(["--prompt-len", "8", "--gen-len", "2", "--offload-dir", str(blocker / "sub")])
     assert code == 2
     assert "--offload-dir: cannot write to" in capsys.readouterr().err
 
