@@ -1,12 +1,13 @@
 """The Python API: Engine.from_pretrained(...) and engine.generate(...)."""
 
-import time
 from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
+from .disk import DiskStore
 from .errors import UsageError
+from .memory import add, capacities, check_fits, layer_bytes, run_need, weight_need
 from .models import resolve_model
 from .policy import Policy
 from .sampling import Sampler
@@ -63,25 +64,36 @@ class GenerationStats:
     decode_seconds: float
 
 
+def act_tier(policy: Policy) -> str:
+    if policy.act_gpu_percent == 100:
+        return "gpu"
+    if policy.act_cpu_percent == 100:
+        return "cpu"
+    raise UsageError("--act", "activations go whole to one tier: gpu=100 or cpu=100 (disk is not supported)")
+
+
 class Engine:
-    def __init__(self, spec, layers, policy: Policy, tiers: Tiers, weights_source: str):
+    def __init__(self, spec, layers, policy: Policy, tiers: Tiers, weights_source: str, caps: dict):
         self.spec, self.layers, self.policy, self.tiers = spec, layers, policy, tiers
-        self.weights_source = weights_source
+        self.weights_source, self.caps = weights_source, caps
+        self.weight_need = weight_need(layer_bytes(layers, tiers.dtype.itemsize), policy, tiers.compute)
         self.last_stats: GenerationStats | None = None
 
     @classmethod
     def from_pretrained(cls, model: str, policy: Policy | None = None, device=None, dtype=None,
                         dummy: bool = False, path: str | None = None, offload_dir: str | None = None,
-                        progress: bool = False, seed: int = 0):
+                        bypass_page_cache: bool = False, gpu_mem: int | None = None, cpu_mem: int | None = None,
+                        disk_mem: int | None = None, progress: bool = False, seed: int = 0,
+                        prompt_len: int | None = None, gen_len: int | None = None):
         """Loads `model` (a preset name such as opt-1.3b or facebook/opt-1.3b, or a local HF
-        directory) with its weights from `path` (or the directory itself), or dummy weights."""
+        directory) with its weights from `path` (or the directory itself), or dummy weights, and
+        places them on the tiers the policy asks for. Tensors placed on disk go to a fresh
+        sub-directory of `offload_dir`, removed by close() (or at exit). Given prompt_len and
+        gen_len, the pre-flight covers the cache and activations of that job too, before loading."""
         policy = policy or Policy()
         device = parse_device(device or default_device())
         dtype = parse_dtype(dtype) if dtype is not None else default_dtype(device)
-        for kind in ("w", "cache", "act"):
-            if policy.disk_percent(kind) > 0 or (device.type == "cuda" and getattr(policy, f"{kind}_cpu_percent")):
-                raise UsageError("--percent", "offloading to CPU memory or disk is not available yet; "
-                                 "use --percent 100 0 100 0 100 0")
+        act_tier(policy)
         spec, weights_dir = resolve_model(model, path)
         if dummy:
             source = DummyWeights(seed)
@@ -91,10 +103,33 @@ class Engine:
             source = CheckpointWeights(weights_dir)
         layers = spec.build_layers()
         source.check([s for layer in layers for s in layer.weight_specs()])
-        tiers = Tiers(device, dtype)
-        for layer in tqdm(layers, desc="load weights", unit="layer", disable=not progress, leave=False):
-            layer.init_weight(source, tiers)
-        return cls(spec, layers, policy, tiers, source.describe())
+        uses_disk = policy.disk_percent("w") > 0 or policy.disk_percent("cache") > 0
+        if uses_disk and offload_dir is None:
+            raise UsageError("--offload-dir", "the policy puts tensors on disk: give an offload directory")
+        caps = capacities(device, offload_dir if uses_disk else None, gpu_mem, cpu_mem, disk_mem)
+        need = weight_need(layer_bytes(layers, dtype.itemsize), policy, device)
+        if prompt_len and gen_len:
+            need = add(need, run_need(spec, policy, dtype.itemsize, prompt_len, gen_len, device))
+        check_fits(need, caps, device)
+        disk = DiskStore(offload_dir, bypass_page_cache) if uses_disk else None
+        tiers = Tiers(device, dtype, disk, overlap=policy.overlap)
+        try:
+            for layer in tqdm(layers, desc="load weights", unit="layer", disable=not progress, leave=False):
+                layer.init_weight(source, tiers, policy)
+        except BaseException:
+            tiers.close()
+            raise
+        return cls(spec, layers, policy, tiers, source.describe(), caps)
+
+    def close(self):
+        """Removes this engine's offload files and stops its I/O threads."""
+        self.tiers.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  max_new_tokens: int = 32, do_sample: bool = False, temperature: float = 1.0,
@@ -123,17 +158,19 @@ class Engine:
         if prompt_len + max_new_tokens > spec.max_positions:
             raise UsageError("--prompt-len/--gen-len", f"prompt_len + gen_len = {prompt_len + max_new_tokens} "
                              f"exceeds the {spec.max_positions} positions of {spec.name}")
+        need = run_need(spec, policy, self.tiers.dtype.itemsize, prompt_len, max_new_tokens, self.tiers.compute)
+        check_fits(add(self.weight_need, need), self.caps, self.tiers.compute)
         sampler = Sampler(do_sample, temperature, top_k, top_p, seed)
         eos = spec.eos_token_id if eos_token_id == -1 else eos_token_id
         pad = spec.pad_token_id if pad_token_id is None else pad_token_id
         seqs = Sequences(input_ids.cpu().long(), attention_mask.cpu(), max_new_tokens, policy.gpu_batch_size,
                          sampler, eos, pad, output_scores, self.tiers.compute)
         batch_sizes = [policy.gpu_batch_size] * policy.num_gpu_batches
-        for layer in self.layers:
-            layer.init_cache(batch_sizes, prompt_len + max_new_tokens)
         try:
-            schedule = Schedule(self.layers, seqs, policy.num_gpu_batches, self.tiers)
-            with torch.inference_mode():
+            for layer in self.layers:
+                layer.init_cache(batch_sizes, prompt_len + max_new_tokens, policy)
+            schedule = Schedule(self.layers, seqs, policy.num_gpu_batches, self.tiers, act_tier(policy))
+            with torch.no_grad():
                 steps_done = schedule.run(max_new_tokens, progress)
         finally:
             for layer in self.layers:

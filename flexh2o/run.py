@@ -6,6 +6,7 @@ With no flags it runs a small default: opt-125m, dummy weights, 4 x (512 + 32) t
 
 import argparse
 import os
+import signal
 import sys
 import tempfile
 
@@ -13,6 +14,7 @@ import torch
 
 from .engine import Engine, default_device, parse_device, parse_dtype
 from .errors import UsageError
+from .memory import parse_size
 from .models import resolve_model
 from .policy import Policy
 from .prompts import file_prompts, load_tokenizer, synthetic_prompts
@@ -37,11 +39,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-len", type=int, default=32)
     p.add_argument("--gpu-batch-size", type=int, default=4)
     p.add_argument("--num-gpu-batches", type=int, default=1)
-    p.add_argument("--percent", type=float, nargs=6, default=[100, 0, 100, 0, 100, 0],
+    p.add_argument("--percent", type=float, nargs=6, default=None,
                    metavar=("W_GPU", "W_CPU", "CACHE_GPU", "CACHE_CPU", "ACT_GPU", "ACT_CPU"),
                    help="FlexGen's six placement percentages; the rest of each kind goes to disk")
+    for kind, what in (("weights", "weights"), ("cache", "the KV cache"), ("act", "activations")):
+        p.add_argument(f"--{kind}", metavar="gpu=P,cpu=P,disk=P",
+                       help=f"placement of {what} in percent (the same as three of --percent's numbers)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                    help="overlap weight / cache I/O with compute")
+    p.add_argument("--cpu-cache-compute", action="store_true",
+                   help="on CUDA, attend over a CPU-resident cache on the CPU instead of moving it")
+    for tier in ("gpu", "cpu", "disk"):
+        p.add_argument(f"--{tier}-mem", metavar="SIZE", help=f"cap on the {tier} tier, e.g. 16GB (default: detected)")
+    p.add_argument("--no-page-cache", action="store_true",
+                   help="disk reads and writes bypass the page cache (benchmarks measure the disk)")
     p.add_argument("--device", default=None, help="cuda when available, else cpu")
     p.add_argument("--dtype", default=None, help="float16 (CUDA default), bfloat16 (CPU default) or float32")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts, dummy weights and sampling")
@@ -80,6 +91,36 @@ def check_output_file(flag: str, path: str):
         raise UsageError(flag, f"cannot write {path}: its directory is missing or not writable")
 
 
+def parse_placement(text: str, flag: str) -> tuple[float, float]:
+    """'gpu=20,cpu=80' -> (20, 80); a missing tier is 0, and disk takes what is left."""
+    shares = {"gpu": 0.0, "cpu": 0.0, "disk": None}
+    for item in text.split(","):
+        tier, _, value = item.partition("=")
+        tier = tier.strip()
+        try:
+            if tier not in shares:
+                raise ValueError(tier)
+            shares[tier] = float(value)
+        except ValueError:
+            raise UsageError(flag, f"expected gpu=P,cpu=P,disk=P with percentages, got {text!r}") from None
+    gpu, cpu, disk = shares["gpu"], shares["cpu"], shares["disk"]
+    if disk is not None and abs(gpu + cpu + disk - 100) > 1e-6:
+        raise UsageError(flag, f"gpu + cpu + disk must sum to 100, got {gpu + cpu + disk:g}")
+    return gpu, cpu
+
+
+def policy_percents(args) -> list[float]:
+    readable = [args.weights, args.cache, args.act]
+    if args.percent is not None and any(readable):
+        raise UsageError("--percent", "give either --percent or --weights/--cache/--act, not both")
+    if args.percent is not None:
+        return args.percent
+    out = []
+    for text, flag in zip(readable, ("--weights", "--cache", "--act")):
+        out += parse_placement(text, flag) if text else [100, 0]
+    return out
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -92,9 +133,11 @@ def main(argv=None) -> int:
 def run(args) -> int:
     check_positive(args)
     check_sampling(args.temperature, args.top_k, args.top_p)
-    w_gpu, w_cpu, c_gpu, c_cpu, a_gpu, a_cpu = args.percent
+    w_gpu, w_cpu, c_gpu, c_cpu, a_gpu, a_cpu = policy_percents(args)
     policy = Policy(args.gpu_batch_size, args.num_gpu_batches, w_gpu, w_cpu, c_gpu, c_cpu, a_gpu, a_cpu,
-                    overlap=args.overlap)
+                    overlap=args.overlap, cpu_cache_compute=args.cpu_cache_compute)
+    caps = {f"{t}_mem": parse_size(getattr(args, f"{t}_mem"), f"--{t}-mem")
+            for t in ("gpu", "cpu", "disk") if getattr(args, f"{t}_mem") is not None}
     device = parse_device(args.device or default_device())
     dtype = parse_dtype(args.dtype) if args.dtype else None
     spec, weights_dir = resolve_model(args.model, args.path)
@@ -116,9 +159,17 @@ def run(args) -> int:
 
     engine = Engine.from_pretrained(args.model, policy=policy, device=device, dtype=dtype, dummy=dummy,
                                     path=args.path, offload_dir=args.offload_dir, progress=args.verbose,
-                                    seed=args.seed)
+                                    seed=args.seed, bypass_page_cache=args.no_page_cache,
+                                    prompt_len=args.prompt_len, gen_len=args.gen_len, **caps)
+    try:
+        return generate_and_report(args, engine, policy, input_ids, mask, tokenizer, dummy)
+    finally:
+        engine.close()
+
+
+def generate_and_report(args, engine, policy, input_ids, mask, tokenizer, dummy) -> int:
     if dummy and not args.dummy:
-        print(f"note: no --path given for {spec.name}: using dummy weights", file=sys.stderr)
+        print(f"note: no --path given for {engine.spec.name}: using dummy weights", file=sys.stderr)
     ids = engine.generate(input_ids, mask, max_new_tokens=args.gen_len, do_sample=args.do_sample,
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                           eos_token_id=-1 if args.stop_at_eos else None, progress=True)
@@ -132,6 +183,11 @@ def run(args) -> int:
     return 0
 
 
+def exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds like Ctrl-C, so the offload files are removed
+
+
 if __name__ == "__main__":
     torch.set_grad_enabled(False)
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     sys.exit(main())

@@ -1,8 +1,8 @@
 """The zig-zag block schedule (FlexGen): for each token i, each layer j, each gpu-batch k.
 
-A layer's weights are loaded once per token and used by every gpu-batch of the block; the cache of
-the next (layer, gpu-batch) loads and the previous one stores while (j, k) computes. The layers do
-the work behind load / store / forward; the schedule only orders it.
+A layer's weights are loaded once per token and used by every gpu-batch of the block. While
+(j, k) computes, the weights of layer j+1 and the cache and hidden state of (j, k+1) load, and the
+cache and hidden state of (j, k-1) store. The layers and tiers do the work; this only orders it.
 """
 
 import time
@@ -11,9 +11,12 @@ from tqdm import tqdm
 
 
 class Schedule:
-    def __init__(self, layers, sequences, num_gpu_batches, tiers):
+    def __init__(self, layers, sequences, num_gpu_batches, tiers, act_tier="gpu"):
         self.layers, self.seqs, self.tiers = layers, sequences, tiers
         self.num_gpu_batches = num_gpu_batches
+        # With one gpu-batch the next compute needs the hidden state just made: nothing to overlap
+        # its move with, so it stays on the compute device.
+        self.act_tier = act_tier if num_gpu_batches > 1 else "gpu"
         self.hidden = [None] * num_gpu_batches
         self.step_seconds = []
 
@@ -23,7 +26,6 @@ class Schedule:
         self.gen_len = gen_len
         self.load_weight(0, 0, 0)
         self.load_cache(0, 0, 0)
-        self.sync()
         for i in tqdm(range(gen_len), desc="generate", unit="tok", disable=not progress, leave=False):
             start = time.perf_counter()
             self.steps = self.seqs.steps(i, nb)
@@ -31,6 +33,8 @@ class Schedule:
                 for k in range(nb):
                     self.load_weight(i, j + 1, k)
                     self.load_cache(i, j, k + 1)
+                    self.store_hidden(i, j, k - 1)
+                    self.load_hidden(i, j, k + 1)
                     self.store_cache(i, j, k - 1)
                     self.compute(i, j, k)
                     self.sync()
@@ -68,8 +72,22 @@ class Schedule:
         if at and at[0] == i:  # the last (layer, gpu-batch) of a token is stored when that token ends
             self.layers[at[1]].store_cache(i, at[2])
 
+    def load_hidden(self, i, j, k):
+        at = self._at(i, j, k)
+        if self.act_tier != "gpu" and at and at[0] == i and at[1] > 0:
+            self.hidden[at[2]] = self.tiers.load_act(self.hidden[at[2]])
+
+    def store_hidden(self, i, j, k):
+        at = self._at(i, j, k)
+        if self.act_tier != "gpu" and at and at[0] == i and at[1] < len(self.layers) - 1:
+            self.hidden[at[2]] = self.tiers.store_act(self.hidden[at[2]])
+
     def compute(self, i, j, k):
-        self.hidden[k] = self.layers[j].forward(self.hidden[k], self.steps[k])
+        hidden = self.hidden[k]
+        self.hidden[k] = self.layers[j].forward(hidden.wait() if hasattr(hidden, "wait") else hidden,
+                                                self.steps[k])
+        if k == self.num_gpu_batches - 1:
+            self.layers[j].release_weight()
 
     def sync(self):
         self.tiers.sync()

@@ -22,6 +22,9 @@ class RecordingLayer:
     def store_cache(self, i, k):
         self.log.append(("store_cache", i, self.j, k))
 
+    def release_weight(self):
+        self.log.append(("release_weight", self.j))
+
     def forward(self, hidden, step):
         self.log.append(("compute", step.i, self.j, step.k))
         return hidden
@@ -42,6 +45,9 @@ def test_zig_zag_order():
     computes = [e[1:] for e in log if e[0] == "compute"]
     assert computes == [(i, j, k) for i in range(2) for j in range(3) for k in range(2)]
     assert [e for e in log if e[0] == "load_weight"] == [("load_weight", j) for _ in range(2) for j in range(3)]
+    releases = [log.index(e) for e in log if e[0] == "release_weight"]
+    assert [log[p] for p in releases] == [("release_weight", j) for _ in range(2) for j in range(3)]
+    assert all(log[p - 1][0] == "compute" and log[p - 1][3] == 1 for p in releases)  # after the block's last
     for i, j, k in computes:
         position = log.index(("compute", i, j, k))
         assert ("load_cache", i, j, k) in log[:position]
@@ -54,7 +60,7 @@ def test_zig_zag_order():
 
 
 def test_kv_cache_slots_are_written_in_place():
-    cache = KVCache(Tiers("cpu", torch.float32), batch=2, kv_heads=3, head_dim=4, capacity=6)
+    cache = KVCache.allocate(Tiers("cpu", torch.float32), batch=2, kv_heads=3, head_dim=4, capacity=6)
     k_ptr, v_ptr = cache.k.data_ptr(), cache.v.data_ptr()
     prompt = torch.randn(2, 3, 4, 4)
     cache.write_prompt(prompt, prompt + 1, torch.tensor([[False, True, True, True], [True] * 4]))

@@ -11,13 +11,16 @@ class KVCache:
     the invalid ones masked, and garbage there could turn 0 * NaN into NaN.
     """
 
-    def __init__(self, tiers, batch: int, kv_heads: int, head_dim: int, capacity: int):
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, length: int = 0):
+        self.k, self.v, self.valid = k, v, valid
+        self.capacity = k.shape[2]
+        self.length = length
+
+    @classmethod
+    def allocate(cls, tiers, batch: int, kv_heads: int, head_dim: int, capacity: int, tier: str = "gpu"):
         shape = (batch, kv_heads, capacity, head_dim)
-        self.k = tiers.zeros(shape)
-        self.v = tiers.zeros(shape)
-        self.valid = tiers.zeros((batch, capacity), dtype=torch.bool)
-        self.capacity = capacity
-        self.length = 0
+        return cls(tiers.alloc(tier, shape, zero=True), tiers.alloc(tier, shape, zero=True),
+                   tiers.alloc(tier, (batch, capacity), dtype=torch.bool, zero=True))
 
     def write_prompt(self, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor):
         s = k.shape[2]

@@ -1,36 +1,53 @@
 """The interface every layer offers the schedule (DESIGN.md, 'The layer interface').
 
-The schedule drives input embedding, attention, MLP and output embedding through the same five
+The schedule drives input embedding, attention, MLP and output embedding through the same
 operations and never asks what kind of layer it holds.
 """
 
 import torch
 
+from ..tiers import split_rows
+
 
 class Layer:
-    """Base class: weights listed by checkpoint name, placed once, loaded per token step."""
+    """Base class: weights listed by checkpoint name, placed once, loaded once per token."""
 
     def weight_specs(self) -> list[tuple[str, tuple]]:
-        """(checkpoint name, shape) of every weight this layer reads, in forward's order."""
+        """(checkpoint name, shape) of every weight this layer reads."""
         raise NotImplementedError
 
     def prepare(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Turns checkpoint tensors into the ones forward uses (e.g. fusing q/k/v)."""
         return tensors
 
-    def init_weight(self, source, tiers):
-        """Reads this layer's weights from `source` and places them at their home tiers."""
+    def init_weight(self, source, tiers, policy):
+        """Reads this layer's weights and places them: policy.w_gpu_percent of the layer's bytes on
+        the gpu tier, w_cpu_percent in CPU memory, the rest on disk (split by rows)."""
         self.tiers = tiers
-        tensors = [source.get(name, shape) for name, shape in self.weight_specs()]
-        self.home = [tiers.place_weight(t) for t in self.prepare(tensors)]
-        self.weights = None
+        tensors = self.prepare([source.get(name, shape) for name, shape in self.weight_specs()])
+        row_bytes = [t[0].numel() * tiers.dtype.itemsize if t.dim() > 1 else tiers.dtype.itemsize
+                     for t in tensors]
+        rows = split_rows([tuple(t.shape) for t in tensors], row_bytes, policy.w_gpu_percent, policy.w_cpu_percent)
+        self.home = [tiers.place(t, r) for t, r in zip(tensors, rows)]
+        self._loading = None
 
     def load_weight(self, k: int):
         """Starts bringing the weights to the compute device; once per token, at gpu-batch 0."""
         if k == 0:
-            self.weights = [self.tiers.load(h) for h in self.home]
+            self._loading = [self.tiers.load(h) for h in self.home]
 
-    def init_cache(self, batch_sizes: list[int], capacity: int):
+    @property
+    def weights(self) -> list[torch.Tensor]:
+        return [p.wait() for p in self._loading]
+
+    def release_weight(self):
+        """Hands the compute copies back to the buffer pool once the block's last gpu-batch is done."""
+        for home, pending in zip(self.home, self._loading):
+            if pending.value is not home.resident():
+                self.tiers.release(pending.wait())
+        self._loading = None
+
+    def init_cache(self, batch_sizes: list[int], capacity: int, policy):
         """Allocates per-gpu-batch KV cache slots (attention layers only)."""
 
     def free_cache(self):

@@ -7,7 +7,7 @@ OPT checkpoints (without the leading `model.`).
 import torch
 import torch.nn.functional as F
 
-from ..kv import KVCache
+from ..kv.home import CacheHome, batch_split
 from .attention import decode_attention, prompt_attention
 from .layer import Layer
 
@@ -42,8 +42,8 @@ class SelfAttention(Layer):
     def __init__(self, spec, index: int):
         self.spec = spec
         self.prefix = f"decoder.layers.{index}."
-        self.caches = []
-        self.cache_on_device = []
+        self.homes = []
+        self.loading = []
 
     def weight_specs(self):
         h, p = self.spec.hidden_size, self.prefix
@@ -57,16 +57,24 @@ class SelfAttention(Layer):
         # One matrix product for q, k and v instead of three.
         return [ln_w, ln_b, torch.cat([q_w, k_w, v_w]), torch.cat([q_b, k_b, v_b]), out_w, out_b]
 
-    def init_cache(self, batch_sizes, capacity):
+    def init_cache(self, batch_sizes, capacity, policy):
         s = self.spec
-        self.caches = [KVCache(self.tiers, b, s.num_kv_heads, s.head_dim, capacity) for b in batch_sizes]
-        self.cache_on_device = [None] * len(batch_sizes)
+        self.homes = [CacheHome(self.tiers, b, s.num_kv_heads, s.head_dim, capacity,
+                                batch_split(b, policy.cache_gpu_percent, policy.cache_cpu_percent),
+                                policy.cpu_cache_compute) for b in batch_sizes]
+        self.loading = [None] * len(batch_sizes)
 
     def free_cache(self):
-        self.caches, self.cache_on_device = [], []
+        for home in self.homes:
+            home.close()
+        self.homes, self.loading = [], []
 
     def load_cache(self, i, k):
-        self.cache_on_device[k] = self.caches[k]
+        self.loading[k] = self.homes[k].load()
+
+    def store_cache(self, i, k):
+        self.homes[k].store(self.loading[k].wait())
+        self.loading[k] = None
 
     def forward(self, hidden, step):
         ln_w, ln_b, qkv_w, qkv_b, out_w, out_b = self.weights
@@ -75,13 +83,17 @@ class SelfAttention(Layer):
         x = _layer_norm(hidden, ln_w, ln_b) if s.do_layer_norm_before else hidden
         qkv = F.linear(x, qkv_w, qkv_b).view(b, n, 3, s.num_heads, s.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [b, heads, n, head_dim]
-        cache = self.cache_on_device[step.k]
-        if step.prefill:
-            cache.write_prompt(k, v, step.key_valid)
-            out = prompt_attention(q, k, v, step.prompt_mask, scale=s.head_dim ** -0.5)
-        else:
-            cache.append(k, v)
-            out = decode_attention(q, cache.k, cache.v, cache.valid, scale=s.head_dim ** -0.5)
+        scale = s.head_dim ** -0.5
+        outs = []
+        for rows, cache in self.loading[step.k].wait():  # sequences whose cache lives in one place
+            dev = cache.k.device  # the CPU itself for a CPU-resident part under cpu_cache_compute
+            if step.prefill:
+                cache.write_prompt(k[rows].to(dev), v[rows].to(dev), step.key_valid[rows].to(dev))
+            else:
+                cache.append(k[rows].to(dev), v[rows].to(dev))
+                outs.append(decode_attention(q[rows].to(dev), cache.k, cache.v, cache.valid, scale).to(q.device))
+        out = prompt_attention(q, k, v, step.prompt_mask, scale) if step.prefill else \
+            outs[0] if len(outs) == 1 else torch.cat(outs)
         hidden = hidden.add_(F.linear(out.transpose(1, 2).reshape(b, n, h), out_w, out_b))
         return hidden if s.do_layer_norm_before else _layer_norm(hidden, ln_w, ln_b)
 

@@ -1,0 +1,89 @@
+"""Pre-flight: what a policy needs on each tier, against what each tier holds.
+
+The projection counts the weights' shares, the double-buffered compute copies of off-device
+weights and cache, the KV cache's shares, and the hidden states and working set of a step; it is
+checked before anything is allocated, so an impossible policy fails in a second, not an hour in.
+"""
+
+import math
+import re
+import shutil
+
+import psutil
+import torch
+
+from .errors import UsageError
+from .kv.home import batch_split
+
+GB = 1 << 30
+UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
+         "mib": 1 << 20, "g": GB, "gb": GB, "gib": GB, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
+
+
+def parse_size(text: str, flag: str) -> int:
+    """'16GB', '512MiB', '1.5g' -> bytes (binary units)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in UNITS:
+        raise UsageError(flag, f"expected a size such as 16GB or 512MB, got {text!r}")
+    return int(float(m.group(1)) * UNITS[m.group(2).lower()])
+
+
+def capacities(device: torch.device, offload_dir: str | None, gpu_mem=None, cpu_mem=None, disk_mem=None) -> dict:
+    """Bytes each tier may use: the caps given, else what the machine reports free."""
+    available = psutil.virtual_memory().available
+    if gpu_mem is None:
+        gpu_mem = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available
+    if disk_mem is None:
+        disk_mem = shutil.disk_usage(offload_dir).free if offload_dir else 0
+    return {"gpu": gpu_mem, "cpu": available if cpu_mem is None else cpu_mem, "disk": disk_mem}
+
+
+def layer_bytes(layers, dtype_bytes: int) -> list[int]:
+    return [sum(math.prod(shape) for _, shape in layer.weight_specs()) * dtype_bytes for layer in layers]
+
+
+def weight_need(per_layer: list[int], policy, device) -> dict:
+    need = {"gpu": 0, "cpu": 0, "disk": 0}
+    for b in per_layer:
+        need["gpu"] += b * policy.w_gpu_percent / 100
+        need["cpu"] += b * policy.w_cpu_percent / 100
+        need["disk"] += b * policy.disk_percent("w") / 100
+    off = policy.w_gpu_percent < 100 and not (device.type == "cpu" and policy.w_cpu_percent == 100)
+    if off:  # compute copies of the layer in use and the one loading
+        need["gpu"] += 2 * max(per_layer)
+    return need
+
+
+def run_need(spec, policy, dtype_bytes: int, prompt_len: int, gen_len: int, device) -> dict:
+    """Cache and activations of one generate call."""
+    b, nb = policy.gpu_batch_size, policy.num_gpu_batches
+    rows = batch_split(b, policy.cache_gpu_percent, policy.cache_cpu_percent)
+    per_row = spec.cache_bytes(1, prompt_len + gen_len, dtype_bytes) // spec.num_layers  # one layer
+    need = {tier: rows[tier] * per_row * nb * spec.num_layers for tier in rows}
+    off_rows = rows["disk"] + (rows["cpu"] if device.type == "cuda" and not policy.cpu_cache_compute else 0)
+    need["gpu"] += 3 * off_rows * per_row  # the part in use, the one loading, the one storing
+    hidden = spec.hidden_bytes(b, prompt_len, dtype_bytes)
+    working = b * prompt_len * (3 * spec.hidden_size + spec.ffn_dim) * dtype_bytes \
+        + b * spec.num_heads * prompt_len * prompt_len * 4 + b * spec.vocab_size * 4
+    act = "gpu" if policy.act_gpu_percent == 100 or nb == 1 else "cpu"
+    need["gpu"] += hidden + working
+    need[act] += hidden * (nb - 1)
+    return need
+
+
+def check_fits(need: dict, caps: dict, device):
+    """Refuses, in one line with both numbers, a policy some tier cannot hold."""
+    flags = {"gpu": "--gpu-mem", "cpu": "--cpu-mem", "disk": "--disk-mem"}
+    for tier in ("gpu", "cpu", "disk"):
+        if need[tier] > caps[tier]:
+            raise UsageError("--percent", f"the policy needs {need[tier] / GB:.2f} GB on the {tier} tier, "
+                             f"which holds {caps[tier] / GB:.2f} GB ({flags[tier]} or detected)")
+    if device.type == "cpu":
+        ram = psutil.virtual_memory().available
+        if need["gpu"] + need["cpu"] > ram:
+            raise UsageError("--percent", f"the policy needs {(need['gpu'] + need['cpu']) / GB:.2f} GB of memory "
+                             f"(gpu and cpu tiers are both RAM here), {ram / GB:.2f} GB is available")
+
+
+def add(a: dict, b: dict) -> dict:
+    return {k: a[k] + b[k] for k in a}

@@ -1,0 +1,112 @@
+"""Offloading: any placement of weights, cache and activations gives the all-on-device output;
+each tier gets its share of bytes; the offload dir is left empty; pre-flight refuses what cannot fit."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from flexh2o import Engine, Policy, UsageError
+from flexh2o.tiers import TIERS
+from conftest import REPO, hf_generate, padded_batch
+
+WEIGHTS = [(100, 0), (50, 50), (50, 0), (0, 100), (0, 50), (0, 0)]
+CACHE = {"gpu": (100, 0), "cpu": (0, 100), "disk": (0, 0), "mixed": (34, 33)}
+
+
+def generate(directory, policy, tmp_path, new_tokens=6, **kw):
+    ids, mask = padded_batch(policy.batch_size, 10, pads=[(r * 3) % 8 for r in range(policy.batch_size)], seed=5)
+    with Engine.from_pretrained(directory, policy=policy, device="cpu", dtype=torch.float32,
+                                offload_dir=str(tmp_path), **kw) as engine:
+        out = engine.generate(ids, mask, max_new_tokens=new_tokens, output_scores=True, eos_token_id=None)
+    assert os.listdir(tmp_path) == [], "the offload dir must be empty after close()"
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models):
+    """transformers' output for the batch every placement runs."""
+    directory, model = tiny_models["wide"]
+    ids, mask = padded_batch(6, 10, pads=[(r * 3) % 8 for r in range(6)], seed=5)
+    return hf_generate(model, ids, mask, 6)
+
+
+CASES = [(w, c, nb, overlap, act)
+         for n, (w, c) in enumerate((w, c) for w in WEIGHTS for c in CACHE)
+         for nb, overlap, act in [((1, 3)[n % 2], n % 3 != 0, ("gpu", "cpu")[n % 2 == 1 and n % 4 == 1])]]
+
+
+@pytest.mark.parametrize("weights,cache,num_gpu_batches,overlap,act", CASES,
+                         ids=[f"w{w[0]}-{w[1]}_cache-{c}_nb{nb}_{'ov' if o else 'seq'}_act-{a}" for w, c, nb, o, a in CASES])
+def test_every_placement_gives_the_same_output(tiny_models, reference, tmp_path, weights, cache, num_gpu_batches,
+                                               overlap, act):
+    directory, _ = tiny_models["wide"]
+    policy = Policy(gpu_batch_size=6 // num_gpu_batches, num_gpu_batches=num_gpu_batches,
+                    w_gpu_percent=weights[0], w_cpu_percent=weights[1],
+                    cache_gpu_percent=CACHE[cache][0], cache_cpu_percent=CACHE[cache][1],
+                    act_gpu_percent=100 if act == "gpu" else 0, act_cpu_percent=100 if act == "cpu" else 0,
+                    overlap=overlap)
+    out = generate(directory, policy, tmp_path, bypass_page_cache=not overlap)
+    assert torch.equal(out.sequences, reference.sequences)
+    for mine, theirs in zip(out.scores, reference.scores):
+        assert torch.allclose(mine, theirs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("gpu,cpu", [(20, 30), (50, 50), (0, 70), (33, 33)])
+def test_each_tier_gets_its_share_of_every_layer(tiny_models, tmp_path, gpu, cpu):
+    directory, _ = tiny_models["wide"]
+    policy = Policy(gpu_batch_size=1, w_gpu_percent=gpu, w_cpu_percent=cpu)
+    with Engine.from_pretrained(directory, policy=policy, device="cpu", dtype=torch.float32,
+                                offload_dir=str(tmp_path)) as engine:
+        asked = {"gpu": gpu, "cpu": cpu, "disk": 100 - gpu - cpu}
+        for layer in engine.layers:
+            placed = {t: 0 for t in TIERS}
+            for home in layer.home:
+                row_bytes = torch.Size(home.shape[1:]).numel() * 4
+                for seg in home.segments:
+                    placed[seg.tier] += (seg.stop - seg.start) * row_bytes
+            total = sum(placed.values())
+            for tier in TIERS:
+                assert abs(placed[tier] / total * 100 - asked[tier]) <= 5, (type(layer).__name__, placed)
+
+
+def test_offload_dir_is_emptied_when_a_run_fails(tiny_models, tmp_path):
+    directory, _ = tiny_models["tiny"]
+    policy = Policy(gpu_batch_size=2, w_gpu_percent=0, w_cpu_percent=0, cache_gpu_percent=0, cache_cpu_percent=0)
+    with pytest.raises(UsageError):
+        with Engine.from_pretrained(directory, policy=policy, device="cpu", dtype=torch.float32,
+                                    offload_dir=str(tmp_path)) as engine:
+            assert len(os.listdir(tmp_path)) == 1 and os.listdir(os.path.join(tmp_path, os.listdir(tmp_path)[0]))
+            engine.generate(torch.ones(3, 4, dtype=torch.long))  # wrong batch: fails
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_offload_dir_is_emptied_when_a_run_is_interrupted(tmp_path, sig):
+    proc = subprocess.Popen([sys.executable, "-m", "flexh2o.run", "--model", "opt-125m", "--dummy",
+                             "--prompt-len", "64", "--gen-len", "400", "--weights", "gpu=0,cpu=50,disk=50",
+                             "--cache", "disk=100", "--offload-dir", str(tmp_path)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not any(os.scandir(tmp_path)):
+        time.sleep(0.1)
+    time.sleep(3)  # inside generation by now
+    assert proc.poll() is None, proc.communicate()
+    assert any(os.scandir(tmp_path))
+    proc.send_signal(sig)
+    proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert os.listdir(tmp_path) == []
+
+
+def test_preflight_refuses_a_policy_that_cannot_fit(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "flexh2o.run", "--model", "opt-1.3b", "--dummy", "--gpu-mem", "1GB",
+                        "--offload-dir", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    assert "needs" in r.stderr and "gpu tier, which holds 1.00 GB" in r.stderr
+    assert os.listdir(tmp_path) == []
