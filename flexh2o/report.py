@@ -18,19 +18,25 @@ from .machine import describe_machine
 GB = 1 << 30
 
 
-def peak_memory(device: torch.device) -> tuple[int, int]:
-    """(peak bytes on the compute device, peak resident bytes of this process)."""
+def peak_memory(tiers) -> dict:
+    """Peak bytes per tier: what flexh2o allocated there (tracked), plus what the system saw."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device), rss
-    return rss, rss  # the CPU is the compute device
+    return {
+        "peak_gpu_mem_bytes": tiers.peak["gpu"],
+        "peak_gpu_allocator_bytes": torch.cuda.max_memory_allocated(tiers.compute) if tiers.on_cuda else None,
+        "peak_cpu_mem_bytes": tiers.peak["cpu"],
+        "peak_rss_bytes": rss,
+        "peak_disk_bytes": tiers.peak["disk"],
+    }
 
 
 def build_report(engine, stats, policy, sample_text=None) -> dict:
+    """Every figure of a run; peaks are tracked allocations per tier (the gpu tier is the compute
+    device, which is the CPU itself on a machine without CUDA)."""
     spec, dtype_bytes = engine.spec, torch.empty(0, dtype=engine.tiers.dtype).element_size()
     batch, steps = stats.batch_size, stats.steps_done
     total = stats.prefill_seconds + stats.decode_seconds
-    peak_gpu, peak_cpu = peak_memory(engine.tiers.compute)
+    disk = engine.tiers.disk
     return {
         "model": spec.name,
         "weights": engine.weights_source,
@@ -44,8 +50,10 @@ def build_report(engine, stats, policy, sample_text=None) -> dict:
         "model_size_bytes": spec.param_count() * dtype_bytes,
         "cache_size_bytes": spec.cache_bytes(batch, stats.prompt_len + stats.gen_len, dtype_bytes),
         "hidden_size_bytes": spec.hidden_bytes(batch, stats.prompt_len, dtype_bytes),
-        "peak_gpu_mem_bytes": peak_gpu,
-        "peak_cpu_mem_bytes": peak_cpu,
+        **peak_memory(engine.tiers),
+        "disk_io": None if disk is None else {
+            "page_cache": "bypassed (posix_fadvise DONTNEED after each read, fdatasync + DONTNEED after each write)"
+            if disk.bypass else "used", "bytes_read": disk.bytes_read, "bytes_written": disk.bytes_written},
         "prefill_latency_s": stats.prefill_seconds,
         "prefill_throughput": batch * stats.prompt_len / stats.prefill_seconds,
         "decode_latency_s": stats.decode_seconds,
@@ -67,12 +75,17 @@ def format_report(r: dict) -> str:
         + (f"\t(all sequences hit EOS after {r['steps_done']})" if r["steps_done"] < r["gen_len"] else ""),
         f"model size: {r['model_size_bytes'] / GB:.3f} GB\tcache size: {r['cache_size_bytes'] / GB:.3f} GB\t"
         f"hidden size (p): {r['hidden_size_bytes'] / GB:.3f} GB",
-        f"peak gpu mem: {r['peak_gpu_mem_bytes'] / GB:.3f} GB\tpeak cpu mem: {r['peak_cpu_mem_bytes'] / GB:.3f} GB"
+        f"peak gpu mem: {r['peak_gpu_mem_bytes'] / GB:.3f} GB\tpeak cpu mem: {r['peak_cpu_mem_bytes'] / GB:.3f} GB\t"
+        f"peak disk: {r['peak_disk_bytes'] / GB:.3f} GB\tprocess peak RSS: {r['peak_rss_bytes'] / GB:.3f} GB"
         + ("\t(the CPU is the compute device)" if r["device"] == "cpu" else ""),
         f"prefill latency: {r['prefill_latency_s']:.3f} s\tprefill throughput: {r['prefill_throughput']:.3f} token/s",
         f"decode latency: {r['decode_latency_s']:.3f} s\tdecode throughput: {r['decode_throughput']:.3f} token/s",
         f"total latency: {r['total_latency_s']:.3f} s\ttotal throughput: {r['total_throughput']:.3f} token/s",
     ]
+    if r["disk_io"]:
+        d = r["disk_io"]
+        lines.append(f"disk: page cache {d['page_cache']}; read {d['bytes_read'] / GB:.3f} GB, "
+                     f"written {d['bytes_written'] / GB:.3f} GB")
     if r.get("sample") is not None:
         lines.append(f"sample: {r['sample']!r}")
     return "\n".join(lines)

@@ -13,7 +13,7 @@ from flexh2o.run import main
 from conftest import REPO, VOCAB
 
 FIGURES = ["model_size_bytes", "cache_size_bytes", "hidden_size_bytes", "peak_gpu_mem_bytes",
-           "peak_cpu_mem_bytes", "prefill_latency_s", "prefill_throughput", "decode_latency_s",
+           "peak_cpu_mem_bytes", "peak_rss_bytes", "peak_disk_bytes", "prefill_latency_s", "prefill_throughput", "decode_latency_s",
            "decode_throughput", "total_latency_s", "total_throughput"]
 
 
@@ -25,12 +25,16 @@ def cli(*args, timeout=300):
 def test_cli_run_writes_every_figure(tmp_path):
     out = tmp_path / "report.json"
     r = cli("--model", "opt-125m", "--dummy", "--prompt-len", "32", "--gen-len", "4", "--gpu-batch-size", "2",
-            "--num-gpu-batches", "2", "--json-out", str(out))
+            "--num-gpu-batches", "2", "--json-out", str(out), "--weights", "gpu=40,cpu=30,disk=30",
+            "--cache", "gpu=50,cpu=0,disk=50", "--no-page-cache", "--offload-dir", str(tmp_path / "off"))
     assert r.returncode == 0, r.stderr
     report = json.loads(out.read_text())
     for key in FIGURES:
         assert report[key] > 0, key
     assert report["policy"]["num_gpu_batches"] == 2 and report["batch_size"] == 4
+    assert report["policy"]["w_gpu_percent"] == 40 and report["policy"]["cache_cpu_percent"] == 0
+    assert report["disk_io"]["page_cache"].startswith("bypassed") and report["disk_io"]["bytes_read"] > 0
+    assert os.listdir(tmp_path / "off") == []
     assert report["machine"]["logical_cores"] >= 1 and report["machine"]["torch"]
     assert "total throughput" in r.stdout and "decode latency" in r.stdout
     assert [f for f in os.listdir(tmp_path) if f.startswith(".tmp")] == []
@@ -84,6 +88,11 @@ BAD = [
     (["--gen-len", "0"], "--gen-len", "positive integer"),
     (["--top-p", "1.5", "--do-sample"], "--top-p", "within (0, 1]"),
     (["--percent", "100", "0"], "--percent", "expected 6 arguments"),
+    (["--weights", "gpu=50,ram=50"], "--weights", "expected gpu=P,cpu=P,disk=P"),
+    (["--cache", "gpu=50,cpu=20,disk=20"], "--cache", "sum to 100, got 90"),
+    (["--weights", "gpu=50", "--percent", "100", "0", "100", "0", "100", "0"], "--percent", "not both"),
+    (["--act", "gpu=50,cpu=50"], "--act", "whole to one tier"),
+    (["--gpu-mem", "lots"], "--gpu-mem", "expected a size such as 16GB"),
 ]
 
 
