@@ -19,6 +19,7 @@ class Schedule:
         self.act_tier = act_tier if num_gpu_batches > 1 else "gpu"
         self.hidden = [None] * num_gpu_batches
         self.step_seconds = []
+        self.compute_seconds = 0.0  # forward passes only, without waiting for their inputs
 
     def run(self, gen_len: int, progress: bool = False) -> int:
         """Generates up to gen_len tokens; returns how many token steps ran (fewer when all hit EOS)."""
@@ -83,9 +84,12 @@ class Schedule:
             self.hidden[at[2]] = self.tiers.store_act(self.hidden[at[2]])
 
     def compute(self, i, j, k):
-        hidden = self.hidden[k]
-        self.hidden[k] = self.layers[j].forward(hidden.wait() if hasattr(hidden, "wait") else hidden,
-                                                self.steps[k])
+        layer, hidden = self.layers[j], self.hidden[k]
+        hidden = hidden.wait() if hasattr(hidden, "wait") else hidden
+        layer.wait_inputs(k)
+        start = time.perf_counter()
+        self.hidden[k] = layer.forward(hidden, self.steps[k])
+        self.compute_seconds += time.perf_counter() - start
         if k == self.num_gpu_batches - 1:
             self.layers[j].release_weight()
 

@@ -7,6 +7,8 @@ caller gets a `Pending` to wait on. Where the compute device is the CPU, the gpu
 are the same memory: a tensor held whole by either is used in place, never copied.
 """
 
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -78,6 +80,8 @@ class Tiers:
         self.on_cuda = self.compute.type == "cuda"
         self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="flexh2o-io") if overlap else None
         self.free_buffers: dict[tuple, list] = {}
+        self.io_seconds = 0.0  # summed over I/O tasks (with overlap off: time the schedule waits for I/O)
+        self._io_lock = threading.Lock()
         self.bytes = {t: 0 for t in TIERS}
         self.peak = {t: 0 for t in TIERS}
         if self.on_cuda:
@@ -142,13 +146,15 @@ class Tiers:
     # -- moving data ------------------------------------------------------------------------
     def run_io(self, fn, value) -> Pending:
         """Runs fn on an I/O thread (overlap on) or right here (overlap off)."""
-        if self.pool is None:
-            fn()
-            return Pending(value)
-
         def task():
+            start = time.perf_counter()
             with torch.no_grad():
                 fn()
+            with self._io_lock:
+                self.io_seconds += time.perf_counter() - start
+        if self.pool is None:
+            task()
+            return Pending(value)
         return Pending(value, self.pool.submit(task))
 
     def load(self, placed: Placed) -> Pending:

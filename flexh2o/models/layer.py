@@ -40,6 +40,11 @@ class Layer:
     def weights(self) -> list[torch.Tensor]:
         return [p.wait() for p in self._loading]
 
+    def wait_inputs(self, k: int):
+        """Blocks until this layer's weights (and cache of gpu-batch k) are on the compute device."""
+        for pending in self._loading:
+            pending.wait()
+
     def release_weight(self):
         """Hands the compute copies back to the buffer pool once the block's last gpu-batch is done."""
         for home, pending in zip(self.home, self._loading):

@@ -72,6 +72,10 @@ class SelfAttention(Layer):
     def load_cache(self, i, k):
         self.loading[k] = self.homes[k].load()
 
+    def wait_inputs(self, k):
+        super().wait_inputs(k)
+        self.loading[k].wait()
+
     def store_cache(self, i, k):
         self.homes[k].store(self.loading[k].wait())
         self.loading[k] = None
