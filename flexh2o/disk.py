@@ -25,6 +25,14 @@ def as_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.view(torch.uint8).numpy()).cast("B")
 
 
+def ensure_dir(directory: str):
+    """Creates the offload dir if needed; a clear error when that is impossible."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        raise UsageError("--offload-dir", f"cannot write to {directory}: {e.strerror}") from None
+
+
 class DiskFile:
     def __init__(self, path: str, nbytes: int):
         self.path, self.nbytes = path, nbytes
@@ -34,8 +42,8 @@ class DiskFile:
 
 class DiskStore:
     def __init__(self, offload_dir: str, bypass_page_cache: bool = False, threads: int = 4):
+        ensure_dir(offload_dir)
         try:
-            os.makedirs(offload_dir, exist_ok=True)
             self.dir = tempfile.mkdtemp(prefix="flexh2o-run-", dir=offload_dir)
         except OSError as e:
             raise UsageError("--offload-dir", f"cannot write to {offload_dir}: {e.strerror}") from None

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from .disk import DiskStore
+from .disk import DiskStore, ensure_dir
 from .errors import UsageError
 from .memory import add, capacities, check_fits, layer_bytes, run_need, weight_need
 from .models import resolve_model
@@ -62,6 +62,9 @@ class GenerationStats:
     steps_done: int       # token steps run (fewer than gen_len when every sequence hit EOS)
     prefill_seconds: float
     decode_seconds: float
+    compute_seconds: float = 0.0  # forward passes alone
+    io_seconds: float = 0.0       # I/O tasks, summed over threads
+    disk_bytes_read: int = 0
 
 
 def act_tier(policy: Policy) -> str:
@@ -106,6 +109,8 @@ class Engine:
         uses_disk = policy.disk_percent("w") > 0 or policy.disk_percent("cache") > 0
         if uses_disk and offload_dir is None:
             raise UsageError("--offload-dir", "the policy puts tensors on disk: give an offload directory")
+        if uses_disk:
+            ensure_dir(offload_dir)
         caps = capacities(device, offload_dir if uses_disk else None, gpu_mem, cpu_mem, disk_mem)
         need = weight_need(layer_bytes(layers, dtype.itemsize), policy, device)
         if prompt_len and gen_len:
@@ -166,6 +171,7 @@ class Engine:
         seqs = Sequences(input_ids.cpu().long(), attention_mask.cpu(), max_new_tokens, policy.gpu_batch_size,
                          sampler, eos, pad, output_scores, self.tiers.compute)
         batch_sizes = [policy.gpu_batch_size] * policy.num_gpu_batches
+        io_before, read_before = self.tiers.io_seconds, self.tiers.disk.bytes_read if self.tiers.disk else 0
         try:
             for layer in self.layers:
                 layer.init_cache(batch_sizes, prompt_len + max_new_tokens, policy)
@@ -176,8 +182,10 @@ class Engine:
             for layer in self.layers:
                 layer.free_cache()
         times = schedule.step_seconds
-        self.last_stats = GenerationStats(policy.batch_size, prompt_len, max_new_tokens, steps_done,
-                                          times[0], sum(times[1:]))
+        read = (self.tiers.disk.bytes_read if self.tiers.disk else 0) - read_before
+        self.last_stats = GenerationStats(policy.batch_size, prompt_len, max_new_tokens, steps_done, times[0],
+                                          sum(times[1:]), schedule.compute_seconds,
+                                          self.tiers.io_seconds - io_before, read)
         if output_scores:
             return GenerateOutput(seqs.ids, seqs.score_list(steps_done))
         return seqs.ids
