@@ -50,17 +50,21 @@ class DiskStore:
         self.bypass = bypass_page_cache
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="flexh2o-io")
         self.files: list[DiskFile] = []
+        self.created = 0
         self.bytes_read = 0
         self.bytes_written = 0
         self._cleanup = weakref.finalize(self, _remove, self.dir, self.files, self.pool)
 
     def create(self, nbytes: int) -> DiskFile:
-        f = DiskFile(os.path.join(self.dir, f"t{len(self.files):05d}.bin"), nbytes)
+        self.created += 1
+        f = DiskFile(os.path.join(self.dir, f"t{self.created:06d}.bin"), nbytes)
         self.files.append(f)
         return f
 
-    def bytes_on_disk(self) -> int:
-        return sum(f.nbytes for f in self.files)
+    def remove(self, f: DiskFile):
+        os.close(f.fd)
+        os.unlink(f.path)
+        self.files.remove(f)
 
     def read(self, f: DiskFile, offset: int, out: torch.Tensor):
         """Fills the contiguous CPU tensor `out` from the file at `offset` (blocking)."""

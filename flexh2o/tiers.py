@@ -82,6 +82,7 @@ class Tiers:
         self.free_buffers: dict[tuple, list] = {}
         self.io_seconds = 0.0  # summed over I/O tasks (with overlap off: time the schedule waits for I/O)
         self._io_lock = threading.Lock()
+        self._pool_lock = threading.Lock()
         self.bytes = {t: 0 for t in TIERS}
         self.peak = {t: 0 for t in TIERS}
         if self.on_cuda:
@@ -90,8 +91,10 @@ class Tiers:
 
     # -- accounting -------------------------------------------------------------------------
     def track(self, tier: str, nbytes: int):
-        self.bytes[tier] += nbytes
-        self.peak[tier] = max(self.peak[tier], self.bytes[tier])
+        """Counts bytes allocated (positive) or freed (negative) on a tier, and its peak."""
+        with self._io_lock:
+            self.bytes[tier] += nbytes
+            self.peak[tier] = max(self.peak[tier], self.bytes[tier])
 
     def alloc(self, tier: str, shape, dtype=None, zero=False) -> torch.Tensor:
         dtype = dtype or self.dtype
@@ -101,10 +104,6 @@ class Tiers:
             torch.empty(shape, dtype=dtype, device=device)
         self.track(tier, t.numel() * t.element_size())
         return t
-
-    def zeros(self, shape, dtype=None) -> torch.Tensor:
-        """A zeroed tensor on the compute device (KV cache slots)."""
-        return self.alloc("gpu", shape, dtype, zero=True)
 
     # -- placement --------------------------------------------------------------------------
     def place(self, tensor: torch.Tensor, rows: dict) -> Placed:
@@ -128,20 +127,21 @@ class Tiers:
             start += n
         return Placed(tuple(tensor.shape), self.dtype, segments)
 
-    def place_whole(self, tensor: torch.Tensor, tier: str = "gpu") -> Placed:
-        return self.place(tensor, {tier: tensor.shape[0] if tensor.dim() else 1})
-
     # -- buffers ----------------------------------------------------------------------------
     def buffer(self, shape, dtype=None, tier: str = "gpu") -> torch.Tensor:
         """A pooled buffer on the compute device (or a CPU staging buffer, pinned on CUDA).
         Its contents are stale but finite: buffers start zeroed."""
         key = (tuple(shape), dtype or self.dtype, tier)
-        free = self.free_buffers.get(key)
-        return free.pop() if free else self.alloc(tier, shape, dtype, zero=True)
+        with self._pool_lock:  # the compute thread and the I/O threads both take and return buffers
+            free = self.free_buffers.get(key)
+            if free:
+                return free.pop()
+        return self.alloc(tier, shape, dtype, zero=True)
 
     def release(self, tensor: torch.Tensor):
         tier = "gpu" if tensor.device == self.compute else "cpu"
-        self.free_buffers.setdefault((tuple(tensor.shape), tensor.dtype, tier), []).append(tensor)
+        with self._pool_lock:
+            self.free_buffers.setdefault((tuple(tensor.shape), tensor.dtype, tier), []).append(tensor)
 
     # -- moving data ------------------------------------------------------------------------
     def run_io(self, fn, value) -> Pending:

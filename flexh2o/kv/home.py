@@ -124,6 +124,14 @@ class CacheHome:
         part.valid[:, start:stop] = buf.valid[:, start:stop].cpu()
 
     def close(self):
-        """Waits for the last write-back (its buffers go back to the pool)."""
+        """Waits for the last write-back (its buffers go back to the pool) and frees the home."""
         if self.last_store is not None:
             self.last_store.wait()
+        for part in self.parts:
+            if part.home is not None:
+                self.tiers.track(part.tier, -sum(t.numel() * t.element_size()
+                                                 for t in (part.home.k, part.home.v, part.home.valid)))
+            else:
+                self.tiers.track("disk", -(part.k_file.nbytes + part.v_file.nbytes))
+                self.tiers.disk.remove(part.k_file)
+                self.tiers.disk.remove(part.v_file)
