@@ -91,15 +91,18 @@ def format_report(r: dict) -> str:
     return "\n".join(lines)
 
 
-def write_json_atomic(path: str, data: dict):
+def write_text_atomic(path: str, text: str):
     """Writes to a temporary name in the same directory, then renames: never a half-written file."""
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2)
-            f.write("\n")
+            f.write(text)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def write_json_atomic(path: str, data: dict):
+    write_text_atomic(path, json.dumps(data, indent=2) + "\n")

@@ -26,7 +26,7 @@ from flexh2o import Engine, Policy  # noqa: E402
 from flexh2o.machine import describe_machine  # noqa: E402
 from flexh2o.memory import parse_size  # noqa: E402
 from flexh2o.prompts import synthetic_prompts  # noqa: E402
-from flexh2o.report import write_json_atomic  # noqa: E402
+from flexh2o.report import write_json_atomic, write_text_atomic  # noqa: E402
 
 
 def disk_bandwidth(engine, threads=2) -> float:
@@ -117,10 +117,7 @@ def main():
              f"| decode I/O bound | {bound_tps:.2f} token/s |",
              f"| decode throughput, overlap on | {decode_tps:.2f} token/s |",
              f"| decode / I/O bound | **{roofline_ratio:.3f}** (target >= 0.8) |", ""]
-    tmp = args.out + ".md.tmp"
-    with open(tmp, "w") as f:
-        f.write("\n".join(lines))
-    os.replace(tmp, args.out + ".md")
+    write_text_atomic(args.out + ".md", "\n".join(lines))
     print("\n".join(lines))
 
 

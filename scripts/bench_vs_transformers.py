@@ -21,7 +21,7 @@ from flexh2o import Engine, Policy  # noqa: E402
 from flexh2o.machine import describe_machine  # noqa: E402
 from flexh2o.models.opt import PRESETS  # noqa: E402
 from flexh2o.prompts import synthetic_prompts  # noqa: E402
-from flexh2o.report import write_json_atomic  # noqa: E402
+from flexh2o.report import write_json_atomic, write_text_atomic  # noqa: E402
 from flexh2o.weights import DummyWeights  # noqa: E402
 
 
@@ -132,10 +132,7 @@ def main():
     lines += ["", f"flexh2o / transformers: prefill {ratios['prefill_tok_s']:.3f}x, decode {ratios['decode_tok_s']:.3f}x, "
               f"total {ratios['total_tok_s']:.3f}x. Generated tokens identical: {agree:.1%} "
               "(bfloat16 rounding differs between the two implementations).", ""]
-    tmp = args.out + ".md.tmp"
-    with open(tmp, "w") as f:
-        f.write("\n".join(lines))
-    os.replace(tmp, args.out + ".md")
+    write_text_atomic(args.out + ".md", "\n".join(lines))
     print("\n".join(lines))
 
 
