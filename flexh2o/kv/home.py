@@ -30,6 +30,7 @@ class CachePart:
     k_file: object = None         # disk
     v_file: object = None
     valid: torch.Tensor | None = None  # disk: which slots hold a token, kept in CPU memory
+    in_place: bool = False        # the compute device attends over the home itself
 
 
 class CacheHome:
@@ -49,11 +50,10 @@ class CacheHome:
                 part.valid = torch.zeros(n, capacity, dtype=torch.bool)
             else:
                 part.home = KVCache.allocate(tiers, n, kv_heads, head_dim, capacity, tier)
+            # On CUDA a CPU-resident part is attended over on the CPU itself under cpu_cache_compute.
+            part.in_place = tier == "gpu" or (tier == "cpu" and (not tiers.on_cuda or compute_on_cpu))
             self.parts.append(part)
             start += n
-        # On CUDA a CPU-resident part is attended over on the CPU itself (cpu_cache_compute).
-        self.in_place = {id(p): p.tier == "gpu" or (p.tier == "cpu" and (not tiers.on_cuda or compute_on_cpu))
-                         for p in self.parts}
         self.stored = 0       # slots already written back home
         self.last_store = None
 
@@ -61,7 +61,7 @@ class CacheHome:
         """The compute-side KVCache of every part: [(rows, KVCache)]."""
         views, todo = [], []
         for part in self.parts:
-            if self.in_place[id(part)]:
+            if part.in_place:
                 views.append((part.rows, part.home))
                 continue
             n = part.rows.stop - part.rows.start
@@ -90,16 +90,16 @@ class CacheHome:
             return
         self.tiers.copy_to_compute(buf.valid, part.valid)
         if length:
-            n, (kv_heads, head_dim, _) = buf.k.shape[0], self.shape
+            n, (kv_heads, head_dim, capacity) = buf.k.shape[0], self.shape
             for file, dst in ((part.k_file, buf.k), (part.v_file, buf.v)):
-                stage = self.tiers.buffer((length, n, kv_heads, head_dim), tier="cpu")
-                self.tiers.disk.read(file, 0, stage)
-                self.tiers.copy_to_compute(dst[:, :, :length], stage.permute(1, 2, 0, 3))
+                stage = self.tiers.buffer((capacity, n, kv_heads, head_dim), tier="cpu")  # slot-major, as on disk
+                self.tiers.disk.read(file, 0, stage[:length])
+                self.tiers.copy_to_compute(dst[:, :, :length], stage[:length].permute(1, 2, 0, 3))
                 self.tiers.release(stage)
 
     def store(self, views) -> Pending:
         """Writes the slots filled since the last store back home, then frees the buffers."""
-        todo = [(part, buf) for part, (_, buf) in zip(self.parts, views) if not self.in_place[id(part)]]
+        todo = [(part, buf) for part, (_, buf) in zip(self.parts, views) if not part.in_place]
         start, stop = self.stored, views[0][1].length
         self.stored = stop
 
