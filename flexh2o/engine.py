@@ -7,6 +7,7 @@ from tqdm import tqdm
 
 from .disk import DiskStore, ensure_dir
 from .errors import UsageError
+from .kv import make_policy
 from .memory import add, capacities, check_fits, layer_bytes, run_need, weight_need
 from .models import resolve_model
 from .policy import Policy
@@ -173,8 +174,9 @@ class Engine:
         batch_sizes = [policy.gpu_batch_size] * policy.num_gpu_batches
         io_before, read_before = self.tiers.io_seconds, self.tiers.disk.bytes_read if self.tiers.disk else 0
         try:
-            for layer in self.layers:
-                layer.init_cache(batch_sizes, prompt_len + max_new_tokens, policy)
+            for j, layer in enumerate(self.layers):
+                layer.init_cache(batch_sizes, make_policy(policy, prompt_len, max_new_tokens,
+                                                          (0 if seed is None else seed) * 100_003 + j), policy)
             schedule = Schedule(self.layers, seqs, policy.num_gpu_batches, self.tiers, act_tier(policy))
             with torch.no_grad():
                 steps_done = schedule.run(max_new_tokens, progress)

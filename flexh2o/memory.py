@@ -13,7 +13,9 @@ import psutil
 import torch
 
 from .errors import UsageError
+from .kv import cache_bytes
 from .kv.home import batch_split
+from .models.attention import PROBS_CHUNK_BYTES
 
 GB = 1 << 30
 UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
@@ -58,13 +60,14 @@ def run_need(spec, policy, dtype_bytes: int, prompt_len: int, gen_len: int, devi
     """Cache and activations of one generate call."""
     b, nb = policy.gpu_batch_size, policy.num_gpu_batches
     rows = batch_split(b, policy.cache_gpu_percent, policy.cache_cpu_percent)
-    per_row = spec.cache_bytes(1, prompt_len + gen_len, dtype_bytes) // spec.num_layers  # one layer
+    per_row = cache_bytes(spec, policy, 1, prompt_len, gen_len, dtype_bytes) // spec.num_layers  # one layer
     need = {tier: rows[tier] * per_row * nb * spec.num_layers for tier in rows}
     off_rows = rows["disk"] + (rows["cpu"] if device.type == "cuda" and not policy.cpu_cache_compute else 0)
     need["gpu"] += 3 * off_rows * per_row  # the part in use, the one loading, the one storing
     hidden = spec.hidden_bytes(b, prompt_len, dtype_bytes)
-    working = b * prompt_len * (3 * spec.hidden_size + spec.ffn_dim) * dtype_bytes \
-        + b * spec.num_heads * prompt_len * prompt_len * 4 + b * spec.vocab_size * 4
+    # The prompt's attention works in blocks (fused kernels, or PROBS_CHUNK_BYTES of probabilities).
+    attention = min(b * spec.num_heads * prompt_len * prompt_len * 4, PROBS_CHUNK_BYTES)
+    working = b * prompt_len * (3 * spec.hidden_size + spec.ffn_dim) * dtype_bytes + attention + b * spec.vocab_size * 4
     act = "gpu" if policy.act_gpu_percent == 100 or nb == 1 else "cpu"
     need["gpu"] += hidden + working
     need[act] += hidden * (nb - 1)

@@ -8,6 +8,9 @@ the gpu and cpu shares goes to disk.
 from dataclasses import dataclass, asdict
 
 from .errors import UsageError
+from .kv import POLICIES
+
+KV_POLICIES = tuple(POLICIES)
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,12 @@ class Policy:
     act_cpu_percent: float = 0
     overlap: bool = True
     cpu_cache_compute: bool = False
+    # KV cache: "full" keeps every token; the others hold heavy + recent slots per sequence and
+    # head, heavy = int(hh_ratio * prompt_len), recent = int(recent_ratio * prompt_len).
+    # kv_policy None means "h2o" when hh_ratio is given, else "full".
+    kv_policy: str | None = None
+    hh_ratio: float | None = None
+    recent_ratio: float | None = None  # None: the same as hh_ratio
 
     def __post_init__(self):
         for name in ("gpu_batch_size", "num_gpu_batches"):
@@ -35,6 +44,22 @@ class Policy:
                     raise UsageError("--percent", f"each percentage must be within 0..100, got {value}")
             if gpu + cpu > 100:
                 raise UsageError("--percent", f"{kind} gpu + cpu percentages sum to {gpu + cpu}, over 100")
+        self._check_kv()
+
+    def _check_kv(self):
+        if self.kv_policy is None:
+            object.__setattr__(self, "kv_policy", "full" if self.hh_ratio is None else "h2o")
+        if self.kv_policy not in KV_POLICIES:
+            raise UsageError("--kv-policy", f"unknown policy {self.kv_policy!r}; accepted: {', '.join(KV_POLICIES)}")
+        for flag, value in (("--hh-ratio", self.hh_ratio), ("--recent-ratio", self.recent_ratio)):
+            if value is not None and not (isinstance(value, (int, float)) and 0 < value <= 1):
+                raise UsageError(flag, f"must be a fraction of the prompt in (0, 1], got {value!r}")
+        if self.kv_policy == "full" and (self.hh_ratio is not None or self.recent_ratio is not None):
+            raise UsageError("--kv-policy", "full keeps every token: --hh-ratio/--recent-ratio need an evicting "
+                             "policy (h2o, local, sink, keyformer, tova)")
+        if self.kv_policy != "full" and self.hh_ratio is None:
+            raise UsageError("--hh-ratio", f"--kv-policy {self.kv_policy} needs a budget: give --hh-ratio "
+                             "(and optionally --recent-ratio)")
 
     @property
     def batch_size(self) -> int:
@@ -45,6 +70,10 @@ class Policy:
         """The six numbers of FlexGen's --percent, in its order."""
         return (self.w_gpu_percent, self.w_cpu_percent, self.cache_gpu_percent,
                 self.cache_cpu_percent, self.act_gpu_percent, self.act_cpu_percent)
+
+    @property
+    def effective_recent_ratio(self) -> float | None:
+        return self.hh_ratio if self.recent_ratio is None else self.recent_ratio
 
     def disk_percent(self, kind: str) -> float:
         return 100 - getattr(self, f"{kind}_gpu_percent") - getattr(self, f"{kind}_cpu_percent")

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from .kv import budget, cache_bytes
 from .machine import describe_machine
 
 GB = 1 << 30
@@ -48,7 +49,8 @@ def build_report(engine, stats, policy, sample_text=None) -> dict:
         "gen_len": stats.gen_len,
         "steps_done": steps,
         "model_size_bytes": spec.param_count() * dtype_bytes,
-        "cache_size_bytes": spec.cache_bytes(batch, stats.prompt_len + stats.gen_len, dtype_bytes),
+        "kv_policy": kv_description(policy, stats.prompt_len, stats.gen_len),
+        "cache_size_bytes": cache_bytes(spec, policy, batch, stats.prompt_len, stats.gen_len, dtype_bytes),
         "hidden_size_bytes": spec.hidden_bytes(batch, stats.prompt_len, dtype_bytes),
         **peak_memory(engine.tiers),
         "disk_io": None if disk is None else {
@@ -66,6 +68,14 @@ def build_report(engine, stats, policy, sample_text=None) -> dict:
     }
 
 
+def kv_description(policy, prompt_len: int, gen_len: int) -> str:
+    capacity, recent = budget(policy, prompt_len, gen_len)
+    if policy.kv_policy == "full":
+        return f"full ({capacity} slots per sequence)"
+    return (f"{policy.kv_policy} (hh_ratio {policy.hh_ratio:g}, recent_ratio {policy.effective_recent_ratio:g}: "
+            f"{capacity} slots per sequence and head, of which {recent} recent)")
+
+
 def format_report(r: dict) -> str:
     p = r["policy"]
     lines = [
@@ -73,6 +83,7 @@ def format_report(r: dict) -> str:
         f"batch: {r['batch_size']} ({p['gpu_batch_size']} x {p['num_gpu_batches']} gpu-batches)\t"
         f"prompt_len: {r['prompt_len']}\tgen_len: {r['gen_len']}"
         + (f"\t(all sequences hit EOS after {r['steps_done']})" if r["steps_done"] < r["gen_len"] else ""),
+        f"kv cache: {r['kv_policy']}",
         f"model size: {r['model_size_bytes'] / GB:.3f} GB\tcache size: {r['cache_size_bytes'] / GB:.3f} GB\t"
         f"hidden size (p): {r['hidden_size_bytes'] / GB:.3f} GB",
         f"peak gpu mem: {r['peak_gpu_mem_bytes'] / GB:.3f} GB\tpeak cpu mem: {r['peak_cpu_mem_bytes'] / GB:.3f} GB\t"

@@ -12,11 +12,12 @@ import tempfile
 
 import torch
 
-from .engine import Engine, default_device, parse_device, parse_dtype
+from .engine import Engine, default_device, default_dtype, parse_device, parse_dtype
 from .errors import UsageError
-from .memory import parse_size
+from .memory import capacities, parse_size
+from .placement import describe as describe_placement, fits, fitted_placement
 from .models import resolve_model
-from .policy import Policy
+from .policy import KV_POLICIES, Policy
 from .prompts import file_prompts, load_tokenizer, synthetic_prompts
 from .sampling import check_sampling
 from .report import build_report, format_report, write_json_atomic
@@ -45,6 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
     for kind, what in (("weights", "weights"), ("cache", "the KV cache"), ("act", "activations")):
         p.add_argument(f"--{kind}", metavar="gpu=P,cpu=P,disk=P",
                        help=f"placement of {what} in percent (the same as three of --percent's numbers)")
+    p.add_argument("--kv-policy", choices=KV_POLICIES, default=None,
+                   help="KV cache policy: full keeps every token (the default without --hh-ratio); the others "
+                   "hold a fixed budget per sequence and head (h2o is the default with --hh-ratio)")
+    p.add_argument("--hh-ratio", type=float, default=None, metavar="R",
+                   help="H2O: heavy-hitter slots = int(R * prompt_len), 0 < R <= 1; selects --kv-policy h2o")
+    p.add_argument("--recent-ratio", type=float, default=None, metavar="R",
+                   help="recent-window slots = int(R * prompt_len) (default: the --hh-ratio)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                    help="overlap weight / cache I/O with compute")
     p.add_argument("--cpu-cache-compute", action="store_true",
@@ -135,7 +143,8 @@ def run(args) -> int:
     check_sampling(args.temperature, args.top_k, args.top_p)
     w_gpu, w_cpu, c_gpu, c_cpu, a_gpu, a_cpu = policy_percents(args)
     policy = Policy(args.gpu_batch_size, args.num_gpu_batches, w_gpu, w_cpu, c_gpu, c_cpu, a_gpu, a_cpu,
-                    overlap=args.overlap, cpu_cache_compute=args.cpu_cache_compute)
+                    overlap=args.overlap, cpu_cache_compute=args.cpu_cache_compute, kv_policy=args.kv_policy,
+                    hh_ratio=args.hh_ratio, recent_ratio=args.recent_ratio)
     caps = {f"{t}_mem": parse_size(getattr(args, f"{t}_mem"), f"--{t}-mem")
             for t in ("gpu", "cpu", "disk") if getattr(args, f"{t}_mem") is not None}
     device = parse_device(args.device or default_device())
@@ -144,6 +153,8 @@ def run(args) -> int:
     if args.prompt_len + args.gen_len > spec.max_positions:
         raise UsageError("--prompt-len/--gen-len", f"prompt_len + gen_len = {args.prompt_len + args.gen_len} "
                          f"exceeds the {spec.max_positions} positions of {spec.name}")
+    if args.percent is None and not any([args.weights, args.cache, args.act]):
+        policy = fit_default_placement(args, policy, spec, device, dtype, caps)
     if args.offload_dir is not None or any(policy.disk_percent(kind) > 0 for kind in ("w", "cache", "act")):
         args.offload_dir = args.offload_dir or os.path.join(tempfile.gettempdir(), "flexh2o_offload")
         check_writable_dir("--offload-dir", args.offload_dir)
@@ -165,6 +176,23 @@ def run(args) -> int:
         return generate_and_report(args, engine, policy, input_ids, mask, tokenizer, dummy)
     finally:
         engine.close()
+
+
+def fit_default_placement(args, policy, spec, device, dtype, caps) -> Policy:
+    """No placement flags: everything on the compute device if it fits, else a placement that does."""
+    dtype_bytes = (dtype or default_dtype(device)).itemsize
+    limits = capacities(device, None, caps.get("gpu_mem"), caps.get("cpu_mem"), caps.get("disk_mem"))
+    if fits(spec, policy, dtype_bytes, args.prompt_len, args.gen_len, limits, device):
+        return policy
+    offload_dir = args.offload_dir or os.path.join(tempfile.gettempdir(), "flexh2o_offload")
+    check_writable_dir("--offload-dir", offload_dir)
+    limits = capacities(device, offload_dir, caps.get("gpu_mem"), caps.get("cpu_mem"), caps.get("disk_mem"))
+    fitted = fitted_placement(spec, policy, dtype_bytes, args.prompt_len, args.gen_len, limits, device)
+    if fitted is None or fitted is policy:
+        return policy  # fits as it is, or nothing fits: the engine's pre-flight says what is missing
+    print(f"note: everything on the compute device does not fit; placing {describe_placement(fitted)} "
+          "(give --weights/--cache/--act or --percent to choose)", file=sys.stderr)
+    return fitted
 
 
 def generate_and_report(args, engine, policy, input_ids, mask, tokenizer, dummy) -> int:

@@ -40,6 +40,22 @@ def test_cli_run_writes_every_figure(tmp_path):
     assert [f for f in os.listdir(tmp_path) if f.startswith(".tmp")] == []
 
 
+def test_h2o_run_without_placement_flags_fits_a_small_cap(tmp_path, capsys):
+    """No placement given and everything on the compute device does not fit: a placement that fits is
+    chosen and said; the report carries the KV policy and its budgeted cache size."""
+    out = tmp_path / "report.json"
+    code = main(["--model", "opt-125m", "--prompt-len", "40", "--gen-len", "3", "--gpu-batch-size", "2",
+                 "--hh-ratio", "0.1", "--gpu-mem", "0.2GB", "--offload-dir", str(tmp_path / "off"),
+                 "--json-out", str(out)])
+    assert code == 0
+    assert "note: everything on the compute device does not fit; placing --weights gpu=" in capsys.readouterr().err
+    report = json.loads(out.read_text())
+    assert report["policy"]["w_gpu_percent"] < 100 and report["policy"]["kv_policy"] == "h2o"
+    assert report["kv_policy"].startswith("h2o (hh_ratio 0.1, recent_ratio 0.1: 8 slots")
+    # 12 layers x 2 sequences x 12 heads x 8 slots x (2 x 64 x 2 bytes of K/V + 4 position + 4 score)
+    assert report["cache_size_bytes"] == 12 * 2 * 12 * 8 * (2 * 64 * 2 + 8)
+
+
 @pytest.fixture
 def model_with_tokenizer(tiny_models, tmp_path):
     directory, _ = tiny_models["tiny"]
@@ -93,6 +109,12 @@ BAD = [
     (["--weights", "gpu=50", "--percent", "100", "0", "100", "0", "100", "0"], "--percent", "not both"),
     (["--act", "gpu=50,cpu=50"], "--act", "whole to one tier"),
     (["--gpu-mem", "lots"], "--gpu-mem", "expected a size such as 16GB"),
+    (["--hh-ratio", "0"], "--hh-ratio", "in (0, 1]"),
+    (["--hh-ratio", "0.05"], "--hh-ratio", "rounds to 0 heavy-hitter slots"),
+    (["--hh-ratio", "0.5", "--recent-ratio", "0.05"], "--recent-ratio", "rounds to 0 recent slots"),
+    (["--kv-policy", "lru"], "--kv-policy", "invalid choice"),
+    (["--kv-policy", "sink"], "--hh-ratio", "needs a budget"),
+    (["--kv-policy", "full", "--hh-ratio", "0.5"], "--kv-policy", "full keeps every token"),
 ]
 
 

@@ -105,8 +105,26 @@ def test_offload_dir_is_emptied_when_a_run_is_interrupted(tmp_path, sig):
 
 def test_preflight_refuses_a_policy_that_cannot_fit(tmp_path):
     r = subprocess.run([sys.executable, "-m", "flexh2o.run", "--model", "opt-1.3b", "--dummy", "--gpu-mem", "1GB",
-                        "--offload-dir", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120)
+                        "--weights", "gpu=100", "--offload-dir", str(tmp_path)],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
     assert "needs" in r.stderr and "gpu tier, which holds 1.00 GB" in r.stderr
+    assert os.listdir(tmp_path) == []
+
+
+def test_disk_rows_are_written_in_runs_at_their_offsets(tmp_path):
+    from flexh2o.disk import DiskStore
+    store = DiskStore(str(tmp_path), bypass_page_cache=True)
+    try:
+        f = store.create(10 * 3 * 4)
+        store.write(f, 0, torch.zeros(10, 3))
+        store.write_rows(f, torch.tensor([1, 2, 3, 7]), torch.arange(12, dtype=torch.float32).view(4, 3) + 1)
+        back = torch.empty(10, 3)
+        store.read(f, 0, back)
+        want = torch.zeros(10, 3)
+        want[[1, 2, 3, 7]] = torch.arange(12, dtype=torch.float32).view(4, 3) + 1
+        assert torch.equal(back, want)
+    finally:
+        store.close()
     assert os.listdir(tmp_path) == []

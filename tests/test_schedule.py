@@ -5,6 +5,7 @@ import torch
 
 from flexh2o import Engine, Policy, UsageError
 from flexh2o.kv import KVCache
+from flexh2o.kv.eviction import FullCache
 from flexh2o.schedule import Schedule
 from flexh2o.tiers import Tiers
 
@@ -62,16 +63,19 @@ def test_zig_zag_order():
             assert loads_before[-1] == ("load_weight", j + 1)
 
 
-def test_kv_cache_slots_are_written_in_place():
-    cache = KVCache.allocate(Tiers("cpu", torch.float32), batch=2, kv_heads=3, head_dim=4, capacity=6)
+def test_full_cache_writes_slots_in_place():
+    cache = KVCache.allocate(Tiers("cpu", torch.float32), batch=2, kv_heads=3, head_dim=4, capacity=6,
+                             with_score=False)
     k_ptr, v_ptr = cache.k.data_ptr(), cache.v.data_ptr()
     prompt = torch.randn(2, 3, 4, 4)
-    cache.write_prompt(prompt, prompt + 1, torch.tensor([[False, True, True, True], [True] * 4]))
+    pos = torch.tensor([[-1, 0, 1, 2], [0, 1, 2, 3]], dtype=torch.int32)[:, None].expand(2, 3, 4)
+    full = FullCache(6, 6, 2, 0)
+    full.prompt(cache, prompt, prompt + 1, pos, None, None)
     new = torch.randn(2, 3, 1, 4)
-    cache.append(new, new)
+    full.decode(cache, new, new, torch.tensor([[3], [4]]), None, None, None)
     assert (cache.k.data_ptr(), cache.v.data_ptr()) == (k_ptr, v_ptr)
     assert cache.length == 5 and torch.equal(cache.k[:, :, 4], new[:, :, 0])
-    assert cache.valid.tolist() == [[False, True, True, True, True, False], [True] * 5 + [False]]
+    assert cache.pos[:, 0].tolist() == [[-1, 0, 1, 2, 3, -1], [0, 1, 2, 3, 4, -1]]
 
 
 def test_batch_not_matching_the_policy_is_refused(tiny_models):

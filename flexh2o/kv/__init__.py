@@ -1,5 +1,54 @@
-"""KV cache storage with fixed slots (and, next, the eviction policies that reuse them)."""
+"""KV cache storage with fixed slots, and the policies that decide which tokens keep a slot.
 
+Adding a policy: one file with an `Evicting` subclass, one line in POLICIES.
+"""
+
+from ..errors import UsageError
 from .cache import KVCache
+from .eviction import FullCache
+from .h2o import HeavyHitters
+from .keyformer import Keyformer
+from .local import LocalWindow
+from .sink import AttentionSinks
+from .tova import TokenOmission
 
-__all__ = ["KVCache"]
+POLICIES = {"full": FullCache, "h2o": HeavyHitters, "local": LocalWindow, "sink": AttentionSinks,
+            "keyformer": Keyformer, "tova": TokenOmission}
+
+
+def budget(policy, prompt_len: int, gen_len: int) -> tuple[int, int]:
+    """(capacity, recent window) per sequence and KV head for a job of prompt_len + gen_len tokens.
+
+    heavy = int(hh_ratio * prompt_len), recent = int(recent_ratio * prompt_len) (recent_ratio
+    defaults to hh_ratio), capacity = heavy + recent, at most the whole sequence: a budget that
+    holds every token evicts nothing and gives the full cache's output.
+    """
+    total = prompt_len + gen_len
+    if policy.kv_policy == "full":
+        return total, total
+    heavy = int(policy.hh_ratio * prompt_len)
+    recent = int(policy.effective_recent_ratio * prompt_len)
+    if heavy < 1:
+        raise UsageError("--hh-ratio", f"{policy.hh_ratio:g} x prompt_len {prompt_len} rounds to 0 heavy-hitter "
+                         f"slots; use at least {1 / prompt_len:.4g}")
+    if recent < 1:
+        raise UsageError("--recent-ratio", f"{policy.effective_recent_ratio:g} x prompt_len {prompt_len} rounds to "
+                         f"0 recent slots (the newest token must stay); use at least {1 / prompt_len:.4g}")
+    return min(heavy + recent, total), recent
+
+
+def cache_bytes(spec, policy, batch: int, prompt_len: int, gen_len: int, dtype_bytes: int) -> int:
+    """Bytes of the whole KV cache of a job: K and V at the policy's capacity, plus each slot's
+    position (int32) and, for scoring policies, its score (float32); every layer."""
+    capacity, _ = budget(policy, prompt_len, gen_len)
+    state = 4 + (4 if POLICIES[policy.kv_policy].accumulates else 0)
+    return spec.cache_bytes(batch, capacity, dtype_bytes) + batch * capacity * spec.num_kv_heads * spec.num_layers * state
+
+
+def make_policy(policy, prompt_len: int, gen_len: int, seed: int = 0) -> FullCache:
+    """The KV policy object of one attention layer."""
+    capacity, recent = budget(policy, prompt_len, gen_len)
+    return POLICIES[policy.kv_policy](capacity, recent, gen_len, seed)
+
+
+__all__ = ["KVCache", "POLICIES", "budget", "cache_bytes", "make_policy"]

@@ -1,42 +1,66 @@
-"""The KV cache of one (layer, gpu-batch): slots preallocated once, never grown by concatenation."""
+"""The KV cache of one (layer, gpu-batch): slots preallocated once, never grown or compacted.
+
+K and V are [batch, kv_heads, capacity, head_dim]. Every slot of every (sequence, KV head) also
+records the absolute position of the token it holds (-1: empty, e.g. padding or not yet
+filled) and, for policies that accumulate one, the token's score. Because an evicting policy
+chooses per head, the same position can be kept by one head and gone from another.
+
+Slots start empty and zeroed: attention runs over all of them with the empty ones masked, and
+garbage there could turn 0 * NaN into NaN.
+"""
 
 import torch
 
 
 class KVCache:
-    """K and V as [batch, kv_heads, capacity, head_dim]; `valid` marks slots holding a real token.
-
-    The prompt fills slots 0..prompt_len-1 (padding slots stay invalid); each decode step writes
-    its token into the next free slot. Slots start zeroed: attention runs over all of them with
-    the invalid ones masked, and garbage there could turn 0 * NaN into NaN.
-    """
-
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, length: int = 0):
-        self.k, self.v, self.valid = k, v, valid
+    def __init__(self, k, v, pos, score=None, length: int = 0):
+        self.k, self.v, self.pos, self.score = k, v, pos, score
         self.capacity = k.shape[2]
-        self.length = length
+        self.length = length  # slots [0, length) may hold a token; the rest are still empty
+        self.written = None   # what the last step wrote: "all" (the prompt) or slot per [batch, kv_head]
 
     @classmethod
-    def allocate(cls, tiers, batch: int, kv_heads: int, head_dim: int, capacity: int, tier: str = "gpu"):
+    def allocate(cls, tiers, batch, kv_heads, head_dim, capacity, with_score: bool, tier: str = "gpu"):
         shape = (batch, kv_heads, capacity, head_dim)
-        return cls(tiers.alloc(tier, shape, zero=True), tiers.alloc(tier, shape, zero=True),
-                   tiers.alloc(tier, (batch, capacity), dtype=torch.bool, zero=True))
+        pos = tiers.alloc(tier, shape[:3], dtype=torch.int32, zero=True)
+        pos.fill_(-1)
+        score = tiers.alloc(tier, shape[:3], dtype=torch.float32, zero=True) if with_score else None
+        return cls(tiers.alloc(tier, shape, zero=True), tiers.alloc(tier, shape, zero=True), pos, score)
 
-    def write_prompt(self, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor):
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.k, self.v, self.pos, self.score) if t is not None]
+
+    def fill_prompt(self, k, v, pos, score=None, keep=None):
+        """The prompt's tokens: k, v [b, kv_heads, s, d], pos [b, kv_heads, s], score likewise.
+        With `keep` ([b, kv_heads, capacity] indices into s) only those tokens are stored."""
+        if keep is not None:
+            index = keep.unsqueeze(-1).expand(-1, -1, -1, k.shape[-1])
+            k, v = k.gather(2, index), v.gather(2, index)
+            pos = pos.gather(2, keep)
+            score = None if score is None else score.gather(2, keep)
         s = k.shape[2]
         if s > self.capacity:
             raise ValueError(f"prompt of {s} tokens exceeds the cache's {self.capacity} slots")
         self.k[:, :, :s] = k
         self.v[:, :, :s] = v
-        self.valid[:, :s] = key_valid
+        self.pos[:, :, :s] = pos
+        self.pos[:, :, s:] = -1
+        if self.score is not None:
+            self.score[:, :, :s] = 0 if score is None else score
+            self.score[:, :, s:] = 0
         self.length = s
+        self.written = "all"
 
-    def append(self, k: torch.Tensor, v: torch.Tensor):
-        """Writes one new token per sequence into the next free slot."""
-        t = self.length
-        if t >= self.capacity:
-            raise ValueError(f"KV cache full: {self.capacity} slots")
-        self.k[:, :, t] = k[:, :, 0]
-        self.v[:, :, t] = v[:, :, 0]
-        self.valid[:, t] = True
-        self.length = t + 1
+    def put(self, slots, k, v, pos, score=None):
+        """Writes one new token per (sequence, KV head) into slots [b, kv_heads]: k, v [b, kv_heads, 1, d],
+        pos [b, 1], score [b, kv_heads]. A slot's previous token, if any, is evicted."""
+        b, kv_heads = slots.shape
+        seq = torch.arange(b, device=slots.device)[:, None]
+        head = torch.arange(kv_heads, device=slots.device)[None, :]
+        # Indexed assignment: on a CPU, scatter_ along the slot dimension is about 100x slower.
+        self.k[seq, head, slots] = k[:, :, 0]
+        self.v[seq, head, slots] = v[:, :, 0]
+        self.pos[seq, head, slots] = pos.to(torch.int32)
+        if self.score is not None:
+            self.score[seq, head, slots] = score
+        self.written = slots

@@ -1,12 +1,16 @@
-"""Attention over the KV slots: where an eviction policy will see the probabilities.
+"""Attention over the KV slots: where a KV policy sees the attention probabilities.
 
-The prompt step uses PyTorch's fused attention. A decode step attends over every slot of the
-preallocated cache with a mask of the filled ones: the slots are one contiguous block, which on a
-CPU is several times faster than a strided view of the filled part.
+The prompt step uses PyTorch's fused attention unless the policy needs the probabilities; then
+it runs in chunks of (sequence, head) rows so the [s, s] probabilities stay within a fixed amount of
+memory. A decode step attends over every slot of the preallocated cache (masking the empty ones:
+the slots are one contiguous block, which on a CPU is several times faster than a strided view
+of the filled part) plus the new token itself, whose K/V the policy then stores.
 """
 
 import torch
 import torch.nn.functional as F
+
+PROBS_CHUNK_BYTES = 64 << 20  # bound on the prompt's logits + probabilities held at once
 
 
 def prompt_attention(q, k, v, mask, scale: float) -> torch.Tensor:
@@ -14,9 +18,38 @@ def prompt_attention(q, k, v, mask, scale: float) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
 
 
-def decode_attention(q, k, v, valid, scale: float) -> torch.Tensor:
-    """q [b, heads, 1, d] against all slots k, v [b, heads, capacity, d]; valid bool [b, capacity]."""
-    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
-    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v)
+def prompt_attention_observed(q, k, v, mask, real, scale: float, contribution):
+    """Prompt attention that also returns contribution(logits, probs, real_rows) per key:
+    [b, heads, s]. real bool [b, s] marks real (non-padding) query rows."""
+    b, heads, s, d = q.shape
+    rows = b * heads
+    qf, kf, vf = (t.reshape(rows, s, d) for t in (q, k, v))
+    causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril_() if mask is None else None
+    out = torch.empty_like(qf)
+    seen = torch.empty(rows, s, dtype=torch.float32, device=q.device)
+    chunk = max(1, PROBS_CHUNK_BYTES // (3 * s * s * 4))
+    for start in range(0, rows, chunk):
+        r = slice(start, min(start + chunk, rows))
+        seq = torch.arange(r.start, r.stop, device=q.device) // heads  # the sequence of each row
+        logits = torch.bmm(qf[r], kf[r].transpose(1, 2)).float().mul_(scale)
+        logits.masked_fill_(~(causal if mask is None else mask[seq, 0]), float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        out[r] = torch.bmm(probs.to(v.dtype), vf[r])
+        seen[r] = contribution(logits, probs, real[seq].unsqueeze(-1).float())
+    return out.view(b, heads, s, d), seen.view(b, heads, s)
+
+
+def decode_attention(q, cache, k_new, v_new, scale: float):
+    """q [b, heads, 1, d] against every slot of cache.k / cache.v [b, kv_heads, capacity, d] and
+    the new token's k_new, v_new [b, kv_heads, 1, d]. Returns the output [b, heads, 1, d] and the
+    logits and float32 probabilities [b, heads, 1, capacity + 1] (the new token last)."""
+    b, heads, _, d = q.shape
+    kv_heads = cache.k.shape[1]
+    qg = q.view(b, kv_heads, heads // kv_heads, d)  # the query heads sharing each KV head
+    logits = torch.cat([torch.matmul(qg, cache.k.transpose(-1, -2)), torch.matmul(qg, k_new.transpose(-1, -2))], -1)
+    logits = logits.float().mul_(scale)
+    logits[..., :-1].masked_fill_(cache.pos.unsqueeze(2) < 0, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    p = probs.to(q.dtype)
+    out = torch.matmul(p[..., :-1], cache.v) + p[..., -1:] * v_new.view(b, kv_heads, 1, d)
+    return out.view(b, heads, 1, d), logits.view(b, heads, 1, -1), probs.view(b, heads, 1, -1)

@@ -52,8 +52,9 @@ class Layer:
                 self.tiers.release(pending.wait())
         self._loading = None
 
-    def init_cache(self, batch_sizes: list[int], capacity: int, policy):
-        """Allocates per-gpu-batch KV cache slots (attention layers only)."""
+    def init_cache(self, batch_sizes: list[int], kv, policy):
+        """Allocates per-gpu-batch KV cache slots at the capacity of `kv`, this layer's KV policy
+        (attention layers only)."""
 
     def free_cache(self):
         pass

@@ -7,8 +7,9 @@ OPT checkpoints (without the leading `model.`).
 import torch
 import torch.nn.functional as F
 
+from ..kv.eviction import per_kv_head
 from ..kv.home import CacheHome, batch_split
-from .attention import decode_attention, prompt_attention
+from .attention import decode_attention, prompt_attention, prompt_attention_observed
 from .layer import Layer
 
 POSITION_OFFSET = 2  # OPT's learned position table starts at row 2
@@ -57,9 +58,11 @@ class SelfAttention(Layer):
         # One matrix product for q, k and v instead of three.
         return [ln_w, ln_b, torch.cat([q_w, k_w, v_w]), torch.cat([q_b, k_b, v_b]), out_w, out_b]
 
-    def init_cache(self, batch_sizes, capacity, policy):
+    def init_cache(self, batch_sizes, kv, policy):
+        """kv: this layer's KV policy object (flexh2o.kv), which fixes the capacity."""
         s = self.spec
-        self.homes = [CacheHome(self.tiers, b, s.num_kv_heads, s.head_dim, capacity,
+        self.kv = kv
+        self.homes = [CacheHome(self.tiers, b, s.num_kv_heads, s.head_dim, kv.capacity, kv.accumulates,
                                 batch_split(b, policy.cache_gpu_percent, policy.cache_cpu_percent),
                                 policy.cpu_cache_compute) for b in batch_sizes]
         self.loading = [None] * len(batch_sizes)
@@ -88,18 +91,39 @@ class SelfAttention(Layer):
         qkv = F.linear(x, qkv_w, qkv_b).view(b, n, 3, s.num_heads, s.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [b, heads, n, head_dim]
         scale = s.head_dim ** -0.5
-        outs = []
-        for rows, cache in self.loading[step.k].wait():  # sequences whose cache lives in one place
-            dev = cache.k.device  # the CPU itself for a CPU-resident part under cpu_cache_compute
-            if step.prefill:
-                cache.write_prompt(k[rows].to(dev), v[rows].to(dev), step.key_valid[rows].to(dev))
-            else:
-                cache.append(k[rows].to(dev), v[rows].to(dev))
-                outs.append(decode_attention(q[rows].to(dev), cache.k, cache.v, cache.valid, scale).to(q.device))
-        out = prompt_attention(q, k, v, step.prompt_mask, scale) if step.prefill else \
-            outs[0] if len(outs) == 1 else torch.cat(outs)
+        parts = self.loading[step.k].wait()  # [(rows, KVCache)]: sequences whose cache lives in one place
+        if step.prefill:
+            out = self._prompt(q, k, v, scale, step, parts)
+        else:
+            outs = []
+            for rows, cache in parts:
+                dev = cache.k.device  # the CPU itself for a CPU-resident part under cpu_cache_compute
+                k_new, v_new = k[rows].to(dev), v[rows].to(dev)
+                o, logits, probs = decode_attention(q[rows].to(dev), cache, k_new, v_new, scale)
+                self.kv.decode(cache, k_new, v_new, step.positions[rows].to(dev), logits, probs, step)
+                outs.append(o.to(q.device))
+            out = outs[0] if len(outs) == 1 else torch.cat(outs)
         hidden = hidden.add_(F.linear(out.transpose(1, 2).reshape(b, n, h), out_w, out_b))
         return hidden if s.do_layer_norm_before else _layer_norm(hidden, ln_w, ln_b)
+
+    def _prompt(self, q, k, v, scale, step, parts):
+        """The prompt's attention; the KV policy then takes its tokens into the cache."""
+        kv_heads = self.spec.num_kv_heads
+        seen = None
+        if self.kv.uses_attention:
+            out, seen = prompt_attention_observed(
+                q, k, v, step.prompt_mask, step.key_valid, scale,
+                lambda logits, probs, real_rows: self.kv.contribution(logits, probs, real_rows, step))
+            seen = per_kv_head(seen, kv_heads)
+        else:
+            out = prompt_attention(q, k, v, step.prompt_mask, scale)
+        b, _, n, _ = k.shape
+        pos = step.positions.to(torch.int32)[:, None, :].expand(b, kv_heads, n)
+        for rows, cache in parts:
+            dev = cache.k.device
+            self.kv.prompt(cache, k[rows].to(dev), v[rows].to(dev), pos[rows].to(dev),
+                           None if seen is None else seen[rows].to(dev), step)
+        return out
 
 
 class MLP(Layer):

@@ -1,0 +1,32 @@
+"""Keyformer (Adnan et al. 2024): H2O's accumulation with a noisy score. Each step adds the
+softmax of (attention logits + Gumbel noise) / tau, with tau rising linearly from 1 at the prompt
+to 2 at the last generated token. The attention output itself uses the clean probabilities."""
+
+import torch
+
+from .eviction import Evicting
+
+
+class Keyformer(Evicting):
+    name = "keyformer"
+    accumulates = True
+
+    def __init__(self, capacity: int, window: int, gen_len: int, seed: int):
+        super().__init__(capacity, window, gen_len, seed)
+        self.gen_len, self.seed = gen_len, seed
+        self.generator = None
+
+    def temperature(self, i: int) -> float:
+        return 1.0 + i / max(self.gen_len - 1, 1)
+
+    def contribution(self, logits, probs, real_rows, step):
+        if self.generator is None or self.generator.device != logits.device:
+            self.generator = torch.Generator(logits.device).manual_seed(self.seed)
+        u = torch.rand(logits.shape, generator=self.generator, device=logits.device, dtype=torch.float32)
+        exponential = torch.log(u.clamp_(min=1e-20)).neg_().clamp_(min=1e-20)
+        gumbel = torch.log(exponential).neg_()
+        noisy = torch.softmax((logits.float() + gumbel) / self.temperature(step.i), dim=-1)
+        return (noisy if real_rows is None else noisy * real_rows).sum(-2)
+
+    def priority(self, pos, score, current):
+        return score
