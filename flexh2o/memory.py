@@ -31,13 +31,15 @@ def parse_size(text: str, flag: str) -> int:
 
 
 def capacities(device: torch.device, offload_dir: str | None, gpu_mem=None, cpu_mem=None, disk_mem=None) -> dict:
-    """Bytes each tier may use: the caps given, else what the machine reports free."""
+    """Bytes each tier may use: the caps given, else what the machine reports free; and "ram", the
+    memory free now, which the gpu and cpu tiers share when the CPU computes (measured once, before
+    anything is loaded, so a later check does not count the loaded weights twice)."""
     available = psutil.virtual_memory().available
     if gpu_mem is None:
         gpu_mem = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available
     if disk_mem is None:
         disk_mem = shutil.disk_usage(offload_dir).free if offload_dir else 0
-    return {"gpu": gpu_mem, "cpu": available if cpu_mem is None else cpu_mem, "disk": disk_mem}
+    return {"gpu": gpu_mem, "cpu": available if cpu_mem is None else cpu_mem, "disk": disk_mem, "ram": available}
 
 
 def layer_bytes(layers, dtype_bytes: int) -> list[int]:
@@ -82,7 +84,7 @@ def check_fits(need: dict, caps: dict, device):
             raise UsageError("--percent", f"the policy needs {need[tier] / GB:.2f} GB on the {tier} tier, "
                              f"which holds {caps[tier] / GB:.2f} GB ({flags[tier]} or detected)")
     if device.type == "cpu":
-        ram = psutil.virtual_memory().available
+        ram = caps.get("ram") or psutil.virtual_memory().available
         if need["gpu"] + need["cpu"] > ram:
             raise UsageError("--percent", f"the policy needs {(need['gpu'] + need['cpu']) / GB:.2f} GB of memory "
                              f"(gpu and cpu tiers are both RAM here), {ram / GB:.2f} GB is available")

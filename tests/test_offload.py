@@ -128,3 +128,18 @@ def test_disk_rows_are_written_in_runs_at_their_offsets(tmp_path):
     finally:
         store.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_generate_does_not_count_the_loaded_weights_twice(tiny_models, monkeypatch):
+    """The check in generate compares against the memory that was free before the weights were
+    loaded; measuring it again then would count the weights twice and refuse a run that fits."""
+    import flexh2o.memory as memory
+
+    class Memory:
+        available = 1 << 30
+    monkeypatch.setattr(memory.psutil, "virtual_memory", lambda: Memory)
+    directory, _ = tiny_models["tiny"]
+    with Engine.from_pretrained(directory, policy=Policy(gpu_batch_size=2), device="cpu", dtype=torch.float32,
+                                prompt_len=6, gen_len=2) as engine:
+        Memory.available = 1000  # the weights now fill what was free
+        engine.generate(torch.randint(3, 100, (2, 6)), max_new_tokens=2)
