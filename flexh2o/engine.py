@@ -8,7 +8,7 @@ from tqdm import tqdm
 from .disk import DiskStore, ensure_dir
 from .errors import UsageError
 from .kv import make_policy
-from .memory import add, capacities, check_fits, layer_bytes, run_need, weight_need
+from .memory import add, capacities, check_fits, run_need, weight_need
 from .models import resolve_model
 from .policy import Policy
 from .sampling import Sampler
@@ -80,7 +80,7 @@ class Engine:
     def __init__(self, spec, layers, policy: Policy, tiers: Tiers, weights_source: str, caps: dict):
         self.spec, self.layers, self.policy, self.tiers = spec, layers, policy, tiers
         self.weights_source, self.caps = weights_source, caps
-        self.weight_need = weight_need(layer_bytes(layers, tiers.dtype.itemsize), policy, tiers.compute)
+        self.weight_need = weight_need(layers, tiers.dtype.itemsize, policy, tiers.compute)
         self.last_stats: GenerationStats | None = None
 
     @classmethod
@@ -113,7 +113,7 @@ class Engine:
         if uses_disk:
             ensure_dir(offload_dir)
         caps = capacities(device, offload_dir if uses_disk else None, gpu_mem, cpu_mem, disk_mem)
-        need = weight_need(layer_bytes(layers, dtype.itemsize), policy, device)
+        need = weight_need(layers, dtype.itemsize, policy, device)
         if prompt_len and gen_len:
             need = add(need, run_need(spec, policy, dtype.itemsize, prompt_len, gen_len, device))
         check_fits(need, caps, device)

@@ -8,6 +8,7 @@ checked before anything is allocated, so an impossible policy fails in a second,
 import math
 import re
 import shutil
+from collections import Counter
 
 import psutil
 import torch
@@ -16,8 +17,10 @@ from .errors import UsageError
 from .kv import cache_bytes
 from .kv.home import batch_split
 from .models.attention import PROBS_CHUNK_BYTES
+from .tiers import split_rows
 
 GB = 1 << 30
+RUNTIME_RESERVE = 1 << 30  # memory the process itself needs beyond its tensors (Python, torch, allocator)
 UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
          "mib": 1 << 20, "g": GB, "gb": GB, "gib": GB, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
 
@@ -46,16 +49,46 @@ def layer_bytes(layers, dtype_bytes: int) -> list[int]:
     return [sum(math.prod(shape) for _, shape in layer.weight_specs()) * dtype_bytes for layer in layers]
 
 
-def weight_need(per_layer: list[int], policy, device) -> dict:
+def weight_need(layers, dtype_bytes: int, policy, device) -> dict:
+    """The weights' shares per tier, plus their compute copies on the gpu tier."""
     need = {"gpu": 0, "cpu": 0, "disk": 0}
-    for b in per_layer:
+    for b in layer_bytes(layers, dtype_bytes):
         need["gpu"] += b * policy.w_gpu_percent / 100
         need["cpu"] += b * policy.w_cpu_percent / 100
         need["disk"] += b * policy.disk_percent("w") / 100
-    off = policy.w_gpu_percent < 100 and not (device.type == "cpu" and policy.w_cpu_percent == 100)
-    if off:  # compute copies of the layer in use and the one loading
-        need["gpu"] += 2 * max(per_layer)
+    need["gpu"] += compute_copy_bytes(layers, dtype_bytes, policy, device)
     return need
+
+
+def buffered_shapes(layer, dtype_bytes: int, policy, device) -> list[tuple]:
+    """Shapes of the weights a layer cannot use in place under the policy (split as init_weight splits)."""
+    tensors = layer.prepare([torch.empty(shape, device="meta") for _, shape in layer.weight_specs()])
+    shapes = [tuple(t.shape) for t in tensors]
+    row_bytes = [math.prod(shape[1:]) * dtype_bytes for shape in shapes]
+    out = []
+    for shape, rows in zip(shapes, split_rows(shapes, row_bytes, policy.w_gpu_percent, policy.w_cpu_percent)):
+        whole = [tier for tier, n in rows.items() if n == shape[0]]
+        if not (whole and (whole[0] == "gpu" or (whole[0] == "cpu" and device.type == "cpu"))):
+            out.append(shape)
+    return out
+
+
+def compute_copy_bytes(layers, dtype_bytes: int, policy, device) -> int:
+    """Bytes of the pooled compute buffers. The pool keeps buffers per shape, and at any time the
+    layer computing and the next one loading (cyclically: the last layer and the first) hold one
+    each, so a shape needs as many buffers as those two layers ever hold together."""
+    kinds = {}  # layers with the same weight shapes are split alike
+    per_layer = []
+    for layer in layers:
+        kind = tuple(shape for _, shape in layer.weight_specs())
+        if kind not in kinds:
+            kinds[kind] = Counter(buffered_shapes(layer, dtype_bytes, policy, device))
+        per_layer.append(kinds[kind])
+    most = Counter()
+    for j in range(len(layers)):
+        for shape, count in (per_layer[j] + per_layer[(j + 1) % len(layers)]).items():
+            most[shape] = max(most[shape], count)
+    return sum(math.prod(shape) * dtype_bytes * count for shape, count in most.items())
 
 
 def run_need(spec, policy, dtype_bytes: int, prompt_len: int, gen_len: int, device) -> dict:
@@ -84,10 +117,11 @@ def check_fits(need: dict, caps: dict, device):
             raise UsageError("--percent", f"the policy needs {need[tier] / GB:.2f} GB on the {tier} tier, "
                              f"which holds {caps[tier] / GB:.2f} GB ({flags[tier]} or detected)")
     if device.type == "cpu":
-        ram = caps.get("ram") or psutil.virtual_memory().available
+        ram = (caps.get("ram") or psutil.virtual_memory().available) - RUNTIME_RESERVE
         if need["gpu"] + need["cpu"] > ram:
             raise UsageError("--percent", f"the policy needs {(need['gpu'] + need['cpu']) / GB:.2f} GB of memory "
-                             f"(gpu and cpu tiers are both RAM here), {ram / GB:.2f} GB is available")
+                             f"(gpu and cpu tiers are both RAM here), {ram / GB:.2f} GB is available "
+                             f"(free memory less {RUNTIME_RESERVE / GB:.0f} GB for the process itself)")
 
 
 def add(a: dict, b: dict) -> dict:

@@ -12,16 +12,17 @@ import dataclasses
 import torch
 
 from .errors import UsageError
-from .memory import add, check_fits, layer_bytes, run_need, weight_need
+from .memory import add, check_fits, run_need, weight_need
 
 STEP = 5
 
 
-def fits(spec, policy, dtype_bytes, prompt_len, gen_len, caps, device) -> bool:
-    need = add(weight_need(layer_bytes(spec.build_layers(), dtype_bytes), policy, device),
-               run_need(spec, policy, dtype_bytes, prompt_len, gen_len, device))
+def fits(spec, policy, dtype_bytes, prompt_len, gen_len, caps, device, layers=None, weights=None) -> bool:
+    """Whether the pre-flight projection admits the policy (weights: its weight_need, if known)."""
+    if weights is None:
+        weights = weight_need(layers or spec.build_layers(), dtype_bytes, policy, device)
     try:
-        check_fits(need, caps, device)
+        check_fits(add(weights, run_need(spec, policy, dtype_bytes, prompt_len, gen_len, device)), caps, device)
     except UsageError:
         return False
     return True
@@ -29,15 +30,21 @@ def fits(spec, policy, dtype_bytes, prompt_len, gen_len, caps, device) -> bool:
 
 def fitted_placement(spec, policy, dtype_bytes: int, prompt_len: int, gen_len: int, caps: dict,
                      device: torch.device):
-    """The policy itself if it fits, else the same policy with the first placement that fits, or None."""
-    if fits(spec, policy, dtype_bytes, prompt_len, gen_len, caps, device):
+    """The policy itself if it fits, else the same policy with the first placement that fits, or None.
+    Every combination is tried: the need is not monotonic in the shares (weights held whole in
+    memory need no compute copy)."""
+    layers = spec.build_layers()
+    if fits(spec, policy, dtype_bytes, prompt_len, gen_len, caps, device, layers):
         return policy
+    weights = {}  # (w_gpu, w_cpu) -> weight_need, shared by the three cache placements
     for cache in ((100, 0), (0, 100), (0, 0)):
         for w_gpu in range(100, -1, -STEP):
             for w_cpu in range(100 - w_gpu, -1, -STEP):
                 p = dataclasses.replace(policy, w_gpu_percent=w_gpu, w_cpu_percent=w_cpu,
                                         cache_gpu_percent=cache[0], cache_cpu_percent=cache[1])
-                if fits(spec, p, dtype_bytes, prompt_len, gen_len, caps, device):
+                if (w_gpu, w_cpu) not in weights:
+                    weights[w_gpu, w_cpu] = weight_need(layers, dtype_bytes, p, device)
+                if fits(spec, p, dtype_bytes, prompt_len, gen_len, caps, device, weights=weights[w_gpu, w_cpu]):
                     return p
     return None
 

@@ -136,10 +136,26 @@ def test_generate_does_not_count_the_loaded_weights_twice(tiny_models, monkeypat
     import flexh2o.memory as memory
 
     class Memory:
-        available = 1 << 30
+        available = 4 << 30
     monkeypatch.setattr(memory.psutil, "virtual_memory", lambda: Memory)
     directory, _ = tiny_models["tiny"]
     with Engine.from_pretrained(directory, policy=Policy(gpu_batch_size=2), device="cpu", dtype=torch.float32,
                                 prompt_len=6, gen_len=2) as engine:
         Memory.available = 1000  # the weights now fill what was free
         engine.generate(torch.randint(3, 100, (2, 6)), max_new_tokens=2)
+
+
+@pytest.mark.parametrize("w_gpu,w_cpu,nb", [(30, 0, 1), (0, 40, 2), (55, 20, 3), (0, 0, 1)])
+def test_preflight_projection_bounds_the_tracked_peak(tiny_models, tmp_path, w_gpu, w_cpu, nb):
+    """What the pre-flight projects for the compute tier is never below what the run allocates there."""
+    from flexh2o.memory import run_need, weight_need
+    directory, _ = tiny_models["wide"]
+    policy = Policy(gpu_batch_size=2, num_gpu_batches=nb, w_gpu_percent=w_gpu, w_cpu_percent=w_cpu,
+                    cache_gpu_percent=50, cache_cpu_percent=0, hh_ratio=0.5)
+    with Engine.from_pretrained(directory, policy=policy, device="cpu", dtype=torch.float32,
+                                offload_dir=str(tmp_path)) as engine:
+        ids, mask = padded_batch(2 * nb, 8, pads=[0] * 2 * nb)
+        engine.generate(ids, mask, max_new_tokens=4)
+        projected = weight_need(engine.layers, 4, policy, engine.tiers.compute)["gpu"] + \
+            run_need(engine.spec, policy, 4, 8, 4, engine.tiers.compute)["gpu"]
+        assert engine.tiers.peak["gpu"] <= projected
