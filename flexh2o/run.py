@@ -78,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def default_offload_dir() -> str:
+    return os.path.join(tempfile.gettempdir(), "flexh2o_offload")
+
+
 def check_positive(args):
     for flag in ("prompt_len", "gen_len"):
         if getattr(args, flag) < 1:
@@ -156,7 +160,7 @@ def run(args) -> int:
     if args.percent is None and not any([args.weights, args.cache, args.act]):
         policy = fit_default_placement(args, policy, spec, device, dtype, caps)
     if args.offload_dir is not None or any(policy.disk_percent(kind) > 0 for kind in ("w", "cache", "act")):
-        args.offload_dir = args.offload_dir or os.path.join(tempfile.gettempdir(), "flexh2o_offload")
+        args.offload_dir = args.offload_dir or default_offload_dir()
         check_writable_dir("--offload-dir", args.offload_dir)
     if args.json_out:
         check_output_file("--json-out", args.json_out)
@@ -184,7 +188,7 @@ def fit_default_placement(args, policy, spec, device, dtype, caps) -> Policy:
     limits = capacities(device, None, caps.get("gpu_mem"), caps.get("cpu_mem"), caps.get("disk_mem"))
     if fits(spec, policy, dtype_bytes, args.prompt_len, args.gen_len, limits, device):
         return policy
-    offload_dir = args.offload_dir or os.path.join(tempfile.gettempdir(), "flexh2o_offload")
+    offload_dir = args.offload_dir or default_offload_dir()
     check_writable_dir("--offload-dir", offload_dir)
     limits = capacities(device, offload_dir, caps.get("gpu_mem"), caps.get("cpu_mem"), caps.get("disk_mem"))
     fitted = fitted_placement(spec, policy, dtype_bytes, args.prompt_len, args.gen_len, limits, device)

@@ -22,11 +22,12 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from flexh2o import Engine, Policy, UsageError  # noqa: E402
+from flexh2o import Engine, Policy  # noqa: E402
 from flexh2o.kv.eviction import Evicting  # noqa: E402
 from flexh2o.machine import describe_machine  # noqa: E402
-from flexh2o.memory import add, check_fits, parse_size, run_need, weight_need  # noqa: E402
+from flexh2o.memory import parse_size  # noqa: E402
 from flexh2o.models.opt import PRESETS  # noqa: E402
+from flexh2o.placement import fits  # noqa: E402
 from flexh2o.prompts import synthetic_prompts  # noqa: E402
 from flexh2o.report import write_json_atomic, write_text_atomic  # noqa: E402
 
@@ -57,15 +58,10 @@ class PolicyTimer:
 
 def largest_batch(spec, cap, prompt_len, gen_len, hh_ratio, limit=4096) -> int:
     """The largest gpu_batch_size the engine's pre-flight admits under the cap (all tensors on the capped tier)."""
-    device = torch.device("cpu")
-    weights = weight_need(spec.build_layers(), 2, Policy(), device)
+    device, layers, caps = torch.device("cpu"), spec.build_layers(), {"gpu": cap, "cpu": cap, "disk": 0}
     best = 0
     for b in range(1, limit + 1):
-        policy = Policy(gpu_batch_size=b, hh_ratio=hh_ratio)
-        try:
-            check_fits(add(weights, run_need(spec, policy, 2, prompt_len, gen_len, device)),
-                       {"gpu": cap, "cpu": cap, "disk": 0}, device)
-        except UsageError:
+        if not fits(spec, Policy(gpu_batch_size=b, hh_ratio=hh_ratio), 2, prompt_len, gen_len, caps, device, layers):
             break
         best = b
     return best

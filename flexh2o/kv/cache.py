@@ -12,6 +12,12 @@ garbage there could turn 0 * NaN into NaN.
 import torch
 
 
+def slot_grid(slots):
+    """Sequence and head indices [b, 1], [1, kv_heads] that, with slots [b, kv_heads], pick one slot each."""
+    b, kv_heads = slots.shape
+    return torch.arange(b, device=slots.device)[:, None], torch.arange(kv_heads, device=slots.device)[None, :]
+
+
 class KVCache:
     def __init__(self, k, v, pos, score=None, length: int = 0):
         self.k, self.v, self.pos, self.score = k, v, pos, score
@@ -22,10 +28,16 @@ class KVCache:
     @classmethod
     def allocate(cls, tiers, batch, kv_heads, head_dim, capacity, with_score: bool, tier: str = "gpu"):
         shape = (batch, kv_heads, capacity, head_dim)
-        pos = tiers.alloc(tier, shape[:3], dtype=torch.int32, zero=True)
-        pos.fill_(-1)
-        score = tiers.alloc(tier, shape[:3], dtype=torch.float32, zero=True) if with_score else None
+        pos, score = cls.allocate_state(tiers, batch, kv_heads, capacity, with_score, tier)
         return cls(tiers.alloc(tier, shape, zero=True), tiers.alloc(tier, shape, zero=True), pos, score)
+
+    @staticmethod
+    def allocate_state(tiers, batch, kv_heads, capacity, with_score: bool, tier: str):
+        """The per-slot positions (all empty) and, if asked, scores."""
+        pos = tiers.alloc(tier, (batch, kv_heads, capacity), dtype=torch.int32)
+        pos.fill_(-1)
+        score = tiers.alloc(tier, (batch, kv_heads, capacity), dtype=torch.float32, zero=True) if with_score else None
+        return pos, score
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.k, self.v, self.pos, self.score) if t is not None]
@@ -54,9 +66,7 @@ class KVCache:
     def put(self, slots, k, v, pos, score=None):
         """Writes one new token per (sequence, KV head) into slots [b, kv_heads]: k, v [b, kv_heads, 1, d],
         pos [b, 1], score [b, kv_heads]. A slot's previous token, if any, is evicted."""
-        b, kv_heads = slots.shape
-        seq = torch.arange(b, device=slots.device)[:, None]
-        head = torch.arange(kv_heads, device=slots.device)[None, :]
+        seq, head = slot_grid(slots)
         # Indexed assignment: on a CPU, scatter_ along the slot dimension is about 100x slower.
         self.k[seq, head, slots] = k[:, :, 0]
         self.v[seq, head, slots] = v[:, :, 0]

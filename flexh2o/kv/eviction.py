@@ -34,7 +34,7 @@ class FullCache:
 
     def __init__(self, capacity: int, window: int, gen_len: int, seed: int):
         """Every policy takes the same arguments: slots, recent window, tokens to generate, seed."""
-        self.capacity, self.window = capacity, window
+        self.capacity, self.window, self.gen_len, self.seed = capacity, window, gen_len, seed
 
     def prompt(self, cache, k, v, pos, contribution, step):
         cache.fill_prompt(k, v, pos)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..tiers import TIERS, Pending
-from .cache import KVCache
+from .cache import KVCache, slot_grid
 
 
 def batch_split(batch: int, gpu_percent: float, cpu_percent: float) -> dict:
@@ -52,10 +52,7 @@ class CacheHome:
                 nbytes = capacity * n * kv_heads * head_dim * tiers.dtype.itemsize
                 part = CachePart(slice(start, start + n), tier, k_file=tiers.disk.create(nbytes),
                                  v_file=tiers.disk.create(nbytes))
-                part.pos = tiers.alloc("cpu", (n, kv_heads, capacity), dtype=torch.int32)
-                part.pos.fill_(-1)
-                if with_score:
-                    part.score = tiers.alloc("cpu", (n, kv_heads, capacity), torch.float32, zero=True)
+                part.pos, part.score = KVCache.allocate_state(tiers, n, kv_heads, capacity, with_score, "cpu")
                 tiers.track("disk", 2 * nbytes)
             else:
                 part = CachePart(slice(start, start + n), tier,
@@ -139,8 +136,7 @@ class CacheHome:
                     self.tiers.write_disk(file, 0, src[:, :, :buf.length].permute(2, 0, 1, 3))
             return
         n, kv_heads = slots.shape
-        seq = torch.arange(n, device=slots.device)[:, None]
-        head = torch.arange(kv_heads, device=slots.device)[None, :]
+        seq, head = slot_grid(slots)
         if part.tier == "cpu":
             for src, dst in ((buf.k, home.k), (buf.v, home.v)):
                 dst[seq.cpu(), head.cpu(), slots.cpu()] = src[seq, head, slots].cpu()

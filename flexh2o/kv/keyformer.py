@@ -11,10 +11,7 @@ class Keyformer(Evicting):
     name = "keyformer"
     accumulates = True
 
-    def __init__(self, capacity: int, window: int, gen_len: int, seed: int):
-        super().__init__(capacity, window, gen_len, seed)
-        self.gen_len, self.seed = gen_len, seed
-        self.generator = None
+    generator = None  # made on the device of the first logits it sees
 
     def temperature(self, i: int) -> float:
         return 1.0 + i / max(self.gen_len - 1, 1)
