@@ -1,32 +1,125 @@
-"""The CUDA-only layer under Tiers: copies on a side stream, pinned staging for disk reads.
+"""The CUDA-only layer under Tiers: loads and stores on their own streams, pinned staging.
 
-Copies run on the I/O threads: each waits for the compute stream's work queued so far, copies on
-its own stream, and blocks its thread (not the compute stream) until the copy is done, so the
-Pending the schedule waits on means "the data is there".
+Every I/O task is queued by the compute thread, which records an event on the compute stream at
+that moment; the task's copies wait for that event, so they follow the compute queued before them
+(the work that filled what they store, or last used the buffer they fill) and nothing queued
+later. Host-to-device copies run on the load stream, device-to-host copies on the store stream.
+A copy goes straight between pinned host memory and the device when the host side is pinned and
+contiguous, else through a pinned staging block (a CPU memcpy, then the DMA). The I/O thread
+(never the compute stream) blocks until its task's copies are done, so a finished task means
+"the data is there".
 """
+
+import threading
+from contextlib import contextmanager
 
 import torch
 
 
 class CudaCopies:
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.stream = torch.cuda.Stream(device)
-        self.staging: dict[int, list] = {}
+    def __init__(self, tiers, stages: int):
+        self.tiers = tiers
+        device = tiers.compute
+        self.compute_stream = torch.cuda.current_stream(device)
+        self.load_stream = torch.cuda.Stream(device)
+        self.store_stream = torch.cuda.Stream(device)
+        self.stage_count, self.stage_bytes, self.free_stages = stages, 0, []
+        self.lock = threading.Lock()
+        self.local = threading.local()
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor):
-        self.stream.wait_stream(torch.cuda.default_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
-        self.stream.synchronize()
+    # -- set-up -----------------------------------------------------------------------------
+    def reserve_staging(self, nbytes: int):
+        """Makes sure each staging block holds nbytes. Called while tensors are placed, so that no
+        staging memory is allocated once generation runs."""
+        with self.lock:
+            if nbytes <= self.stage_bytes:
+                return
+            old, self.free_stages = self.free_stages, []
+            self.stage_bytes = nbytes
+        self.tiers.free("cpu", old)
+        stages = [self.tiers.alloc("cpu", (nbytes,), torch.uint8) for _ in range(self.stage_count)]
+        with self.lock:
+            self.free_stages = stages
 
-    def copy_from_disk(self, disk, file, offset: int, out: torch.Tensor):
-        nbytes = out.numel() * out.element_size()
-        free = self.staging.setdefault(nbytes, [])
-        stage = free.pop() if free else torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    @contextmanager
+    def stage(self, shape, dtype):
+        """A pinned, contiguous host tensor of `shape` inside a staging block, for one copy."""
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        if nbytes > self.stage_bytes:
+            raise RuntimeError(f"staging of {nbytes} bytes was not reserved (blocks hold {self.stage_bytes})")
+        with self.lock:
+            block = self.free_stages.pop()
         try:
-            view = stage.view(out.dtype).view(out.shape)
-            disk.read(file, offset, view)
-            self.copy(out, view)
+            yield block[:nbytes].view(dtype).view(shape)
         finally:
-            free.append(stage)
+            with self.lock:
+                self.free_stages.append(block)
+
+    # -- tasks ------------------------------------------------------------------------------
+    def queued(self) -> torch.cuda.Event:
+        """An event marking the compute queued so far (recorded by the compute thread)."""
+        event = torch.cuda.Event()
+        event.record(self.compute_stream)
+        return event
+
+    @contextmanager
+    def task(self, after: torch.cuda.Event):
+        """Runs one I/O task's copies after `after`; returns once they have all finished."""
+        self.local.after, self.local.pending = after, []
+        try:
+            yield
+        finally:
+            for event in self.local.pending:
+                event.synchronize()
+            self.local.after, self.local.pending = None, None
+
+    def _start(self, stream):
+        """Orders `stream` after the current task's event (outside a task: after all compute so far)."""
+        stream.wait_event(getattr(self.local, "after", None) or self.queued())
+        return torch.cuda.stream(stream)
+
+    def _finish(self, stream, wait_now: bool):
+        event = torch.cuda.Event()
+        event.record(stream)
+        pending = getattr(self.local, "pending", None)
+        if wait_now or pending is None:
+            event.synchronize()
+        else:
+            pending.append(event)
+
+    # -- copies -----------------------------------------------------------------------------
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor):
+        """dst on the device <- src in CPU memory."""
+        with self._start(self.load_stream):
+            if src.is_contiguous() and self.tiers.is_pinned(src):
+                dst.copy_(src, non_blocking=True)
+                self._finish(self.load_stream, wait_now=False)
+                return
+            with self.stage(src.shape, src.dtype) as staged:
+                staged.copy_(src)
+                dst.copy_(staged, non_blocking=True)
+                self._finish(self.load_stream, wait_now=True)  # before the block is reused
+
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor):
+        """dst in CPU memory <- src on the device; returns when dst holds the data."""
+        with self._start(self.store_stream):
+            if dst.is_contiguous() and self.tiers.is_pinned(dst):
+                dst.copy_(src, non_blocking=True)  # a strided src is gathered on the device first
+                self._finish(self.store_stream, wait_now=True)
+                return
+            with self.stage(src.shape, src.dtype) as staged:
+                staged.copy_(src, non_blocking=True)
+                self._finish(self.store_stream, wait_now=True)
+                dst.copy_(staged)
+
+    def on_device(self, dst: torch.Tensor, src: torch.Tensor):
+        """A device-side copy on the load stream, after the loads queued there before it."""
+        with self._start(self.load_stream):
+            dst.copy_(src)
+            self._finish(self.load_stream, wait_now=True)
+
+    def gather_to_host(self, src: torch.Tensor, index) -> torch.Tensor:
+        """src[index] (small: a few slots) as a new CPU tensor, gathered and copied on the store stream."""
+        with self._start(self.store_stream):
+            out = (src if index is None else src[index]).to("cpu", non_blocking=False)
+        return out

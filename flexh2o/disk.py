@@ -1,23 +1,35 @@
-"""The disk tier: tensors in files under the offload dir, read and written by a small I/O pool.
+"""The disk tier: tensors in files under the offload dir.
 
 Each run works in its own fresh sub-directory of --offload-dir, removed when the run ends (on
 close, at interpreter exit, or when the engine is garbage collected), so a crash or Ctrl-C leaves
-nothing behind. With `bypass_page_cache` every read is followed by posix_fadvise(DONTNEED) on the
-range it read, and every write by fdatasync + DONTNEED, so benchmarks measure the disk itself
-rather than the page cache.
+nothing behind.
+
+With `bypass_page_cache`, reads miss every cache so benchmarks measure the disk: they use O_DIRECT
+where the filesystem allows it, else the pages a read touched are evicted after it, with readahead
+off. (An offload dir on tmpfs is memory: nothing to bypass, and the mode says so.) Writes stay
+buffered: an O_DIRECT read first flushes the dirty pages of its range, so it sees them; a per-token
+fdatasync would only measure the sync.
 """
 
 import os
 import shutil
 import tempfile
+import threading
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from .errors import UsageError
 
-MAX_IO = 1 << 30  # bytes per system call; Linux caps a single read/write near 2 GiB
+MAX_IO = 1 << 30    # bytes per system call; Linux caps a single read/write near 2 GiB
+ALIGN = 4096        # O_DIRECT alignment of offsets, lengths and memory
+BOUNCE = 8 << 20    # largest aligned staging buffer per I/O thread
+
+USED = "used"
+DIRECT = "bypassed by reads (O_DIRECT)"
+EVICTED = "evicted after use (posix_fadvise DONTNEED, readahead off)"
+MEMORY = "in memory (the offload dir is on tmpfs: no disk to read)"
 
 
 def as_bytes(tensor: torch.Tensor) -> memoryview:
@@ -33,87 +45,184 @@ def ensure_dir(directory: str):
         raise UsageError("--offload-dir", f"cannot write to {directory}: {e.strerror}") from None
 
 
+def aligned_empty(nbytes: int) -> torch.Tensor:
+    """A uint8 CPU tensor whose first byte sits at an ALIGN boundary."""
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    skip = -raw.data_ptr() % ALIGN
+    return raw[skip: skip + nbytes]
+
+
+def pread_all(fd: int, view: memoryview, offset: int, path: str):
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done: done + MAX_IO]], offset + done)
+        if n <= 0:
+            raise OSError(f"short read from {path}")
+        done += n
+
+
+def fs_type(path: str) -> str:
+    """The type of the filesystem holding `path` (the deepest mount in /proc/mounts), "" if unknown."""
+    path, best, kind = os.path.realpath(path), "", ""
+    try:
+        with open("/proc/mounts") as mounts:
+            for line in mounts:
+                mnt, typ = line.split()[1:3]
+                mnt = mnt.replace("\\040", " ")
+                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                    best, kind = mnt, typ
+    except OSError:
+        pass
+    return kind
+
+
+def direct_io_works(directory: str) -> bool:
+    """Whether files in `directory` can be read with O_DIRECT (one aligned block, written and read back)."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    path = os.path.join(directory, "probe")
+    fd = dfd = None
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        os.write(fd, bytes(range(256)) * (ALIGN // 256))
+        dfd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        buf = aligned_empty(ALIGN)
+        return os.preadv(dfd, [as_bytes(buf)], 0) == ALIGN and buf[255].item() == 255
+    except OSError:
+        return False
+    finally:
+        for d in (fd, dfd):
+            if d is not None:
+                os.close(d)
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def page_cache_mode(directory: str) -> str:
+    """How reads of files in `directory` can miss the page cache: DIRECT, EVICTED or MEMORY."""
+    if fs_type(directory) in ("tmpfs", "ramfs"):
+        return MEMORY
+    return DIRECT if direct_io_works(directory) else EVICTED
+
+
 class DiskFile:
-    def __init__(self, path: str, nbytes: int):
+    def __init__(self, path: str, nbytes: int, direct: bool, random: bool):
         self.path, self.nbytes = path, nbytes
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.ftruncate(self.fd, nbytes)
+        os.ftruncate(self.fd, -(-nbytes // ALIGN) * ALIGN)  # padded, so widened reads stay inside
+        self.dfd = os.open(path, os.O_RDONLY | os.O_DIRECT) if direct else None
+        if random:
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
+
+    def close(self):
+        for fd in (self.fd, self.dfd):
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self.fd = self.dfd = None
 
 
 class DiskStore:
-    def __init__(self, offload_dir: str, bypass_page_cache: bool = False, threads: int = 4):
+    def __init__(self, offload_dir: str, bypass_page_cache: bool = False):
         ensure_dir(offload_dir)
         try:
             self.dir = tempfile.mkdtemp(prefix="flexh2o-run-", dir=offload_dir)
         except OSError as e:
             raise UsageError("--offload-dir", f"cannot write to {offload_dir}: {e.strerror}") from None
-        self.bypass = bypass_page_cache
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="flexh2o-io")
         self.files: list[DiskFile] = []
+        self._cleanup = weakref.finalize(self, _remove, self.dir, self.files)
+        self.page_cache = page_cache_mode(self.dir) if bypass_page_cache else USED
         self.created = 0
-        self.bytes_read = 0
+        self.bytes_read = 0   # what callers asked for, not the aligned ranges O_DIRECT widens them to
         self.bytes_written = 0
-        self._cleanup = weakref.finalize(self, _remove, self.dir, self.files, self.pool)
+        self._count = threading.Lock()
+        self._local = threading.local()  # per I/O thread: its aligned bounce buffer
 
     def create(self, nbytes: int) -> DiskFile:
         self.created += 1
-        f = DiskFile(os.path.join(self.dir, f"t{self.created:06d}.bin"), nbytes)
+        f = DiskFile(os.path.join(self.dir, f"t{self.created:06d}.bin"), nbytes,
+                     direct=self.page_cache == DIRECT, random=self.page_cache == EVICTED)
         self.files.append(f)
         return f
 
     def remove(self, f: DiskFile):
-        os.close(f.fd)
+        f.close()
         os.unlink(f.path)
         self.files.remove(f)
 
     def read(self, f: DiskFile, offset: int, out: torch.Tensor):
         """Fills the contiguous CPU tensor `out` from the file at `offset` (blocking)."""
-        view, done = as_bytes(out), 0
-        while done < len(view):
-            n = os.preadv(f.fd, [view[done: done + MAX_IO]], offset + done)
-            if n <= 0:
-                raise OSError(f"short read from {f.path}")
-            done += n
-        if self.bypass:
-            os.posix_fadvise(f.fd, offset, done, os.POSIX_FADV_DONTNEED)
-        self.bytes_read += done
+        dst = out.view(-1).view(torch.uint8)
+        n = dst.numel()
+        if self.page_cache == DIRECT:
+            self._read_direct(f, offset, dst)
+        else:
+            pread_all(f.fd, as_bytes(dst), offset, f.path)
+            if self.page_cache == EVICTED:
+                start, end = _widen(offset, n)
+                os.posix_fadvise(f.fd, start, end - start, os.POSIX_FADV_DONTNEED)
+        with self._count:
+            self.bytes_read += n
+
+    def _read_direct(self, f: DiskFile, offset: int, dst: torch.Tensor):
+        n = dst.numel()
+        start, end = _widen(offset, n)
+        if (start, end) == (offset, offset + n) and dst.data_ptr() % ALIGN == 0:
+            pread_all(f.dfd, as_bytes(dst), offset, f.path)
+            return
+        for pos in range(start, end, BOUNCE):
+            chunk = min(BOUNCE, end - pos)
+            bounce = self._bounce(chunk)
+            pread_all(f.dfd, as_bytes(bounce), pos, f.path)
+            lo, hi = max(pos, offset), min(pos + chunk, offset + n)
+            # numpy: one thread, GIL released; torch's copy_ would start a thread team per I/O thread
+            np.copyto(dst[lo - offset: hi - offset].numpy(), bounce[lo - pos: hi - pos].numpy())
+
+    def _bounce(self, nbytes: int) -> torch.Tensor:
+        buf = getattr(self._local, "bounce", None)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._local.bounce = aligned_empty(nbytes)
+        return buf[:nbytes]
 
     def write(self, f: DiskFile, offset: int, data: torch.Tensor):
-        """Writes the contiguous CPU tensor `data` to the file at `offset` (blocking)."""
+        """Writes the contiguous CPU tensor `data` to the file at `offset` (blocking). Called for
+        whole tensors (weights at load time, the prompt's cache): with bypass on, their pages are
+        synced and dropped so they do not sit in RAM."""
         view, done = as_bytes(data), 0
         while done < len(view):
             done += os.pwritev(f.fd, [view[done: done + MAX_IO]], offset + done)
-        if self.bypass:
+        if self.page_cache in (DIRECT, EVICTED):
             os.fdatasync(f.fd)
-            os.posix_fadvise(f.fd, offset, done, os.POSIX_FADV_DONTNEED)
-        self.bytes_written += done
+            start, end = _widen(offset, done)
+            os.posix_fadvise(f.fd, start, end - start, os.POSIX_FADV_DONTNEED)
+        with self._count:
+            self.bytes_written += done
 
     def write_rows(self, f: DiskFile, rows: torch.Tensor, data: torch.Tensor):
         """Writes data[i] (a contiguous CPU tensor [n, ...]) at row rows[i] of a file of equal-sized rows;
-        rows sorted ascending. Neighbouring rows go out in one system call."""
+        rows sorted ascending. Neighbouring rows go out in one system call. One token's slots: buffered,
+        never synced here (see the module note)."""
         row_bytes = data[0].numel() * data.element_size()
         view = as_bytes(data.contiguous())
         r = rows.tolist()
         breaks = [0] + [i for i in range(1, len(r)) if r[i] != r[i - 1] + 1] + [len(r)]
         for a, b in zip(breaks, breaks[1:]):
             os.pwrite(f.fd, view[a * row_bytes: b * row_bytes], r[a] * row_bytes)
-        if self.bypass and r:
-            os.fdatasync(f.fd)
-            os.posix_fadvise(f.fd, r[0] * row_bytes, (r[-1] + 1 - r[0]) * row_bytes, os.POSIX_FADV_DONTNEED)
-        self.bytes_written += len(view)
-
-    def submit(self, fn, *args):
-        return self.pool.submit(fn, *args)
+        with self._count:
+            self.bytes_written += len(view)
 
     def close(self):
         self._cleanup()
 
 
-def _remove(directory, files, pool):
-    pool.shutdown(wait=True, cancel_futures=True)
+def _widen(offset: int, nbytes: int) -> tuple[int, int]:
+    """The ALIGN-aligned byte range [start, end) that covers [offset, offset + nbytes)."""
+    return offset - offset % ALIGN, -(-(offset + nbytes) // ALIGN) * ALIGN
+
+
+def _remove(directory, files):
     for f in files:
-        try:
-            os.close(f.fd)
-        except OSError:
-            pass
+        f.close()
     shutil.rmtree(directory, ignore_errors=True)

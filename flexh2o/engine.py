@@ -66,6 +66,7 @@ class GenerationStats:
     compute_seconds: float = 0.0  # forward passes alone
     io_seconds: float = 0.0       # I/O tasks, summed over threads
     disk_bytes_read: int = 0
+    step_allocations: list | None = None  # tensors allocated during each token step
 
 
 def act_tier(policy: Policy) -> str:
@@ -82,6 +83,7 @@ class Engine:
         self.weights_source, self.caps = weights_source, caps
         self.weight_need = weight_need(layers, tiers.dtype.itemsize, policy, tiers.compute)
         self.last_stats: GenerationStats | None = None
+        self.projected: dict | None = None  # the pre-flight projection per tier of the last generate call
 
     @classmethod
     def from_pretrained(cls, model: str, policy: Policy | None = None, device=None, dtype=None,
@@ -164,8 +166,10 @@ class Engine:
         if prompt_len + max_new_tokens > spec.max_positions:
             raise UsageError("--prompt-len/--gen-len", f"prompt_len + gen_len = {prompt_len + max_new_tokens} "
                              f"exceeds the {spec.max_positions} positions of {spec.name}")
-        need = run_need(spec, policy, self.tiers.dtype.itemsize, prompt_len, max_new_tokens, self.tiers.compute)
-        check_fits(add(self.weight_need, need), self.caps, self.tiers.compute)
+        need = run_need(spec, policy, self.tiers.dtype.itemsize, prompt_len, max_new_tokens, self.tiers.compute,
+                        output_scores, self.tiers.io_threads)
+        self.projected = add(self.weight_need, need)
+        check_fits(self.projected, self.caps, self.tiers.compute)
         sampler = Sampler(do_sample, temperature, top_k, top_p, seed)
         eos = spec.eos_token_id if eos_token_id == -1 else eos_token_id
         pad = spec.pad_token_id if pad_token_id is None else pad_token_id
@@ -187,7 +191,7 @@ class Engine:
         read = (self.tiers.disk.bytes_read if self.tiers.disk else 0) - read_before
         self.last_stats = GenerationStats(policy.batch_size, prompt_len, max_new_tokens, steps_done, times[0],
                                           sum(times[1:]), schedule.compute_seconds,
-                                          self.tiers.io_seconds - io_before, read)
+                                          self.tiers.io_seconds - io_before, read, schedule.step_allocations)
         if output_scores:
             return GenerateOutput(seqs.ids, seqs.score_list(steps_done))
         return seqs.ids

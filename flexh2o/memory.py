@@ -14,13 +14,16 @@ import psutil
 import torch
 
 from .errors import UsageError
-from .kv import cache_bytes
-from .kv.home import batch_split
+from .kv import budget, cache_bytes
+from .kv.home import IN_FLIGHT, batch_split, cpu_attention_dtype
 from .models.attention import PROBS_CHUNK_BYTES
 from .tiers import split_rows
 
 GB = 1 << 30
 RUNTIME_RESERVE = 1 << 30  # memory the process itself needs beyond its tensors (Python, torch, allocator)
+CUDA_HEADROOM = 576 << 20  # the CUDA context (outside torch's allocator) and cuBLAS workspaces
+IO_THREADS = 2             # Tiers' default I/O threads
+DTYPE_OF = {2: torch.float16, 4: torch.float32}  # a run's dtype from its size (2 bytes: float16 on CUDA)
 UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
          "mib": 1 << 20, "g": GB, "gb": GB, "gib": GB, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
 
@@ -57,7 +60,24 @@ def weight_need(layers, dtype_bytes: int, policy, device) -> dict:
         need["cpu"] += b * policy.w_cpu_percent / 100
         need["disk"] += b * policy.disk_percent("w") / 100
     need["gpu"] += compute_copy_bytes(layers, dtype_bytes, policy, device)
+    if device.type == "cuda":  # disk reads go through pinned staging blocks (cuda_io.py)
+        need["cpu"] += (IO_THREADS + 1) * largest_disk_segment(layers, dtype_bytes, policy)
     return need
+
+
+def largest_disk_segment(layers, dtype_bytes: int, policy) -> int:
+    """Bytes of the largest run of rows any weight keeps on disk."""
+    largest, seen = 0, set()
+    for layer in layers:
+        kind = tuple(shape for _, shape in layer.weight_specs())
+        if kind in seen:
+            continue
+        seen.add(kind)
+        shapes = [tuple(t.shape) for t in layer.prepare([torch.empty(s, device="meta") for s in kind])]
+        row_bytes = [math.prod(shape[1:]) * dtype_bytes for shape in shapes]
+        for rb, rows in zip(row_bytes, split_rows(shapes, row_bytes, policy.w_gpu_percent, policy.w_cpu_percent)):
+            largest = max(largest, rows["disk"] * rb)
+    return largest
 
 
 def buffered_shapes(layer, dtype_bytes: int, policy, device) -> list[tuple]:
@@ -91,21 +111,42 @@ def compute_copy_bytes(layers, dtype_bytes: int, policy, device) -> int:
     return sum(math.prod(shape) * dtype_bytes * count for shape, count in most.items())
 
 
-def run_need(spec, policy, dtype_bytes: int, prompt_len: int, gen_len: int, device) -> dict:
-    """Cache and activations of one generate call."""
+def run_need(spec, policy, dtype_bytes: int, prompt_len: int, gen_len: int, device,
+             output_scores: bool = False, io_threads: int = IO_THREADS) -> dict:
+    """Cache, activations and working set of one generate call."""
     b, nb = policy.gpu_batch_size, policy.num_gpu_batches
+    on_cuda = device.type == "cuda"
     rows = batch_split(b, policy.cache_gpu_percent, policy.cache_cpu_percent)
     per_row = cache_bytes(spec, policy, 1, prompt_len, gen_len, dtype_bytes) // spec.num_layers  # one layer
     need = {tier: rows[tier] * per_row * nb * spec.num_layers for tier in rows}
-    off_rows = rows["disk"] + (rows["cpu"] if device.type == "cuda" and not policy.cpu_cache_compute else 0)
-    need["gpu"] += 3 * off_rows * per_row  # the part in use, the one loading, the one storing
+    # Parts a step loads into pooled compute buffers (kv/home.py): IN_FLIGHT sets of each, plus a
+    # slot-major block of K per I/O thread; on CUDA a CPU part under cpu_cache_compute is loaded
+    # for the prompt only, but its buffers stay pooled.
+    loaded = rows["disk"] + (rows["cpu"] if on_cuda else 0)
+    capacity, _ = budget(policy, prompt_len, gen_len)
+    k_bytes = spec.cache_bytes(1, capacity, dtype_bytes) // spec.num_layers // 2  # K of one sequence
+    if on_cuda and policy.cpu_cache_compute:  # the CPU-attended part may be held in a wider dtype
+        wider = cpu_attention_dtype(DTYPE_OF[dtype_bytes]).itemsize - dtype_bytes
+        need["cpu"] += rows["cpu"] * nb * spec.num_layers * 2 * k_bytes * wider // dtype_bytes
+    need["gpu"] += IN_FLIGHT * loaded * per_row
+    moved = [n for n in (rows["disk"], 0 if policy.cpu_cache_compute else rows["cpu"] if on_cuda else 0) if n]
+    need["gpu"] += io_threads * sum(n * k_bytes for n in set(moved))
+    if on_cuda and (rows["cpu"] or rows["disk"]):
+        need["cpu"] += (io_threads + 1) * max(rows["cpu"], rows["disk"]) * k_bytes  # pinned staging blocks
     hidden = spec.hidden_bytes(b, prompt_len, dtype_bytes)
     # The prompt's attention works in blocks (fused kernels, or PROBS_CHUNK_BYTES of probabilities).
     attention = min(b * spec.num_heads * prompt_len * prompt_len * 4, PROBS_CHUNK_BYTES)
     working = b * prompt_len * (3 * spec.hidden_size + spec.ffn_dim) * dtype_bytes + attention + b * spec.vocab_size * 4
-    act = "gpu" if policy.act_gpu_percent == 100 or nb == 1 else "cpu"
-    need["gpu"] += hidden + working
-    need[act] += hidden * (nb - 1)
+    need["gpu"] += working + nb * b * prompt_len * prompt_len  # every gpu-batch's prompt mask (bool) exists at once
+    if policy.act_gpu_percent == 100 or nb == 1:
+        need["gpu"] += nb * hidden
+    else:  # parked in CPU memory; on the device the one computing, the one loading, the one storing
+        need["gpu"] += min(3, nb) * hidden
+        need["cpu"] += nb * hidden
+    if output_scores:  # one [batch, vocab] float32 row of logits per generated token, kept in CPU memory
+        need["cpu"] += gen_len * nb * b * spec.vocab_size * 4
+    if on_cuda:
+        need["gpu"] += CUDA_HEADROOM
     return need
 
 

@@ -19,13 +19,18 @@ from .machine import describe_machine
 GB = 1 << 30
 
 
-def peak_memory(tiers) -> dict:
-    """Peak bytes per tier: what flexh2o allocated there (tracked), plus what the system saw."""
+def peak_memory(engine) -> dict:
+    """Peak bytes per tier: what flexh2o allocated there (tracked; pinned host memory counts as
+    allocated on the cpu tier), what the system saw, and what the pre-flight projected."""
+    tiers, projected = engine.tiers, engine.projected or {}
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     return {
         "peak_gpu_mem_bytes": tiers.peak["gpu"],
         "peak_gpu_allocator_bytes": torch.cuda.max_memory_allocated(tiers.compute) if tiers.on_cuda else None,
+        "projected_gpu_mem_bytes": projected.get("gpu"),
         "peak_cpu_mem_bytes": tiers.peak["cpu"],
+        "projected_cpu_mem_bytes": projected.get("cpu"),
+        "pinned_host_bytes": tiers.pinned_bytes() if tiers.on_cuda else None,
         "peak_rss_bytes": rss,
         "peak_disk_bytes": tiers.peak["disk"],
     }
@@ -52,10 +57,9 @@ def build_report(engine, stats, policy, sample_text=None) -> dict:
         "kv_policy": kv_description(policy, stats.prompt_len, stats.gen_len),
         "cache_size_bytes": cache_bytes(spec, policy, batch, stats.prompt_len, stats.gen_len, dtype_bytes),
         "hidden_size_bytes": spec.hidden_bytes(batch, stats.prompt_len, dtype_bytes),
-        **peak_memory(engine.tiers),
+        **peak_memory(engine),
         "disk_io": None if disk is None else {
-            "page_cache": "bypassed (posix_fadvise DONTNEED after each read, fdatasync + DONTNEED after each write)"
-            if disk.bypass else "used", "bytes_read": disk.bytes_read, "bytes_written": disk.bytes_written},
+            "page_cache": disk.page_cache, "bytes_read": disk.bytes_read, "bytes_written": disk.bytes_written},
         "prefill_latency_s": stats.prefill_seconds,
         "prefill_throughput": batch * stats.prompt_len / stats.prefill_seconds,
         "decode_latency_s": stats.decode_seconds,
@@ -89,6 +93,10 @@ def format_report(r: dict) -> str:
         f"peak gpu mem: {r['peak_gpu_mem_bytes'] / GB:.3f} GB\tpeak cpu mem: {r['peak_cpu_mem_bytes'] / GB:.3f} GB\t"
         f"peak disk: {r['peak_disk_bytes'] / GB:.3f} GB\tprocess peak RSS: {r['peak_rss_bytes'] / GB:.3f} GB"
         + ("\t(the CPU is the compute device)" if r["device"] == "cpu" else ""),
+        f"projected gpu mem: {r['projected_gpu_mem_bytes'] / GB:.3f} GB\tprojected cpu mem: "
+        f"{r['projected_cpu_mem_bytes'] / GB:.3f} GB"
+        + (f"\tallocator peak: {r['peak_gpu_allocator_bytes'] / GB:.3f} GB\tpinned host: "
+           f"{r['pinned_host_bytes'] / GB:.3f} GB" if r["peak_gpu_allocator_bytes"] is not None else ""),
         f"prefill latency: {r['prefill_latency_s']:.3f} s\tprefill throughput: {r['prefill_throughput']:.3f} token/s",
         f"decode latency: {r['decode_latency_s']:.3f} s\tdecode throughput: {r['decode_throughput']:.3f} token/s",
         f"total latency: {r['total_latency_s']:.3f} s\ttotal throughput: {r['total_throughput']:.3f} token/s",

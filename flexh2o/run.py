@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     for tier in ("gpu", "cpu", "disk"):
         p.add_argument(f"--{tier}-mem", metavar="SIZE", help=f"cap on the {tier} tier, e.g. 16GB (default: detected)")
     p.add_argument("--no-page-cache", action="store_true",
-                   help="disk reads and writes bypass the page cache (benchmarks measure the disk)")
+                   help="disk reads skip the page cache (benchmarks measure the disk): O_DIRECT where the "
+                        "filesystem allows it, else each read's pages are evicted after it, readahead off")
     p.add_argument("--device", default=None, help="cuda when available, else cpu")
     p.add_argument("--dtype", default=None, help="float16 (CUDA default), bfloat16 (CPU default) or float32")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts, dummy weights and sampling")

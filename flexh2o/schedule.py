@@ -17,8 +17,10 @@ class Schedule:
         # With one gpu-batch the next compute needs the hidden state just made: nothing to overlap
         # its move with, so it stays on the compute device.
         self.act_tier = act_tier if num_gpu_batches > 1 else "gpu"
+        tiers.parked_slots = num_gpu_batches
         self.hidden = [None] * num_gpu_batches
         self.step_seconds = []
+        self.step_allocations = []  # tensors allocated during each token step (none after the first decode step)
         self.compute_seconds = 0.0  # forward passes only, without waiting for their inputs
 
     def run(self, gen_len: int, progress: bool = False) -> int:
@@ -28,7 +30,7 @@ class Schedule:
         self.load_weight(0, 0, 0)
         self.load_cache(0, 0, 0)
         for i in tqdm(range(gen_len), desc="generate", unit="tok", disable=not progress, leave=False):
-            start = time.perf_counter()
+            start, allocated = time.perf_counter(), self.tiers.allocations
             self.steps = self.seqs.steps(i, nb)
             for j in range(num_layers):
                 for k in range(nb):
@@ -42,6 +44,7 @@ class Schedule:
             self.store_cache(i, num_layers - 1, nb - 1)
             self.sync()
             self.step_seconds.append(time.perf_counter() - start)
+            self.step_allocations.append(self.tiers.allocations - allocated)
             if self.seqs.all_finished():
                 return i + 1
         return gen_len

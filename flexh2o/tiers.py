@@ -7,14 +7,13 @@ caller gets a `Pending` to wait on. Where the compute device is the CPU, the gpu
 are the same memory: a tensor held whole by either is used in place, never copied.
 """
 
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-TIERS = ("gpu", "cpu", "disk")
+from .buffers import TIERS, Buffers
 
 
 class Pending:
@@ -72,38 +71,18 @@ def split_rows(shapes: list[tuple], row_bytes: list[int], gpu_percent: float, cp
     return out
 
 
-class Tiers:
+class Tiers(Buffers):
     def __init__(self, device, dtype: torch.dtype, disk=None, overlap: bool = True, io_threads: int = 2):
-        self.compute = torch.device(device)
-        self.dtype = dtype
+        super().__init__(device, dtype)
         self.disk = disk
-        self.on_cuda = self.compute.type == "cuda"
         self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="flexh2o-io") if overlap else None
-        self.free_buffers: dict[tuple, list] = {}
+        self.io_threads = io_threads
+        self.parked_slots = 1  # hidden states parked in CPU memory at once: one per gpu-batch (set by the schedule)
         self.io_seconds = 0.0  # summed over I/O tasks (with overlap off: time the schedule waits for I/O)
-        self._io_lock = threading.Lock()
-        self._pool_lock = threading.Lock()
-        self.bytes = {t: 0 for t in TIERS}
-        self.peak = {t: 0 for t in TIERS}
+        self.cuda = None
         if self.on_cuda:
             from .cuda_io import CudaCopies
-            self.cuda = CudaCopies(self.compute)
-
-    # -- accounting -------------------------------------------------------------------------
-    def track(self, tier: str, nbytes: int):
-        """Counts bytes allocated (positive) or freed (negative) on a tier, and its peak."""
-        with self._io_lock:
-            self.bytes[tier] += nbytes
-            self.peak[tier] = max(self.peak[tier], self.bytes[tier])
-
-    def alloc(self, tier: str, shape, dtype=None, zero=False) -> torch.Tensor:
-        dtype = dtype or self.dtype
-        device = self.compute if tier == "gpu" else "cpu"
-        pin = tier == "cpu" and self.on_cuda
-        t = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin) if zero or pin else \
-            torch.empty(shape, dtype=dtype, device=device)
-        self.track(tier, t.numel() * t.element_size())
-        return t
+            self.cuda = CudaCopies(self, stages=io_threads + 1)
 
     # -- placement --------------------------------------------------------------------------
     def place(self, tensor: torch.Tensor, rows: dict) -> Placed:
@@ -119,6 +98,7 @@ class Tiers:
             if tier == "disk":
                 seg.file = self.disk.create(part.numel() * part.element_size())
                 self.disk.write(seg.file, 0, part)
+                self.reserve_staging(seg.file.nbytes)
                 self.track("disk", seg.file.nbytes)
             else:
                 seg.data = self.alloc(tier, part.shape)
@@ -127,30 +107,21 @@ class Tiers:
             start += n
         return Placed(tuple(tensor.shape), self.dtype, segments)
 
-    # -- buffers ----------------------------------------------------------------------------
-    def buffer(self, shape, dtype=None, tier: str = "gpu") -> torch.Tensor:
-        """A pooled buffer on the compute device (or a CPU staging buffer, pinned on CUDA).
-        Its contents are stale but finite: buffers start zeroed."""
-        key = (tuple(shape), dtype or self.dtype, tier)
-        with self._pool_lock:  # the compute thread and the I/O threads both take and return buffers
-            free = self.free_buffers.get(key)
-            if free:
-                return free.pop()
-        return self.alloc(tier, shape, dtype, zero=True)
-
-    def release(self, tensor: torch.Tensor):
-        tier = "gpu" if tensor.device == self.compute else "cpu"
-        with self._pool_lock:
-            self.free_buffers.setdefault((tuple(tensor.shape), tensor.dtype, tier), []).append(tensor)
-
     # -- moving data ------------------------------------------------------------------------
     def run_io(self, fn, value) -> Pending:
-        """Runs fn on an I/O thread (overlap on) or right here (overlap off)."""
+        """Runs fn on an I/O thread (overlap on) or right here (overlap off). On CUDA its copies
+        follow the compute queued up to now, when the task is queued, not when a thread takes it."""
+        after = self.cuda.queued() if self.cuda else None
+
         def task():
             start = time.perf_counter()
             with torch.no_grad():
-                fn()
-            with self._io_lock:
+                if self.cuda:
+                    with self.cuda.task(after):
+                        fn()
+                else:
+                    fn()
+            with self._lock:
                 self.io_seconds += time.perf_counter() - start
         if self.pool is None:
             task()
@@ -171,34 +142,68 @@ class Tiers:
             if seg.tier == "disk":
                 self.read_disk(seg.file, 0, rows)
             else:
-                self.copy_to_compute(rows, seg.data)
+                self.to_device(rows, seg.data)
+
+    def reserve_staging(self, nbytes: int):
+        """On CUDA, host data that is not pinned and contiguous moves through pinned staging
+        blocks; each must hold the largest such move (asked for while placing, never mid-run)."""
+        if self.cuda:
+            self.cuda.reserve_staging(nbytes)
 
     def read_disk(self, file, offset: int, out: torch.Tensor):
-        """Reads a file range into `out` (contiguous), through a pinned staging buffer on CUDA."""
-        if self.on_cuda:
-            self.cuda.copy_from_disk(self.disk, file, offset, out)
-        else:
+        """Reads a file range into `out` (contiguous): on CUDA through a pinned staging block."""
+        if not self.on_cuda:
             self.disk.read(file, offset, out)
+            return
+        with self.cuda.stage(out.shape, out.dtype) as staged:
+            self.disk.read(file, offset, staged)
+            self.to_device(out, staged)
+            self.cuda.load_stream.synchronize()  # before the block is reused
 
     def write_disk(self, file, offset: int, data: torch.Tensor):
-        self.disk.write(file, offset, data.contiguous().cpu())
+        """Writes compute-device data to a file range."""
+        if not self.on_cuda:
+            self.disk.write(file, offset, data.contiguous())
+            return
+        with self.cuda.stage(data.shape, data.dtype) as staged:
+            self.to_host(staged, data)
+            self.disk.write(file, offset, staged)
 
-    def copy_to_compute(self, dst: torch.Tensor, src: torch.Tensor):
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor):
+        """dst on the compute device <- src in CPU memory."""
         if self.on_cuda:
-            self.cuda.copy(dst, src)
+            self.cuda.to_device(dst, src)
         else:
             dst.copy_(src)
 
-    def to_cpu(self, src: torch.Tensor, dst: torch.Tensor):
-        """Copies compute-device data back to CPU memory."""
-        self.copy_to_compute(dst, src)
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor):
+        """dst in CPU memory <- src on the compute device (done when this returns)."""
+        if self.on_cuda:
+            self.cuda.to_host(dst, src)
+        else:
+            dst.copy_(src)
+
+    def copy_on_device(self, dst: torch.Tensor, src: torch.Tensor):
+        """dst <- src, both on the compute device, after the loads this task queued before it;
+        done when this returns (src may be a pooled buffer going back to the pool)."""
+        if self.on_cuda:
+            self.cuda.on_device(dst, src)
+        else:
+            dst.copy_(src)
+
+    def host(self, src: torch.Tensor, index=None) -> torch.Tensor:
+        """src[index] in CPU memory: a few slots or indices, gathered where they are."""
+        if self.on_cuda:
+            return self.cuda.gather_to_host(src, index)
+        return src if index is None else src[index]
 
     def store_act(self, hidden: torch.Tensor):
         """Parks a hidden state in CPU memory (where that is the compute device: nothing to do)."""
         if not self.on_cuda:
             return hidden
+        self.reserve(hidden.shape, hidden.dtype, "cpu", count=self.parked_slots)
         parked = self.buffer(hidden.shape, hidden.dtype, tier="cpu")
-        return self.run_io(lambda: self.to_cpu(hidden, parked), parked)
+        return self.run_io(lambda: self.to_host(parked, hidden), parked)
 
     def load_act(self, parked):
         """Brings a parked hidden state back to the compute device."""
@@ -207,16 +212,18 @@ class Tiers:
         out = torch.empty(parked.value.shape, dtype=parked.value.dtype, device=self.compute)
 
         def fill():
-            self.copy_to_compute(out, parked.wait())
+            self.to_device(out, parked.wait())
             self.release(parked.value)
         return self.run_io(fill, out)
 
     def sync(self):
+        """Waits for the compute queued so far (the copies on the side streams go on)."""
         if self.on_cuda:
-            torch.cuda.synchronize(self.compute)
+            self.cuda.compute_stream.synchronize()
 
     def close(self):
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
         if self.disk is not None:
             self.disk.close()
+        self.unpin_all()

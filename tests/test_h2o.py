@@ -17,7 +17,10 @@ def run_engine(directory, ids, mask, tmp_path, nb=1, cache=(100, 0), **kv):
                     cache_cpu_percent=cache[1], **kv)
     with Engine.from_pretrained(directory, policy=policy, device="cpu", dtype=torch.float32,
                                 offload_dir=str(tmp_path)) as engine:
-        return engine.generate(ids, mask, max_new_tokens=NEW, output_scores=True, eos_token_id=None)
+        out = engine.generate(ids, mask, max_new_tokens=NEW, output_scores=True, eos_token_id=None)
+        allocations = engine.last_stats.step_allocations
+    assert allocations[2:] == [0] * (NEW - 2), allocations  # nothing allocated after the first decode step
+    return out
 
 
 @pytest.mark.parametrize("ratio", [0.1, 0.2, 0.5])

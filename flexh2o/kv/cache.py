@@ -26,10 +26,10 @@ class KVCache:
         self.written = None   # what the last step wrote: "all" (the prompt) or slot per [batch, kv_head]
 
     @classmethod
-    def allocate(cls, tiers, batch, kv_heads, head_dim, capacity, with_score: bool, tier: str = "gpu"):
+    def allocate(cls, tiers, batch, kv_heads, head_dim, capacity, with_score: bool, tier: str = "gpu", dtype=None):
         shape = (batch, kv_heads, capacity, head_dim)
         pos, score = cls.allocate_state(tiers, batch, kv_heads, capacity, with_score, tier)
-        return cls(tiers.alloc(tier, shape, zero=True), tiers.alloc(tier, shape, zero=True), pos, score)
+        return cls(tiers.alloc(tier, shape, dtype, zero=True), tiers.alloc(tier, shape, dtype, zero=True), pos, score)
 
     @staticmethod
     def allocate_state(tiers, batch, kv_heads, capacity, with_score: bool, tier: str):

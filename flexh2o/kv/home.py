@@ -12,12 +12,15 @@ run of neighbours. Positions and scores of a disk part stay in CPU memory (4 byt
 against 2 x head_dim x 2 for K and V).
 """
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
 from ..tiers import TIERS, Pending
 from .cache import KVCache, slot_grid
+
+IN_FLIGHT = 3  # sets of compute buffers per loaded part: computing, loading, storing
 
 
 def batch_split(batch: int, gpu_percent: float, cpu_percent: float) -> dict:
@@ -31,12 +34,30 @@ def batch_split(batch: int, gpu_percent: float, cpu_percent: float) -> dict:
 class CachePart:
     rows: slice
     tier: str
-    home: KVCache | None = None  # gpu / cpu
-    k_file: object = None        # disk: K and V in files, positions and scores in CPU memory
+    home: KVCache | None = None  # held where some device attends over it in place
+    k_host: torch.Tensor | None = None  # or K and V slot-major in CPU memory (moved to the GPU each step)
+    v_host: torch.Tensor | None = None
+    k_file: object = None        # or on disk, slot-major; positions and scores then in CPU memory
     v_file: object = None
     pos: torch.Tensor | None = None
     score: torch.Tensor | None = None
-    in_place: bool = False       # the compute device attends over the home itself
+    cpu_attends: bool = False    # on CUDA, decode attention over this part runs on the CPU (home in CPU memory)
+
+    def in_place(self, prefill: bool) -> bool:
+        """Whether a step uses the home itself. Under cpu_cache_compute the prompt's attention still
+        runs on the GPU, into a buffer whose contents then go home."""
+        return self.home is not None and not (self.cpu_attends and prefill)
+
+
+def cpu_attention_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a cache the CPU attends over. float16 products on a CPU are very slow, so a
+    float16 run holds such a cache in bfloat16 where the CPU computes in it natively (AVX512-BF16,
+    AMX), else in float32 (twice the bytes; on an AVX2 CPU bfloat16's probabilities x V product ran
+    4x slower than float32's: scripts/bench_cpu_attention.py)."""
+    if dtype != torch.float16:
+        return dtype
+    native_bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return torch.bfloat16 if native_bf16 else torch.float32
 
 
 class CacheHome:
@@ -48,29 +69,50 @@ class CacheHome:
             n = rows.get(tier, 0)
             if n == 0:
                 continue
-            if tier == "disk":
-                nbytes = capacity * n * kv_heads * head_dim * tiers.dtype.itemsize
-                part = CachePart(slice(start, start + n), tier, k_file=tiers.disk.create(nbytes),
-                                 v_file=tiers.disk.create(nbytes))
-                part.pos, part.score = KVCache.allocate_state(tiers, n, kv_heads, capacity, with_score, "cpu")
-                tiers.track("disk", 2 * nbytes)
-            else:
-                part = CachePart(slice(start, start + n), tier,
-                                 KVCache.allocate(tiers, n, kv_heads, head_dim, capacity, with_score, tier))
+            part = CachePart(slice(start, start + n), tier)
+            slot_major = (capacity, n, kv_heads, head_dim)
+            nbytes = capacity * n * kv_heads * head_dim * tiers.dtype.itemsize
+            if tier == "gpu" or (tier == "cpu" and (not tiers.on_cuda or compute_on_cpu)):
+                part.cpu_attends = tier == "cpu" and tiers.on_cuda
+                dtype = cpu_attention_dtype(tiers.dtype) if part.cpu_attends else None
+                part.home = KVCache.allocate(tiers, n, kv_heads, head_dim, capacity, with_score, tier, dtype)
                 part.pos, part.score = part.home.pos, part.home.score
-            # On CUDA a CPU-resident part is attended over on the CPU itself under cpu_cache_compute.
-            part.in_place = tier == "gpu" or (tier == "cpu" and (not tiers.on_cuda or compute_on_cpu))
+            else:
+                if tier == "disk":
+                    part.k_file, part.v_file = tiers.disk.create(nbytes), tiers.disk.create(nbytes)
+                    tiers.track("disk", 2 * nbytes)
+                else:
+                    part.k_host, part.v_host = tiers.alloc("cpu", slot_major), tiers.alloc("cpu", slot_major)
+                part.pos, part.score = KVCache.allocate_state(tiers, n, kv_heads, capacity, with_score, "cpu")
+            if tier != "gpu":
+                tiers.reserve_staging(nbytes)
             self.parts.append(part)
             start += n
         self.length = 0       # slots in use, as of the last store
         self.last_store = None
+        self._reserve_buffers()
 
-    def load(self) -> Pending:
+    def _reserve_buffers(self):
+        """The pooled compute buffers of the parts that a step loads, made now. IN_FLIGHT sets: the
+        one computing, the one loading and the one storing (a further load waits for that store)."""
+        kv_heads, head_dim, capacity = self.shape
+        loaded = Counter(p.rows.stop - p.rows.start for p in self.parts if not p.in_place(prefill=True))
+        moved = {p.rows.stop - p.rows.start for p in self.parts if p.home is None}
+        for n, parts in loaded.items():
+            sets = IN_FLIGHT * parts
+            self.tiers.reserve((n, kv_heads, capacity, head_dim), count=2 * sets)  # K and V
+            self.tiers.reserve((n, kv_heads, capacity), torch.int32, count=sets)
+            if self.with_score:
+                self.tiers.reserve((n, kv_heads, capacity), torch.float32, count=sets)
+            if n in moved:  # _read's slot-major block, one per I/O thread
+                self.tiers.reserve((capacity, n, kv_heads, head_dim), count=self.tiers.io_threads)
+
+    def load(self, prefill: bool) -> Pending:
         """The compute-side KVCache of every part: [(rows, KVCache)]."""
         views, todo = [], []
         kv_heads, head_dim, capacity = self.shape
         for part in self.parts:
-            if part.in_place:
+            if part.in_place(prefill):
                 views.append((part.rows, part.home))
                 continue
             n = part.rows.stop - part.rows.start
@@ -91,26 +133,26 @@ class CacheHome:
         return self.tiers.run_io(fill, views) if todo else Pending(views)
 
     def _read(self, part, buf):
-        length = self.length
-        self.tiers.copy_to_compute(buf.pos, part.pos)
+        tiers, length = self.tiers, self.length
+        tiers.to_device(buf.pos, part.pos)
         if buf.score is not None:
-            self.tiers.copy_to_compute(buf.score, part.score)
+            tiers.to_device(buf.score, part.score)
         if not length:
             return
-        if part.tier == "cpu":
-            self.tiers.copy_to_compute(buf.k[:, :, :length], part.home.k[:, :, :length])
-            self.tiers.copy_to_compute(buf.v[:, :, :length], part.home.v[:, :, :length])
-            return
         n, (kv_heads, head_dim, capacity) = buf.k.shape[0], self.shape
-        for file, dst in ((part.k_file, buf.k), (part.v_file, buf.v)):
-            stage = self.tiers.buffer((capacity, n, kv_heads, head_dim), tier="cpu")  # slot-major, as on disk
-            self.tiers.disk.read(file, 0, stage[:length])
-            self.tiers.copy_to_compute(dst[:, :, :length], stage[:length].permute(1, 2, 0, 3))
-            self.tiers.release(stage)
+        for host, file, dst in ((part.k_host, part.k_file, buf.k), (part.v_host, part.v_file, buf.v)):
+            # Slot-major, as at home: slots [0, length) are one contiguous block there and here.
+            block = tiers.buffer((capacity, n, kv_heads, head_dim))
+            if file is not None:
+                tiers.read_disk(file, 0, block[:length])
+            else:
+                tiers.to_device(block[:length], host[:length])
+            tiers.copy_on_device(dst[:, :, :length], block[:length].permute(1, 2, 0, 3))
+            tiers.release(block)
 
     def store(self, views) -> Pending:
         """Writes what the step changed back home, then frees the buffers."""
-        todo = [(part, buf) for part, (_, buf) in zip(self.parts, views) if not part.in_place]
+        todo = [(part, buf) for part, (_, buf) in zip(self.parts, views) if buf is not part.home]
         self.length = views[0][1].length
 
         def write():
@@ -123,40 +165,48 @@ class CacheHome:
         return self.last_store or Pending(None)
 
     def _write(self, part, buf):
-        home, slots = part.home, buf.written
-        self.tiers.to_cpu(buf.pos, part.pos)
+        tiers, slots = self.tiers, buf.written
+        tiers.to_host(part.pos, buf.pos)
         if buf.score is not None:
-            self.tiers.to_cpu(buf.score, part.score)
+            tiers.to_host(part.score, buf.score)
         if isinstance(slots, str):  # the prompt: every slot in use
-            if part.tier == "cpu":
-                for src, dst in ((buf.k, home.k), (buf.v, home.v)):
-                    self.tiers.to_cpu(src[:, :, :buf.length], dst[:, :, :buf.length])
-            else:
-                for src, file in ((buf.k, part.k_file), (buf.v, part.v_file)):
-                    self.tiers.write_disk(file, 0, src[:, :, :buf.length].permute(2, 0, 1, 3))
+            length = buf.length
+            if part.home is not None:  # a home the CPU attends over (cpu_cache_compute)
+                for src, dst in ((buf.k, part.home.k), (buf.v, part.home.v)):
+                    tiers.to_host(dst[:, :, :length], src[:, :, :length])
+                return
+            for src, host, file in ((buf.k, part.k_host, part.k_file), (buf.v, part.v_host, part.v_file)):
+                slot_major = src[:, :, :length].permute(2, 0, 1, 3)
+                if file is not None:
+                    tiers.write_disk(file, 0, slot_major)
+                else:
+                    tiers.to_host(host[:length], slot_major)
             return
         n, kv_heads = slots.shape
         seq, head = slot_grid(slots)
-        if part.tier == "cpu":
-            for src, dst in ((buf.k, home.k), (buf.v, home.v)):
-                dst[seq.cpu(), head.cpu(), slots.cpu()] = src[seq, head, slots].cpu()
+        written = tiers.host(slots)
+        if part.k_file is None:
+            cpu_seq, cpu_head = slot_grid(written)
+            for src, host in ((buf.k, part.k_host), (buf.v, part.v_host)):
+                host[written, cpu_seq, cpu_head] = tiers.host(src, (seq, head, slots))
             return
         # Disk: the row of (slot, sequence, head) in the slot-major file, written in runs of neighbours.
-        rows = (slots * (n * kv_heads) + seq * kv_heads + head).flatten()
+        cpu_seq, cpu_head = slot_grid(written)
+        rows = (written * (n * kv_heads) + cpu_seq * kv_heads + cpu_head).flatten()
         order = rows.argsort()
-        rows = rows[order].cpu()
         for src, file in ((buf.k, part.k_file), (buf.v, part.v_file)):
-            data = src[seq, head, slots].flatten(0, 1)[order].cpu()  # [n * kv_heads, head_dim]
-            self.tiers.disk.write_rows(file, rows, data)
+            data = tiers.host(src, (seq, head, slots)).flatten(0, 1)[order]  # [n * kv_heads, head_dim]
+            tiers.disk.write_rows(file, rows[order], data)
 
     def close(self):
         """Waits for the last write-back (its buffers go back to the pool) and frees the home."""
         if self.last_store is not None:
             self.last_store.wait()
         for part in self.parts:
-            held = part.home.tensors() if part.home is not None else [part.pos, part.score]
-            self.tiers.track("cpu" if part.tier == "disk" else part.tier,
-                             -sum(t.numel() * t.element_size() for t in held if t is not None))
+            if part.home is not None:
+                self.tiers.free(part.tier, part.home.tensors())
+                continue
+            self.tiers.free("cpu", [part.k_host, part.v_host, part.pos, part.score])
             if part.tier == "disk":
                 self.tiers.track("disk", -(part.k_file.nbytes + part.v_file.nbytes))
                 self.tiers.disk.remove(part.k_file)

@@ -73,7 +73,7 @@ class SelfAttention(Layer):
         self.homes, self.loading = [], []
 
     def load_cache(self, i, k):
-        self.loading[k] = self.homes[k].load()
+        self.loading[k] = self.homes[k].load(prefill=i == 0)
 
     def wait_inputs(self, k):
         super().wait_inputs(k)
@@ -97,11 +97,12 @@ class SelfAttention(Layer):
         else:
             outs = []
             for rows, cache in parts:
-                dev = cache.k.device  # the CPU itself for a CPU-resident part under cpu_cache_compute
-                k_new, v_new = k[rows].to(dev), v[rows].to(dev)
-                o, logits, probs = decode_attention(q[rows].to(dev), cache, k_new, v_new, scale)
+                # The CPU itself, in its cache's dtype, for a CPU-resident part under cpu_cache_compute.
+                dev, dtype = cache.k.device, cache.k.dtype
+                k_new, v_new = k[rows].to(dev, dtype), v[rows].to(dev, dtype)
+                o, logits, probs = decode_attention(q[rows].to(dev, dtype), cache, k_new, v_new, scale)
                 self.kv.decode(cache, k_new, v_new, step.positions[rows].to(dev), logits, probs, step)
-                outs.append(o.to(q.device))
+                outs.append(o.to(q.device, q.dtype))
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
         hidden = hidden.add_(F.linear(out.transpose(1, 2).reshape(b, n, h), out_w, out_b))
         return hidden if s.do_layer_norm_before else _layer_norm(hidden, ln_w, ln_b)

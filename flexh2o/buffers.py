@@ -1,0 +1,151 @@
+"""Memory of a run: allocations per tier with their accounting, and the pool of reusable buffers.
+
+Every tensor flexh2o allocates goes through `alloc`, which counts its bytes on its tier (the
+report's tracked peaks, the figure the pre-flight projection is held to) and counts the call
+(after the first decode step a run allocates nothing more: tests hold every placement to that).
+CPU memory that the GPU copies from or to is pinned on CUDA, page-locked in place with
+cudaHostRegister so it costs exactly its size (the caching host allocator would round each block
+up to a power of two). Pooled buffers are keyed by shape, dtype and the tier they were asked for,
+remembered per buffer, never derived by comparing devices.
+"""
+
+import threading
+
+import torch
+
+TIERS = ("gpu", "cpu", "disk")
+PAGE = 4096
+
+
+def compute_device(device) -> torch.device:
+    """The one identity of the compute device for a whole run: CUDA always with its index."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+class Buffers:
+    def __init__(self, device, dtype: torch.dtype):
+        self.compute = compute_device(device)
+        self.dtype = dtype
+        self.on_cuda = self.compute.type == "cuda"
+        self.bytes = {t: 0 for t in TIERS}
+        self.peak = {t: 0 for t in TIERS}
+        self.allocations = 0  # calls of alloc(), i.e. new tensors, pooled or not
+        self.free_buffers: dict[tuple, list] = {}
+        self._pool_key: dict[int, tuple] = {}  # data_ptr of every pooled buffer -> its key
+        self._made: dict[tuple, int] = {}      # pooled buffers per key
+        self._limit: dict[tuple, int] = {}     # keys whose count was fixed by reserve()
+        self._registered: dict[int, int] = {}  # data_ptr -> bytes, host memory pinned with cudaHostRegister
+        self._lock = threading.Condition()  # the compute thread and the I/O threads share all of this
+
+    def track(self, tier: str, nbytes: int):
+        """Counts bytes allocated (positive) or freed (negative) on a tier, and its peak."""
+        with self._lock:
+            self.bytes[tier] += nbytes
+            self.peak[tier] = max(self.peak[tier], self.bytes[tier])
+
+    def alloc(self, tier: str, shape, dtype=None, zero=False) -> torch.Tensor:
+        """A new tensor on the compute device ("gpu") or in CPU memory ("cpu"; pinned on CUDA)."""
+        dtype = dtype or self.dtype
+        if tier == "cpu" and self.on_cuda:
+            t = self._pinned_empty(shape, dtype)
+        else:
+            t = torch.empty(shape, dtype=dtype, device=self.compute if tier == "gpu" else "cpu")
+        nbytes = t.numel() * t.element_size()
+        if zero:
+            t.zero_()
+        self.track(tier, nbytes)
+        with self._lock:
+            self.allocations += 1
+        return t
+
+    def _pinned_empty(self, shape, dtype) -> torch.Tensor:
+        """Host memory page-locked in place. It starts on a page of its own and is registered in
+        whole pages, so two registrations never share a page (which CUDA would refuse)."""
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        size = -(-max(nbytes, 1) // PAGE) * PAGE
+        raw = torch.empty(size + PAGE, dtype=torch.uint8)
+        start = -raw.data_ptr() % PAGE
+        t = raw[start: start + nbytes].view(dtype).view(shape)
+        torch.cuda.cudart().cudaHostRegister(raw.data_ptr() + start, size, 0)
+        with self._lock:
+            self._registered[raw.data_ptr() + start] = size
+        return t
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        """Whether t lies in host memory this run page-locked."""
+        ptr = t.data_ptr()
+        with self._lock:
+            return any(start <= ptr < start + size for start, size in self._registered.items())
+
+    def free(self, tier: str, tensors):
+        """Gives back what `alloc` made (not pooled buffers): untracks it and unpins it; the caller
+        drops its references afterwards."""
+        for t in tensors:
+            if t is None:
+                continue
+            self.track(tier, -t.numel() * t.element_size())
+            self._unpin(t.data_ptr())
+
+    def _unpin(self, ptr: int):
+        with self._lock:
+            pinned = self._registered.pop(ptr, None)
+        if pinned:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+
+    def reserve(self, shape, dtype=None, tier: str = "gpu", count: int = 1):
+        """Makes `count` pooled buffers of this kind now, before the run, and fixes their number:
+        asking for one more then waits until one comes back (buffers freed by an I/O thread come
+        back when its task ends, so without a fixed number the pool would grow with the timing)."""
+        key = (tuple(shape), dtype or self.dtype, tier)
+        with self._lock:
+            self._limit[key] = max(self._limit.get(key, 0), count)
+            missing = self._limit[key] - self._made.get(key, 0)
+        made = [self._new_buffer(key) for _ in range(missing)]
+        with self._lock:
+            self.free_buffers.setdefault(key, []).extend(made)
+            self._lock.notify_all()
+
+    def buffer(self, shape, dtype=None, tier: str = "gpu") -> torch.Tensor:
+        """A pooled buffer on the compute device, or in CPU memory (pinned on CUDA).
+        Its contents are stale but finite: buffers start zeroed."""
+        key = (tuple(shape), dtype or self.dtype, tier)
+        with self._lock:
+            while True:
+                free = self.free_buffers.get(key)
+                if free:
+                    return free.pop()
+                if self._made.get(key, 0) < self._limit.get(key, 1 << 62):
+                    break
+                self._lock.wait()
+        return self._new_buffer(key)
+
+    def _new_buffer(self, key) -> torch.Tensor:
+        shape, dtype, tier = key
+        with self._lock:
+            self._made[key] = self._made.get(key, 0) + 1
+        t = self.alloc(tier, shape, dtype, zero=True)
+        with self._lock:
+            self._pool_key[t.data_ptr()] = key
+        return t
+
+    def release(self, tensor: torch.Tensor):
+        """Hands a buffer from `buffer` back to the pool, under the key it was made with."""
+        with self._lock:
+            key = self._pool_key[tensor.data_ptr()]  # a KeyError here means it was never pooled
+            self.free_buffers.setdefault(key, []).append(tensor)
+            self._lock.notify_all()
+
+    def pooled_count(self) -> int:
+        with self._lock:
+            return len(self._pool_key)
+
+    def pinned_bytes(self) -> int:
+        with self._lock:
+            return sum(self._registered.values())
+
+    def unpin_all(self):
+        for ptr in list(self._registered):
+            self._unpin(ptr)
