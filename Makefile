@@ -7,7 +7,11 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 ARGS ?=
 
-.PHONY: run test setup clean
+# The GPU machine has torch with CUDA and every dependency installed and no network: gpu-check
+# runs there with its own python3, from the checkout, without a virtual environment.
+GPU_PYTHON ?= python3
+
+.PHONY: run test setup clean gpu-check
 
 setup: $(VENV)/.installed
 
@@ -23,6 +27,10 @@ run: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
+
+gpu-check:
+	PYTHONPATH=. $(GPU_PYTHON) -m pytest -q tests/test_cuda.py
+	PYTHONPATH=. $(GPU_PYTHON) scripts/gpu_check.py
 
 clean:
 	rm -rf $(VENV)

@@ -33,3 +33,33 @@ def test_cuda_placements_match_the_cpu(tiny_models, tmp_path, weights, cache, ac
     assert torch.equal(cpu.sequences, cuda.sequences)
     for a, b in zip(cpu.scores, cuda.scores):
         assert torch.allclose(a, b, atol=1e-3, rtol=0)
+
+
+def test_the_compute_device_has_one_identity(tiny_models):
+    directory, _ = tiny_models["tiny"]
+    with Engine.from_pretrained(directory, policy=Policy(gpu_batch_size=2), device="cuda",
+                                dtype=torch.float32) as engine:
+        assert engine.tiers.compute == torch.device("cuda", torch.cuda.current_device())
+
+
+@pytest.mark.parametrize("cache,act,cpu_cache_compute", [((0, 100), "cpu", False), ((0, 0), "cpu", False),
+                                                         ((34, 33), "gpu", True)])
+def test_no_allocation_after_the_first_decode_step_on_cuda(tiny_models, tmp_path, cache, act, cpu_cache_compute):
+    """Our pool stops growing after the first decode step, and the allocator's peak does not grow
+    with gen_len when the cache has a fixed budget."""
+    directory, _ = tiny_models["wide"]
+    policy = Policy(gpu_batch_size=2, num_gpu_batches=3, w_gpu_percent=20, w_cpu_percent=40,
+                    cache_gpu_percent=cache[0], cache_cpu_percent=cache[1],
+                    act_gpu_percent=100 if act == "gpu" else 0, act_cpu_percent=100 if act == "cpu" else 0,
+                    cpu_cache_compute=cpu_cache_compute, hh_ratio=0.2)
+    ids, mask = padded_batch(6, 20, pads=[0, 1, 2, 3, 4, 5], seed=8)
+    peaks = []
+    with Engine.from_pretrained(directory, policy=policy, device="cuda", dtype=torch.float16,
+                                offload_dir=str(tmp_path)) as engine:
+        for new in (4, 12):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            engine.generate(ids, mask, max_new_tokens=new, eos_token_id=None)
+            assert engine.last_stats.step_allocations[2:] == [0] * (new - 2)
+            peaks.append(torch.cuda.max_memory_allocated())
+    assert peaks[1] <= peaks[0] * 1.01 + (1 << 20), peaks
