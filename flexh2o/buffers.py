@@ -10,6 +10,7 @@ remembered per buffer, never derived by comparing devices.
 """
 
 import threading
+import weakref
 
 import torch
 
@@ -39,6 +40,8 @@ class Buffers:
         self._limit: dict[tuple, int] = {}     # keys whose count was fixed by reserve()
         self._registered: dict[int, int] = {}  # data_ptr -> bytes, host memory pinned with cudaHostRegister
         self._lock = threading.Condition()  # the compute thread and the I/O threads share all of this
+        # Pinned memory must be unregistered before it is freed, also when nobody called close().
+        weakref.finalize(self, _unregister_all, self._registered)
 
     def track(self, tier: str, nbytes: int):
         """Counts bytes allocated (positive) or freed (negative) on a tier, and its peak."""
@@ -69,7 +72,9 @@ class Buffers:
         raw = torch.empty(size + PAGE, dtype=torch.uint8)
         start = -raw.data_ptr() % PAGE
         t = raw[start: start + nbytes].view(dtype).view(shape)
-        torch.cuda.cudart().cudaHostRegister(raw.data_ptr() + start, size, 0)
+        error = torch.cuda.cudart().cudaHostRegister(raw.data_ptr() + start, size, 0)
+        if int(error) != 0:  # e.g. the memlock limit: copies would silently turn synchronous
+            raise RuntimeError(f"cudaHostRegister of {size} bytes failed with CUDA error {int(error)}")
         with self._lock:
             self._registered[raw.data_ptr() + start] = size
         return t
@@ -146,6 +151,21 @@ class Buffers:
         with self._lock:
             return sum(self._registered.values())
 
+    def clear_pool(self):
+        """Gives back the pooled buffers at the end of a run: a later run, with other shapes,
+        reserves its own. (After a failed run some may still be out; they are garbage now.)"""
+        with self._lock:
+            free, self.free_buffers = self.free_buffers, {}
+            self._made, self._limit, self._pool_key = {}, {}, {}
+        for (_, _, tier), buffers in free.items():
+            self.free(tier, buffers)
+
     def unpin_all(self):
         for ptr in list(self._registered):
             self._unpin(ptr)
+
+
+def _unregister_all(registered: dict):
+    for ptr in list(registered):
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    registered.clear()

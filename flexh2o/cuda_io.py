@@ -15,6 +15,8 @@ from contextlib import contextmanager
 
 import torch
 
+from .kv.cache import slot_grid
+
 
 class CudaCopies:
     def __init__(self, tiers, stages: int):
@@ -118,8 +120,18 @@ class CudaCopies:
             dst.copy_(src)
             self._finish(self.load_stream, wait_now=True)
 
-    def gather_to_host(self, src: torch.Tensor, index) -> torch.Tensor:
-        """src[index] (small: a few slots) as a new CPU tensor, gathered and copied on the store stream."""
+    def gather_to_host(self, src: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """src, or src at one slot per (sequence, KV head), as a new CPU tensor: small, so gathered
+        and copied on the store stream (index tensors made there too) and waited for."""
         with self._start(self.store_stream):
-            out = (src if index is None else src[index]).to("cpu", non_blocking=False)
-        return out
+            if slots is not None:
+                seq, head = slot_grid(slots)
+                src = src[seq, head, slots]
+            return src.to("cpu", non_blocking=False)
+
+    def drain(self):
+        """Waits for the copies this task has queued so far."""
+        pending = getattr(self.local, "pending", None) or []
+        for event in pending:
+            event.synchronize()
+        pending.clear()

@@ -187,6 +187,7 @@ class Engine:
         finally:
             for layer in self.layers:
                 layer.free_cache()
+            self.tiers.clear_pool()
         times = schedule.step_seconds
         read = (self.tiers.disk.bytes_read if self.tiers.disk else 0) - read_before
         self.last_stats = GenerationStats(policy.batch_size, prompt_len, max_new_tokens, steps_done, times[0],

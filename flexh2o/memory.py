@@ -14,7 +14,7 @@ import psutil
 import torch
 
 from .errors import UsageError
-from .kv import budget, cache_bytes
+from .kv import POLICIES, budget, cache_bytes
 from .kv.home import IN_FLIGHT, batch_split, cpu_attention_dtype
 from .models.attention import PROBS_CHUNK_BYTES
 from .tiers import split_rows
@@ -137,11 +137,18 @@ def run_need(spec, policy, dtype_bytes: int, prompt_len: int, gen_len: int, devi
     # The prompt's attention works in blocks (fused kernels, or PROBS_CHUNK_BYTES of probabilities).
     attention = min(b * spec.num_heads * prompt_len * prompt_len * 4, PROBS_CHUNK_BYTES)
     working = b * prompt_len * (3 * spec.hidden_size + spec.ffn_dim) * dtype_bytes + attention + b * spec.vocab_size * 4
+    if POLICIES[policy.kv_policy].uses_attention:  # the observed prompt attention reshapes q, k, v: copies
+        working += hidden
     need["gpu"] += working + nb * b * prompt_len * prompt_len  # every gpu-batch's prompt mask (bool) exists at once
+    if on_cuda and (rows["cpu"] or rows["disk"]):
+        # The prompt's K or V goes home through a contiguous copy on the device, one per I/O thread
+        # (in the CPU-attended cache's dtype, where that is wider).
+        wide = cpu_attention_dtype(DTYPE_OF[dtype_bytes]).itemsize if policy.cpu_cache_compute else dtype_bytes
+        need["gpu"] += io_threads * max(rows["cpu"], rows["disk"]) * k_bytes * prompt_len // capacity * wide // dtype_bytes
     if policy.act_gpu_percent == 100 or nb == 1:
         need["gpu"] += nb * hidden
-    else:  # parked in CPU memory; on the device the one computing, the one loading, the one storing
-        need["gpu"] += min(3, nb) * hidden
+    else:  # parked in CPU memory; on the device the one computing, the one loading, and up to two storing
+        need["gpu"] += min(4, nb) * hidden
         need["cpu"] += nb * hidden
     if output_scores:  # one [batch, vocab] float32 row of logits per generated token, kept in CPU memory
         need["cpu"] += gen_len * nb * b * spec.vocab_size * 4

@@ -46,6 +46,7 @@ class Schedule:
             self.step_seconds.append(time.perf_counter() - start)
             self.step_allocations.append(self.tiers.allocations - allocated)
             if self.seqs.all_finished():
+                self.layers[0].release_weight()  # the next token's first weights may be loading
                 return i + 1
         return gen_len
 

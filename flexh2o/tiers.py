@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .buffers import TIERS, Buffers
+from .kv.cache import slot_grid
 
 
 class Pending:
@@ -141,6 +142,8 @@ class Tiers(Buffers):
             rows = buf[seg.start: seg.stop]
             if seg.tier == "disk":
                 self.read_disk(seg.file, 0, rows)
+            elif seg.tier == "gpu":
+                self.copy_on_device(rows, seg.data)
             else:
                 self.to_device(rows, seg.data)
 
@@ -191,11 +194,17 @@ class Tiers(Buffers):
         else:
             dst.copy_(src)
 
-    def host(self, src: torch.Tensor, index=None) -> torch.Tensor:
-        """src[index] in CPU memory: a few slots or indices, gathered where they are."""
+    def host(self, src: torch.Tensor) -> torch.Tensor:
+        """A small compute-device tensor (e.g. the slots a step wrote) in CPU memory."""
+        return self.cuda.gather_to_host(src) if self.on_cuda else src
+
+    def gather_slots(self, src: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """src [b, kv_heads, capacity, ...] at one slot per (sequence, KV head), slots [b, kv_heads],
+        in CPU memory: [b, kv_heads, ...]."""
         if self.on_cuda:
-            return self.cuda.gather_to_host(src, index)
-        return src if index is None else src[index]
+            return self.cuda.gather_to_host(src, slots)
+        seq, head = slot_grid(slots)
+        return src[seq, head, slots]
 
     def store_act(self, hidden: torch.Tensor):
         """Parks a hidden state in CPU memory (where that is the compute device: nothing to do)."""
@@ -213,6 +222,7 @@ class Tiers(Buffers):
 
         def fill():
             self.to_device(out, parked.wait())
+            self.cuda.drain()  # the copy reads the parked buffer: done before it goes back to the pool
             self.release(parked.value)
         return self.run_io(fill, out)
 

@@ -124,13 +124,17 @@ class CacheHome:
             views.append((part.rows, buf))
             todo.append((part, buf))
         previous = self.last_store
+        if not todo:
+            if previous is not None:  # a home attended in place must hold the prompt's cache first
+                previous.wait()
+            return Pending(views)
 
         def fill():
             if previous is not None:
                 previous.wait()
             for part, buf in todo:
                 self._read(part, buf)
-        return self.tiers.run_io(fill, views) if todo else Pending(views)
+        return self.tiers.run_io(fill, views)
 
     def _read(self, part, buf):
         tiers, length = self.tiers, self.length
@@ -154,6 +158,9 @@ class CacheHome:
         """Writes what the step changed back home, then frees the buffers."""
         todo = [(part, buf) for part, (_, buf) in zip(self.parts, views) if buf is not part.home]
         self.length = views[0][1].length
+        for part, buf in todo:
+            if part.home is not None:  # the prompt's cache, computed in a buffer, goes to a home used in place
+                part.home.length = buf.length
 
         def write():
             for part, buf in todo:
@@ -183,19 +190,17 @@ class CacheHome:
                     tiers.to_host(host[:length], slot_major)
             return
         n, kv_heads = slots.shape
-        seq, head = slot_grid(slots)
         written = tiers.host(slots)
+        seq, head = slot_grid(written)
         if part.k_file is None:
-            cpu_seq, cpu_head = slot_grid(written)
             for src, host in ((buf.k, part.k_host), (buf.v, part.v_host)):
-                host[written, cpu_seq, cpu_head] = tiers.host(src, (seq, head, slots))
+                host[written, seq, head] = tiers.gather_slots(src, slots)
             return
         # Disk: the row of (slot, sequence, head) in the slot-major file, written in runs of neighbours.
-        cpu_seq, cpu_head = slot_grid(written)
-        rows = (written * (n * kv_heads) + cpu_seq * kv_heads + cpu_head).flatten()
+        rows = (written * (n * kv_heads) + seq * kv_heads + head).flatten()
         order = rows.argsort()
         for src, file in ((buf.k, part.k_file), (buf.v, part.v_file)):
-            data = tiers.host(src, (seq, head, slots)).flatten(0, 1)[order]  # [n * kv_heads, head_dim]
+            data = tiers.gather_slots(src, slots).flatten(0, 1)[order]  # [n * kv_heads, head_dim]
             tiers.disk.write_rows(file, rows[order], data)
 
     def close(self):

@@ -47,6 +47,8 @@ class Layer:
 
     def release_weight(self):
         """Hands the compute copies back to the buffer pool once the block's last gpu-batch is done."""
+        if self._loading is None:
+            return
         for home, pending in zip(self.home, self._loading):
             if pending.value is not home.resident():
                 self.tiers.release(pending.wait())
