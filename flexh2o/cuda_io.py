@@ -129,9 +129,30 @@ class CudaCopies:
                 src = src[seq, head, slots]
             return src.to("cpu", non_blocking=False)
 
+    def start_host_copy(self, tensors: list, cast) -> "Copied":
+        """Queues device-to-host copies of small tensors on the compute stream (they follow what made
+        them) into fresh pinned memory; the returned handle's wait() blocks until they landed."""
+        out = []
+        for t in tensors:
+            host = torch.empty(t.shape, dtype=cast(t).dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            out.append(host)
+        done = torch.cuda.Event()
+        done.record(self.compute_stream)
+        return Copied(out, done)
+
     def drain(self):
         """Waits for the copies this task has queued so far."""
         pending = getattr(self.local, "pending", None) or []
         for event in pending:
             event.synchronize()
         pending.clear()
+
+
+class Copied:
+    def __init__(self, tensors, event):
+        self.tensors, self.event = tensors, event
+
+    def wait(self):
+        self.event.synchronize()
+        return self.tensors

@@ -206,6 +206,15 @@ class Tiers(Buffers):
         seq, head = slot_grid(slots)
         return src[seq, head, slots]
 
+    def start_host_copy(self, tensors: list, dtype: torch.dtype) -> Pending:
+        """Starts copying small compute-device tensors to CPU memory (floating ones as `dtype`), in
+        the compute stream's order; wait() gives the copies."""
+        def cast(t):
+            return t.to(dtype) if t.is_floating_point() else t
+        if not self.on_cuda:
+            return Pending([cast(t) for t in tensors])
+        return self.cuda.start_host_copy(tensors, cast)
+
     def store_act(self, hidden: torch.Tensor):
         """Parks a hidden state in CPU memory (where that is the compute device: nothing to do)."""
         if not self.on_cuda:

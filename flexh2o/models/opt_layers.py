@@ -95,17 +95,24 @@ class SelfAttention(Layer):
         if step.prefill:
             out = self._prompt(q, k, v, scale, step, parts)
         else:
-            outs = []
-            for rows, cache in parts:
-                # The CPU itself, in its cache's dtype, for a CPU-resident part under cpu_cache_compute.
-                dev, dtype = cache.k.device, cache.k.dtype
-                k_new, v_new = k[rows].to(dev, dtype), v[rows].to(dev, dtype)
-                o, logits, probs = decode_attention(q[rows].to(dev, dtype), cache, k_new, v_new, scale)
-                self.kv.decode(cache, k_new, v_new, step.positions[rows].to(dev), logits, probs, step)
-                outs.append(o.to(q.device, q.dtype))
+            # A part the CPU attends over (cpu_cache_compute): its q and new K/V start towards the
+            # CPU first, so that copy and the CPU's attention overlap the device's own parts.
+            on_cpu = {n: self.tiers.start_host_copy([t[rows] for t in (q, k, v, step.positions)], cache.k.dtype)
+                      for n, (rows, cache) in enumerate(parts) if cache.k.device != q.device}
+            outs = [None if n in on_cpu else self._decode(q[rows], k[rows], v[rows], step.positions[rows], cache,
+                                                          scale, step)
+                    for n, (rows, cache) in enumerate(parts)]
+            for n, copied in on_cpu.items():
+                outs[n] = self._decode(*copied.wait(), parts[n][1], scale, step).to(q.device, q.dtype)
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
         hidden = hidden.add_(F.linear(out.transpose(1, 2).reshape(b, n, h), out_w, out_b))
         return hidden if s.do_layer_norm_before else _layer_norm(hidden, ln_w, ln_b)
+
+    def _decode(self, q, k_new, v_new, positions, cache, scale, step):
+        """One new token per sequence against `cache`; the KV policy then stores it."""
+        o, logits, probs = decode_attention(q, cache, k_new, v_new, scale)
+        self.kv.decode(cache, k_new, v_new, positions, logits, probs, step)
+        return o
 
     def _prompt(self, q, k, v, scale, step, parts):
         """The prompt's attention; the KV policy then takes its tokens into the cache."""
