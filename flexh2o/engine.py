@@ -8,6 +8,7 @@ from tqdm import tqdm
 from .disk import DiskStore, ensure_dir
 from .errors import UsageError
 from .kv import make_policy
+from .machine import cpu_compute_dtype
 from .memory import add, capacities, check_fits, run_need, weight_need
 from .models import resolve_model
 from .policy import Policy
@@ -25,8 +26,7 @@ def default_device() -> str:
 
 
 def default_dtype(device) -> torch.dtype:
-    # float16 matrix products on a CPU are hundreds of times slower than bfloat16.
-    return torch.float16 if torch.device(device).type == "cuda" else torch.bfloat16
+    return torch.float16 if torch.device(device).type == "cuda" else cpu_compute_dtype()
 
 
 def parse_dtype(dtype) -> torch.dtype:

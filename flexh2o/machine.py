@@ -17,6 +17,17 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX). Without it torch's
+    bfloat16 matrix products ran 300x slower than float32 (AVX2 EPYC: 0.2 against 68 GFLOP/s)."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def cpu_compute_dtype() -> torch.dtype:
+    """The 16- or 32-bit float this CPU computes fastest in (float16 is slow on every CPU)."""
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
 def gpus() -> list[dict]:
     try:
         import pynvml

@@ -9,6 +9,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from flexh2o.engine import default_dtype
 from flexh2o.run import main
 from conftest import REPO, VOCAB
 
@@ -52,8 +53,9 @@ def test_h2o_run_without_placement_flags_fits_a_small_cap(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert report["policy"]["w_gpu_percent"] < 100 and report["policy"]["kv_policy"] == "h2o"
     assert report["kv_policy"].startswith("h2o (hh_ratio 0.1, recent_ratio 0.1: 8 slots")
-    # 12 layers x 2 sequences x 12 heads x 8 slots x (2 x 64 x 2 bytes of K/V + 4 position + 4 score)
-    assert report["cache_size_bytes"] == 12 * 2 * 12 * 8 * (2 * 64 * 2 + 8)
+    # 12 layers x 2 sequences x 12 heads x 8 slots x (2 x 64 K/V elements + 4 bytes position + 4 score)
+    element = default_dtype("cpu").itemsize
+    assert report["cache_size_bytes"] == 12 * 2 * 12 * 8 * (2 * 64 * element + 8)
 
 
 @pytest.fixture

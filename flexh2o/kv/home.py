@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..machine import cpu_compute_dtype
 from ..tiers import TIERS, Pending
 from .cache import KVCache, slot_grid
 
@@ -50,14 +51,9 @@ class CachePart:
 
 
 def cpu_attention_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of a cache the CPU attends over. float16 products on a CPU are very slow, so a
-    float16 run holds such a cache in bfloat16 where the CPU computes in it natively (AVX512-BF16,
-    AMX), else in float32 (twice the bytes; on an AVX2 CPU bfloat16's probabilities x V product ran
-    4x slower than float32's: scripts/bench_cpu_attention.py)."""
-    if dtype != torch.float16:
-        return dtype
-    native_bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    return torch.bfloat16 if native_bf16 else torch.float32
+    """The dtype of a cache the CPU attends over: a float16 run holds it in the dtype the CPU computes
+    fastest in (float16 products on a CPU are very slow; float32 takes twice the bytes)."""
+    return cpu_compute_dtype() if dtype == torch.float16 else dtype
 
 
 class CacheHome:
