@@ -54,3 +54,16 @@ def describe(policy) -> str:
         gpu, cpu = getattr(policy, f"{kind}_gpu_percent"), getattr(policy, f"{kind}_cpu_percent")
         return f"gpu={gpu:g},cpu={cpu:g},disk={100 - gpu - cpu:g}"
     return f"--weights {tiers('w')} --cache {tiers('cache')} --act {tiers('act')}"
+
+
+def largest(ok, limit: int) -> int:
+    """The largest b in 1..limit with ok(b), for ok true up to some b and false after (0 if none):
+    the largest batch a pre-flight admits, in O(log limit) checks."""
+    lo, hi = 0, 1
+    while hi <= limit and ok(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo

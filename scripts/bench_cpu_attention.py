@@ -3,10 +3,10 @@ a CPU memcpy of the same bytes measured in the same run.
 
     python scripts/bench_cpu_attention.py            # OPT-6.7B's attention shape, batch 32, 512+32 slots
 
-The cache is held in bfloat16 (a float16 cache would be held in bfloat16 too: kv/home.py), the
-attention is flexh2o's own decode_attention on all of torch's threads; the figure is the K and V
-bytes read per second, and the bound is torch's copy of a tensor of that size (read + write, so
-the copy moves twice the bytes: both rates are given). Writes results/cpu_attention.{json,md}.
+A float16 run holds such a cache in bfloat16 or float32, whichever the CPU computes faster
+(kv/home.py); both are measured. The attention is flexh2o's own decode_attention on all of torch's
+threads; the figure is the K and V bytes read per second, and the bound is torch's copy of a tensor
+of that size (read + write, so the copy moves twice the bytes: both rates are given). Writes results/cpu_attention.{json,md}.
 """
 
 import argparse

@@ -18,7 +18,7 @@ from transformers import OPTConfig, OPTForCausalLM
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from flexh2o import Engine, Policy  # noqa: E402
-from flexh2o.machine import describe_machine  # noqa: E402
+from flexh2o.machine import cpu_compute_dtype, describe_machine  # noqa: E402
 from flexh2o.models.opt import PRESETS  # noqa: E402
 from flexh2o.prompts import synthetic_prompts  # noqa: E402
 from flexh2o.report import write_json_atomic, write_text_atomic  # noqa: E402
@@ -81,7 +81,7 @@ def main():
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "results", "vs_transformers"))
     args = ap.parse_args()
-    dtype = torch.bfloat16
+    dtype = cpu_compute_dtype()
     spec = PRESETS[args.model]
     ids, _ = synthetic_prompts(args.batch, args.prompt_len, spec.vocab_size, seed=0)
 
@@ -115,13 +115,13 @@ def main():
     agree = (new_tokens["flexh2o"] == new_tokens["transformers"]).float().mean().item()
     ratios = {k: figures["flexh2o"][k] / figures["transformers"][k]
               for k in ("prefill_tok_s", "decode_tok_s", "total_tok_s")}
-    result = {"command": "python " + " ".join(sys.argv), "model": args.model, "dtype": "bfloat16",
+    result = {"command": "python " + " ".join(sys.argv), "model": args.model, "dtype": str(dtype).removeprefix("torch."),
               "batch": b, "prompt_len": p, "gen_len": g, "figures": figures, "ratios": ratios,
               "token_agreement": agree, "machine": describe_machine()}
     write_json_atomic(args.out + ".json", result)
 
     m = result["machine"]
-    lines = [f"# flexh2o vs transformers generate: {args.model} dummy weights, bfloat16, batch {b}, {p}+{g}", "",
+    lines = [f"# flexh2o vs transformers generate: {args.model} dummy weights, {str(dtype).removeprefix('torch.')}, batch {b}, {p}+{g}", "",
              f"Machine: {m['cpu']}, {m['logical_cores']} cores, torch {m['torch']} ({m['torch_threads']} threads). "
              f"Command: `{result['command']}`. Medians of {args.runs} interleaved runs after a warm-up.", "",
              "| engine | prefill s | prefill tok/s | decode s | decode tok/s | total tok/s |",
@@ -131,7 +131,7 @@ def main():
                      f"{f['decode_tok_s']:.2f} | {f['total_tok_s']:.2f} |")
     lines += ["", f"flexh2o / transformers: prefill {ratios['prefill_tok_s']:.3f}x, decode {ratios['decode_tok_s']:.3f}x, "
               f"total {ratios['total_tok_s']:.3f}x. Generated tokens identical: {agree:.1%} "
-              "(bfloat16 rounding differs between the two implementations).", ""]
+              "(rounding differs between the two implementations).", ""]
     write_text_atomic(args.out + ".md", "\n".join(lines))
     print("\n".join(lines))
 
