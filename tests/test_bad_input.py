@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 import flexh2o.memory
 import flexh2o.prompts
 import flexh2o.run
+from flexh2o.models import resolve_model
 from flexh2o.run import main
 from test_weights import greedy
 
@@ -85,6 +86,14 @@ def test_bad_model_configs(tiny_models, tmp_path, change, text, capsys):
     config = json.load(open(os.path.join(directory, "config.json")))
     (tmp_path / "config.json").write_text(json.dumps(change(config)))
     assert_refused(SMALL + ["--model", str(tmp_path)], "--model", text, capsys)
+
+
+def test_a_null_word_embed_proj_dim_means_the_hidden_size(tiny_models, tmp_path):
+    """As in HF's OPTConfig: null is not bad input."""
+    directory, _ = tiny_models["tiny"]
+    config = json.load(open(os.path.join(directory, "config.json")))
+    (tmp_path / "config.json").write_text(json.dumps({**config, "word_embed_proj_dim": None}))
+    assert resolve_model(str(tmp_path))[0].embed_dim == config["hidden_size"]
 
 
 def model_with_bin(tiny_models, tmp_path, content, **save):

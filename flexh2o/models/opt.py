@@ -94,7 +94,8 @@ def checked_fields(config: dict, refuse) -> dict:
             refuse(f"config.json lacks {field}")
         if not is_int(config[field]) or config[field] < 1:
             refuse(f"config.json's {field} must be a positive integer, got {config[field]!r}")
-    proj = config.get("word_embed_proj_dim", config["hidden_size"])
+    proj = config.get("word_embed_proj_dim")
+    proj = config["hidden_size"] if proj is None else proj  # None: as HF's OPTConfig, the hidden size
     if not is_int(proj) or proj < 1:
         refuse(f"config.json's word_embed_proj_dim must be a positive integer, got {proj!r}")
     tokens = {}
