@@ -110,7 +110,7 @@ class Engine:
         elif weights_dir is None:
             raise UsageError("--path", f"{spec.name} needs its weights: give path=DIR (--path) or dummy=True (--dummy)")
         else:
-            source = CheckpointWeights(weights_dir, "--path" if path is not None else "--model")
+            source = CheckpointWeights(weights_dir, "--path" if weights_dir == path else "--model")
         layers = spec.build_layers()
         source.check([s for layer in layers for s in layer.weight_specs()])
         uses_disk = policy.disk_percent("w") > 0 or policy.disk_percent("cache") > 0

@@ -185,3 +185,10 @@ def test_a_huge_batch_is_refused_before_anything_batch_sized_exists(capsys, monk
     monkeypatch.setattr(flexh2o.run, "synthetic_prompts", lambda *a: pytest.fail("prompts made before the pre-flight"))
     argv = SMALL + ["--num-gpu-batches", "1000000000", "--percent", "100", "0", "100", "0", "100", "0"]
     assert_refused(argv, "--percent", "the policy needs", capsys)
+
+
+def test_weights_read_from_the_model_directory_name_model_even_with_a_path(tiny_models, tmp_path, capsys):
+    (tmp_path / "m").mkdir()
+    directory = model_with_bin(tiny_models, tmp_path / "m", 7)
+    argv = SMALL + ["--model", directory, "--path", str(tmp_path), "--gpu-batch-size", "1"]
+    assert_refused(argv, "--model", "holds an object of type 'int'", capsys)
