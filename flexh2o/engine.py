@@ -12,7 +12,7 @@ from .machine import cpu_compute_dtype
 from .memory import add, capacities, check_fits, run_need, weight_need
 from .models import resolve_model
 from .policy import Policy
-from .sampling import Sampler
+from .sampling import Sampler, check_seed
 from .schedule import Schedule
 from .sequences import Sequences
 from .tiers import Tiers
@@ -78,9 +78,10 @@ def act_tier(policy: Policy) -> str:
 
 
 class Engine:
-    def __init__(self, spec, layers, policy: Policy, tiers: Tiers, weights_source: str, caps: dict):
+    def __init__(self, spec, layers, policy: Policy, tiers: Tiers, weights_source: str, caps: dict,
+                 placement_flag: str = "--percent"):
         self.spec, self.layers, self.policy, self.tiers = spec, layers, policy, tiers
-        self.weights_source, self.caps = weights_source, caps
+        self.weights_source, self.caps, self.placement_flag = weights_source, caps, placement_flag
         self.weight_need = weight_need(layers, tiers.dtype.itemsize, policy, tiers.compute)
         self.last_stats: GenerationStats | None = None
         self.projected: dict | None = None  # the pre-flight projection per tier of the last generate call
@@ -90,23 +91,26 @@ class Engine:
                         dummy: bool = False, path: str | None = None, offload_dir: str | None = None,
                         bypass_page_cache: bool = False, gpu_mem: int | None = None, cpu_mem: int | None = None,
                         disk_mem: int | None = None, progress: bool = False, seed: int = 0,
-                        prompt_len: int | None = None, gen_len: int | None = None):
+                        prompt_len: int | None = None, gen_len: int | None = None,
+                        placement_flag: str = "--percent"):
         """Loads `model` (a preset name such as opt-1.3b or facebook/opt-1.3b, or a local HF
         directory) with its weights from `path` (or the directory itself), or dummy weights, and
         places them on the tiers the policy asks for. Tensors placed on disk go to a fresh
         sub-directory of `offload_dir`, removed by close() (or at exit). Given prompt_len and
-        gen_len, the pre-flight covers the cache and activations of that job too, before loading."""
+        gen_len, the pre-flight covers the cache and activations of that job too, before loading.
+        A policy that does not fit is blamed on `placement_flag` (the CLI's placement flags)."""
         policy = policy or Policy()
         device = parse_device(device or default_device())
         dtype = parse_dtype(dtype) if dtype is not None else default_dtype(device)
         act_tier(policy)
         spec, weights_dir = resolve_model(model, path)
+        check_seed(seed)
         if dummy:
             source = DummyWeights(seed)
         elif weights_dir is None:
             raise UsageError("--path", f"{spec.name} needs its weights: give path=DIR (--path) or dummy=True (--dummy)")
         else:
-            source = CheckpointWeights(weights_dir)
+            source = CheckpointWeights(weights_dir, "--path" if weights_dir == path else "--model")
         layers = spec.build_layers()
         source.check([s for layer in layers for s in layer.weight_specs()])
         uses_disk = policy.disk_percent("w") > 0 or policy.disk_percent("cache") > 0
@@ -118,7 +122,7 @@ class Engine:
         need = weight_need(layers, dtype.itemsize, policy, device)
         if prompt_len and gen_len:
             need = add(need, run_need(spec, policy, dtype.itemsize, prompt_len, gen_len, device))
-        check_fits(need, caps, device)
+        check_fits(need, caps, device, placement_flag)
         disk = DiskStore(offload_dir, bypass_page_cache) if uses_disk else None
         tiers = Tiers(device, dtype, disk, overlap=policy.overlap)
         try:
@@ -127,7 +131,7 @@ class Engine:
         except BaseException:
             tiers.close()
             raise
-        return cls(spec, layers, policy, tiers, source.describe(), caps)
+        return cls(spec, layers, policy, tiers, source.describe(), caps, placement_flag)
 
     def close(self):
         """Removes this engine's offload files and stops its I/O threads."""
@@ -169,7 +173,7 @@ class Engine:
         need = run_need(spec, policy, self.tiers.dtype.itemsize, prompt_len, max_new_tokens, self.tiers.compute,
                         output_scores, self.tiers.io_threads)
         self.projected = add(self.weight_need, need)
-        check_fits(self.projected, self.caps, self.tiers.compute)
+        check_fits(self.projected, self.caps, self.tiers.compute, self.placement_flag)
         sampler = Sampler(do_sample, temperature, top_k, top_p, seed)
         eos = spec.eos_token_id if eos_token_id == -1 else eos_token_id
         pad = spec.pad_token_id if pad_token_id is None else pad_token_id
@@ -179,8 +183,8 @@ class Engine:
         io_before, read_before = self.tiers.io_seconds, self.tiers.disk.bytes_read if self.tiers.disk else 0
         try:
             for j, layer in enumerate(self.layers):
-                layer.init_cache(batch_sizes, make_policy(policy, prompt_len, max_new_tokens,
-                                                          (0 if seed is None else seed) * 100_003 + j), policy)
+                layer_seed = ((0 if seed is None else seed) * 100_003 + j) % (1 << 63)
+                layer.init_cache(batch_sizes, make_policy(policy, prompt_len, max_new_tokens, layer_seed), policy)
             schedule = Schedule(self.layers, seqs, policy.num_gpu_batches, self.tiers, act_tier(policy))
             with torch.no_grad():
                 steps_done = schedule.run(max_new_tokens, progress)

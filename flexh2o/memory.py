@@ -37,15 +37,18 @@ def parse_size(text: str, flag: str) -> int:
 
 
 def capacities(device: torch.device, offload_dir: str | None, gpu_mem=None, cpu_mem=None, disk_mem=None) -> dict:
-    """Bytes each tier may use: the caps given, else what the machine reports free; and "ram", the
+    """Bytes each tier may use: the caps given, else what the machine reports free; "ram", the
     memory free now, which the gpu and cpu tiers share when the CPU computes (measured once, before
-    anything is loaded, so a later check does not count the loaded weights twice)."""
+    anything is loaded, so a later check does not count the loaded weights twice); and "given",
+    the tiers whose cap was given (a tier over a given cap is blamed on its --<tier>-mem flag)."""
     available = psutil.virtual_memory().available
+    given = tuple(tier for tier, cap in (("gpu", gpu_mem), ("cpu", cpu_mem), ("disk", disk_mem)) if cap is not None)
     if gpu_mem is None:
         gpu_mem = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available
     if disk_mem is None:
         disk_mem = shutil.disk_usage(offload_dir).free if offload_dir else 0
-    return {"gpu": gpu_mem, "cpu": available if cpu_mem is None else cpu_mem, "disk": disk_mem, "ram": available}
+    return {"gpu": gpu_mem, "cpu": available if cpu_mem is None else cpu_mem, "disk": disk_mem, "ram": available,
+            "given": given}
 
 
 def layer_bytes(layers, dtype_bytes: int) -> list[int]:
@@ -157,19 +160,29 @@ def run_need(spec, policy, dtype_bytes: int, prompt_len: int, gen_len: int, devi
     return need
 
 
-def check_fits(need: dict, caps: dict, device):
-    """Refuses, in one line with both numbers, a policy some tier cannot hold."""
-    flags = {"gpu": "--gpu-mem", "cpu": "--cpu-mem", "disk": "--disk-mem"}
+def format_size(n: float) -> str:
+    """Bytes in a unit that shows them: 326.43 GB, 5.00 MB, 12.0 KB, 700 bytes."""
+    for unit, size in (("TB", 1 << 40), ("GB", GB), ("MB", 1 << 20), ("KB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} bytes"
+
+
+def check_fits(need: dict, caps: dict, device, flag: str = "--percent"):
+    """Refuses, in one line with both numbers, a policy some tier cannot hold. The error names the
+    tier's --<tier>-mem flag where that cap was given, else `flag` (the placement's)."""
     for tier in ("gpu", "cpu", "disk"):
         if need[tier] > caps[tier]:
-            raise UsageError("--percent", f"the policy needs {need[tier] / GB:.2f} GB on the {tier} tier, "
-                             f"which holds {caps[tier] / GB:.2f} GB ({flags[tier]} or detected)")
+            given = tier in caps.get("given", ())
+            raise UsageError(f"--{tier}-mem" if given else flag,
+                             f"the policy needs {format_size(need[tier])} on the {tier} tier, which holds "
+                             f"{format_size(caps[tier])} ({'--' + tier + '-mem' if given else 'detected'})")
     if device.type == "cpu":
         ram = (caps.get("ram") or psutil.virtual_memory().available) - RUNTIME_RESERVE
         if need["gpu"] + need["cpu"] > ram:
-            raise UsageError("--percent", f"the policy needs {(need['gpu'] + need['cpu']) / GB:.2f} GB of memory "
-                             f"(gpu and cpu tiers are both RAM here), {ram / GB:.2f} GB is available "
-                             f"(free memory less {RUNTIME_RESERVE / GB:.0f} GB for the process itself)")
+            raise UsageError(flag, f"the policy needs {format_size(need['gpu'] + need['cpu'])} of memory "
+                             f"(gpu and cpu tiers are both RAM here), {format_size(max(ram, 0))} is available "
+                             f"(free memory less {format_size(RUNTIME_RESERVE)} for the process itself)")
 
 
 def add(a: dict, b: dict) -> dict:

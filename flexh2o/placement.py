@@ -12,7 +12,7 @@ import dataclasses
 import torch
 
 from .errors import UsageError
-from .memory import add, check_fits, run_need, weight_need
+from .memory import add, check_fits, format_size, run_need, weight_need
 
 STEP = 5
 
@@ -28,25 +28,66 @@ def fits(spec, policy, dtype_bytes, prompt_len, gen_len, caps, device, layers=No
     return True
 
 
-def fitted_placement(spec, policy, dtype_bytes: int, prompt_len: int, gen_len: int, caps: dict,
-                     device: torch.device):
-    """The policy itself if it fits, else the same policy with the first placement that fits, or None.
-    Every combination is tried: the need is not monotonic in the shares (weights held whole in
-    memory need no compute copy)."""
-    layers = spec.build_layers()
-    if fits(spec, policy, dtype_bytes, prompt_len, gen_len, caps, device, layers):
-        return policy
-    weights = {}  # (w_gpu, w_cpu) -> weight_need, shared by the three cache placements
+def candidates(policy):
+    """Every placement tried, fast tiers first: the cache on the compute device, in CPU memory, on
+    disk; for each, the weights' gpu share from 100 down, then their cpu share from what is left."""
     for cache in ((100, 0), (0, 100), (0, 0)):
         for w_gpu in range(100, -1, -STEP):
             for w_cpu in range(100 - w_gpu, -1, -STEP):
-                p = dataclasses.replace(policy, w_gpu_percent=w_gpu, w_cpu_percent=w_cpu,
-                                        cache_gpu_percent=cache[0], cache_cpu_percent=cache[1])
-                if (w_gpu, w_cpu) not in weights:
-                    weights[w_gpu, w_cpu] = weight_need(layers, dtype_bytes, p, device)
-                if fits(spec, p, dtype_bytes, prompt_len, gen_len, caps, device, weights=weights[w_gpu, w_cpu]):
-                    return p
+                yield dataclasses.replace(policy, w_gpu_percent=w_gpu, w_cpu_percent=w_cpu,
+                                          cache_gpu_percent=cache[0], cache_cpu_percent=cache[1])
+
+
+class WeightNeeds(dict):
+    """(w_gpu, w_cpu) -> weight_need, shared by the three cache placements and by the searches."""
+
+    def __init__(self, spec, dtype_bytes: int, device):
+        super().__init__()
+        self.layers, self.dtype_bytes, self.device = spec.build_layers(), dtype_bytes, device
+
+    def of(self, policy) -> dict:
+        key = policy.w_gpu_percent, policy.w_cpu_percent
+        if key not in self:
+            self[key] = weight_need(self.layers, self.dtype_bytes, policy, self.device)
+        return self[key]
+
+
+def fitted_placement(spec, policy, dtype_bytes: int, prompt_len: int, gen_len: int, caps: dict,
+                     device: torch.device, weights: WeightNeeds | None = None):
+    """The policy itself if it fits, else the same policy with the first placement that fits, or None.
+    Every combination is tried: the need is not monotonic in the shares (weights held whole in
+    memory need no compute copy)."""
+    weights = weights if weights is not None else WeightNeeds(spec, dtype_bytes, device)
+    for p in (policy, *candidates(policy)):
+        if fits(spec, p, dtype_bytes, prompt_len, gen_len, caps, device, weights=weights.of(p)):
+            return p
     return None
+
+
+def smallest_need(spec, policy, dtype_bytes: int, prompt_len: int, gen_len: int, device, weights: WeightNeeds) -> tuple:
+    """(placement, need per tier) of the candidate needing the least memory (gpu + cpu), then disk."""
+    least = None
+    for p in candidates(policy):
+        need = add(weights.of(p), run_need(spec, p, dtype_bytes, prompt_len, gen_len, device))
+        if least is None or (need["gpu"] + need["cpu"], need["disk"]) < least[0]:
+            least = (need["gpu"] + need["cpu"], need["disk"]), p, need
+    return least[1:]
+
+
+def no_fit_error(spec, policy, dtype_bytes: int, prompt_len: int, gen_len: int, caps: dict, device,
+                 weights: WeightNeeds) -> UsageError:
+    """The error for a job that no placement fits: what the smallest placement needs and what is free.
+    It names the caps given, else the batch when a batch of one would fit, else the model."""
+    placement, need = smallest_need(spec, policy, dtype_bytes, prompt_len, gen_len, device, weights)
+    one = dataclasses.replace(placement, gpu_batch_size=1, num_gpu_batches=1)
+    flag = "/".join(f"--{tier}-mem" for tier in caps.get("given", ())) or (
+        "--gpu-batch-size/--num-gpu-batches" if fits(spec, one, dtype_bytes, prompt_len, gen_len, caps, device)
+        else "--model")
+    free = caps["ram"] if device.type == "cpu" else caps["gpu"] + caps["cpu"]
+    return UsageError(flag, f"no placement of {spec.name} with a batch of {policy.batch_size} x {prompt_len}+{gen_len} "
+                      f"tokens fits on this machine: the smallest ({describe(placement)}) needs "
+                      f"{format_size(need['gpu'] + need['cpu'])} of memory and {format_size(need['disk'])} of disk; "
+                      f"{format_size(free)} of memory and {format_size(caps['disk'])} of disk are free")
 
 
 def describe(policy) -> str:

@@ -80,3 +80,57 @@ class Policy:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+PLACEMENT_FLAGS = ("--weights", "--cache", "--act")
+
+
+def parse_placement(text: str, flag: str) -> tuple[float, float]:
+    """'gpu=20,cpu=80' -> (20, 80); a missing tier is 0, and disk takes what is left."""
+    if not text.strip():
+        raise UsageError(flag, "is empty; expected gpu=P,cpu=P,disk=P with percentages")
+    shares = {}
+    for item in text.split(","):
+        tier, _, value = item.partition("=")
+        tier = tier.strip()
+        if tier in shares:
+            raise UsageError(flag, f"{tier} is given twice in {text!r}")
+        try:
+            if tier not in ("gpu", "cpu", "disk"):
+                raise ValueError(tier)
+            shares[tier] = float(value)
+        except ValueError:
+            raise UsageError(flag, f"expected gpu=P,cpu=P,disk=P with percentages, got {text!r}") from None
+        if not 0 <= shares[tier] <= 100:
+            raise UsageError(flag, f"each percentage must be within 0..100, got {tier}={value.strip()}")
+    gpu, cpu, disk = shares.get("gpu", 0.0), shares.get("cpu", 0.0), shares.get("disk")
+    if disk is not None and abs(gpu + cpu + disk - 100) > 1e-6:
+        raise UsageError(flag, f"gpu + cpu + disk must sum to 100, got {gpu + cpu + disk:g}")
+    if gpu + cpu > 100:
+        raise UsageError(flag, f"gpu + cpu sum to {gpu + cpu:g}, over 100")
+    return gpu, cpu
+
+
+def given_placements(args) -> list[str]:
+    """The placement flags given on the command line."""
+    given = [flag for flag in PLACEMENT_FLAGS if getattr(args, flag[2:]) is not None]
+    return given + (["--percent"] if args.percent is not None else [])
+
+
+def placement_flag(args) -> str | None:
+    """The flag(s) a placement that does not fit is blamed on; None: the placement is automatic."""
+    return "/".join(given_placements(args)) or None
+
+
+def policy_percents(args) -> list[float]:
+    """FlexGen's six percentages from --percent or --weights/--cache/--act (unnamed kinds: all on gpu)."""
+    given = given_placements(args)
+    if "--percent" in given and len(given) > 1:
+        raise UsageError("--percent", "give either --percent or --weights/--cache/--act, not both")
+    if args.percent is not None:
+        return args.percent
+    out = []
+    for flag in PLACEMENT_FLAGS:
+        text = getattr(args, flag[2:])
+        out += parse_placement(text, flag) if text is not None else [100, 0]
+    return out

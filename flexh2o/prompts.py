@@ -5,7 +5,9 @@ import os
 import torch
 
 from .errors import UsageError
+from .memory import format_size
 
+MAX_PROMPTS_BYTES = 256 << 20  # a larger file (or /dev/zero) is refused, not read
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "tokenizer_config.json")
 
 
@@ -24,26 +26,48 @@ def load_tokenizer(directory: str | None):
     return AutoTokenizer.from_pretrained(directory)
 
 
-def file_prompts(path: str, tokenizer, batch: int, prompt_len: int, pad_token_id: int):
-    """Tokenizes one prompt per line and left-pads them to prompt_len."""
+def read_lines(path: str) -> list[str]:
+    """The non-blank lines of a UTF-8 text file of at most MAX_PROMPTS_BYTES (a leading BOM dropped)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_PROMPTS_BYTES + 1)
+    except OSError as e:
+        raise UsageError("--prompts-file", f"cannot read {path}: {e.strerror}") from None
+    if len(data) > MAX_PROMPTS_BYTES:
+        raise UsageError("--prompts-file", f"{path} is larger than {format_size(MAX_PROMPTS_BYTES)}, the "
+                         "limit for a prompts file")
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise UsageError("--prompts-file", f"{path} is not UTF-8 text (byte {e.start} cannot be decoded)") from None
+    lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    return [line for line in lines if line.strip()]
+
+
+def read_prompts(path: str, tokenizer, batch: int, prompt_len: int) -> list[list[int]]:
+    """The token ids of one prompt per line; as many prompts as the batch, none over prompt_len."""
     if tokenizer is None:
         raise UsageError("--prompts-file", "needs a tokenizer: give --path (or --model) a directory with "
                          "tokenizer files")
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = [line.rstrip("\n") for line in f if line.strip()]
-    except OSError as e:
-        raise UsageError("--prompts-file", f"cannot read {path}: {e.strerror}") from None
+    lines = read_lines(path)
     if len(lines) != batch:
         raise UsageError("--prompts-file", f"{path} has {len(lines)} prompts; the batch "
                          f"(--gpu-batch-size x --num-gpu-batches) is {batch}")
-    ids = torch.full((batch, prompt_len), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((batch, prompt_len), dtype=torch.long)
+    out = []
     for row, line in enumerate(lines):
         tokens = tokenizer(line)["input_ids"]
         if len(tokens) > prompt_len:
             raise UsageError("--prompts-file", f"prompt {row + 1} has {len(tokens)} tokens, over "
                              f"--prompt-len {prompt_len}")
+        out.append(tokens)
+    return out
+
+
+def pad_prompts(prompts: list[list[int]], prompt_len: int, pad_token_id: int):
+    """Token ids and mask [len(prompts), prompt_len], each prompt left-padded."""
+    ids = torch.full((len(prompts), prompt_len), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), prompt_len), dtype=torch.long)
+    for row, tokens in enumerate(prompts):
         if tokens:
             ids[row, -len(tokens):] = torch.tensor(tokens)
             mask[row, -len(tokens):] = 1

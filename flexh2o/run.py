@@ -15,11 +15,11 @@ import torch
 from .engine import Engine, default_device, default_dtype, parse_device, parse_dtype
 from .errors import UsageError
 from .memory import capacities, parse_size
-from .placement import describe as describe_placement, fits, fitted_placement
+from .placement import WeightNeeds, describe as describe_placement, fits, fitted_placement, no_fit_error
 from .models import resolve_model
-from .policy import KV_POLICIES, Policy
-from .prompts import file_prompts, load_tokenizer, synthetic_prompts
-from .sampling import check_sampling
+from .policy import KV_POLICIES, Policy, placement_flag, policy_percents
+from .prompts import load_tokenizer, pad_prompts, read_prompts, synthetic_prompts
+from .sampling import check_sampling, check_seed
 from .report import build_report, format_report, write_json_atomic
 
 
@@ -83,6 +83,17 @@ def default_offload_dir() -> str:
     return os.path.join(tempfile.gettempdir(), "flexh2o_offload")
 
 
+STRING_FLAGS = ("model", "path", "weights", "cache", "act", "gpu_mem", "cpu_mem", "disk_mem", "device", "dtype",
+                "offload_dir", "json_out", "prompts_file")
+
+
+def check_not_empty(args):
+    for name in STRING_FLAGS:
+        value = getattr(args, name)
+        if value is not None and not value.strip():
+            raise UsageError(f"--{name.replace('_', '-')}", "is empty; give a value or leave the flag out")
+
+
 def check_positive(args):
     for flag in ("prompt_len", "gen_len"):
         if getattr(args, flag) < 1:
@@ -104,36 +115,6 @@ def check_output_file(flag: str, path: str):
         raise UsageError(flag, f"cannot write {path}: its directory is missing or not writable")
 
 
-def parse_placement(text: str, flag: str) -> tuple[float, float]:
-    """'gpu=20,cpu=80' -> (20, 80); a missing tier is 0, and disk takes what is left."""
-    shares = {"gpu": 0.0, "cpu": 0.0, "disk": None}
-    for item in text.split(","):
-        tier, _, value = item.partition("=")
-        tier = tier.strip()
-        try:
-            if tier not in shares:
-                raise ValueError(tier)
-            shares[tier] = float(value)
-        except ValueError:
-            raise UsageError(flag, f"expected gpu=P,cpu=P,disk=P with percentages, got {text!r}") from None
-    gpu, cpu, disk = shares["gpu"], shares["cpu"], shares["disk"]
-    if disk is not None and abs(gpu + cpu + disk - 100) > 1e-6:
-        raise UsageError(flag, f"gpu + cpu + disk must sum to 100, got {gpu + cpu + disk:g}")
-    return gpu, cpu
-
-
-def policy_percents(args) -> list[float]:
-    readable = [args.weights, args.cache, args.act]
-    if args.percent is not None and any(readable):
-        raise UsageError("--percent", "give either --percent or --weights/--cache/--act, not both")
-    if args.percent is not None:
-        return args.percent
-    out = []
-    for text, flag in zip(readable, ("--weights", "--cache", "--act")):
-        out += parse_placement(text, flag) if text else [100, 0]
-    return out
-
-
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -144,8 +125,10 @@ def main(argv=None) -> int:
 
 
 def run(args) -> int:
+    check_not_empty(args)
     check_positive(args)
     check_sampling(args.temperature, args.top_k, args.top_p)
+    check_seed(args.seed)
     w_gpu, w_cpu, c_gpu, c_cpu, a_gpu, a_cpu = policy_percents(args)
     policy = Policy(args.gpu_batch_size, args.num_gpu_batches, w_gpu, w_cpu, c_gpu, c_cpu, a_gpu, a_cpu,
                     overlap=args.overlap, cpu_cache_compute=args.cpu_cache_compute, kv_policy=args.kv_policy,
@@ -158,7 +141,7 @@ def run(args) -> int:
     if args.prompt_len + args.gen_len > spec.max_positions:
         raise UsageError("--prompt-len/--gen-len", f"prompt_len + gen_len = {args.prompt_len + args.gen_len} "
                          f"exceeds the {spec.max_positions} positions of {spec.name}")
-    if args.percent is None and not any([args.weights, args.cache, args.act]):
+    if placement_flag(args) is None:
         policy = fit_default_placement(args, policy, spec, device, dtype, caps)
     if args.offload_dir is not None or any(policy.disk_percent(kind) > 0 for kind in ("w", "cache", "act")):
         args.offload_dir = args.offload_dir or default_offload_dir()
@@ -167,18 +150,15 @@ def run(args) -> int:
         check_output_file("--json-out", args.json_out)
     dummy = args.dummy or weights_dir is None
     tokenizer = None if dummy and not args.prompts_file else load_tokenizer(weights_dir)
-    if args.prompts_file:
-        input_ids, mask = file_prompts(args.prompts_file, tokenizer, policy.batch_size, args.prompt_len,
-                                       spec.pad_token_id)
-    else:
-        input_ids, mask = synthetic_prompts(policy.batch_size, args.prompt_len, spec.vocab_size, args.seed)
-
+    tokens = read_prompts(args.prompts_file, tokenizer, policy.batch_size, args.prompt_len) \
+        if args.prompts_file else None
     engine = Engine.from_pretrained(args.model, policy=policy, device=device, dtype=dtype, dummy=dummy,
                                     path=args.path, offload_dir=args.offload_dir, progress=args.verbose,
                                     seed=args.seed, bypass_page_cache=args.no_page_cache,
-                                    prompt_len=args.prompt_len, gen_len=args.gen_len, **caps)
+                                    prompt_len=args.prompt_len, gen_len=args.gen_len,
+                                    placement_flag=placement_flag(args) or "--weights/--cache/--act", **caps)
     try:
-        return generate_and_report(args, engine, policy, input_ids, mask, tokenizer, dummy)
+        return generate_and_report(args, engine, policy, tokens, tokenizer, dummy)
     finally:
         engine.close()
 
@@ -192,15 +172,26 @@ def fit_default_placement(args, policy, spec, device, dtype, caps) -> Policy:
     offload_dir = args.offload_dir or default_offload_dir()
     check_writable_dir("--offload-dir", offload_dir)
     limits = capacities(device, offload_dir, caps.get("gpu_mem"), caps.get("cpu_mem"), caps.get("disk_mem"))
-    fitted = fitted_placement(spec, policy, dtype_bytes, args.prompt_len, args.gen_len, limits, device)
-    if fitted is None or fitted is policy:
-        return policy  # fits as it is, or nothing fits: the engine's pre-flight says what is missing
+    weights = WeightNeeds(spec, dtype_bytes, device)
+    fitted = fitted_placement(spec, policy, dtype_bytes, args.prompt_len, args.gen_len, limits, device, weights)
+    if fitted is None:
+        raise no_fit_error(spec, policy, dtype_bytes, args.prompt_len, args.gen_len, limits, device, weights)
+    if fitted is policy:
+        return policy
     print(f"note: everything on the compute device does not fit; placing {describe_placement(fitted)} "
           "(give --weights/--cache/--act or --percent to choose)", file=sys.stderr)
     return fitted
 
 
-def generate_and_report(args, engine, policy, input_ids, mask, tokenizer, dummy) -> int:
+def batch_prompts(args, spec, batch: int, tokens):
+    """The batch's prompt ids and mask: made only once the pre-flight has passed (they are batch-sized)."""
+    if tokens is not None:
+        return pad_prompts(tokens, args.prompt_len, spec.pad_token_id)
+    return synthetic_prompts(batch, args.prompt_len, spec.vocab_size, args.seed)
+
+
+def generate_and_report(args, engine, policy, tokens, tokenizer, dummy) -> int:
+    input_ids, mask = batch_prompts(args, engine.spec, policy.batch_size, tokens)
     if dummy and not args.dummy:
         print(f"note: no --path given for {engine.spec.name}: using dummy weights", file=sys.stderr)
     ids = engine.generate(input_ids, mask, max_new_tokens=args.gen_len, do_sample=args.do_sample,

@@ -4,14 +4,24 @@ Sampling draws one uniform number per sequence per token for the whole batch at 
 inverse CDF, so a seed gives the same tokens however the batch is split into gpu-batches.
 """
 
+import math
+
 import torch
 
 from .errors import UsageError
 
 
+MAX_SEED = (1 << 63) - 1  # torch generators take 64-bit seeds
+
+
+def check_seed(seed: int):
+    if not 0 <= seed <= MAX_SEED:
+        raise UsageError("--seed", f"must be within 0..{MAX_SEED}, got {seed}")
+
+
 def check_sampling(temperature: float, top_k: int, top_p: float):
-    if not temperature > 0:
-        raise UsageError("--temperature", f"must be > 0, got {temperature}")
+    if not 0 < temperature < math.inf:
+        raise UsageError("--temperature", f"must be a finite number > 0, got {temperature}")
     if top_k < 0:
         raise UsageError("--top-k", f"must be >= 0 (0 disables it), got {top_k}")
     if not 0 < top_p <= 1:
@@ -28,6 +38,7 @@ class Sampler:
         if seed is None:
             self.generator.seed()
         else:
+            check_seed(seed)
             self.generator.manual_seed(seed)
 
     def uniforms(self, batch: int) -> torch.Tensor | None:
@@ -36,9 +47,13 @@ class Sampler:
 
     def pick(self, logits: torch.Tensor, uniforms: torch.Tensor | None) -> torch.Tensor:
         """logits [b, vocab] (float32) -> token ids [b]."""
-        if not self.do_sample:
+        # A temperature that is 0 in float32 is the limit of sampling: greedy.
+        if not self.do_sample or torch.tensor(self.temperature, dtype=torch.float32) == 0:
             return logits.argmax(dim=-1)
-        logits = logits / self.temperature
+        # Relative to the largest logit first: each scaled logit is then <= 0 and cannot overflow to
+        # inf (and a NaN distribution) however small the temperature.
+        logits = logits.float()
+        logits = (logits - logits.amax(dim=-1, keepdim=True)) / self.temperature
         if 0 < self.top_k < logits.shape[-1]:
             values, index = logits.topk(self.top_k, dim=-1)
         else:

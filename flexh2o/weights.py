@@ -8,10 +8,26 @@ wrong checkpoint is a clear error before anything runs.
 import glob
 import hashlib
 import os
+import pickle
+import warnings
+import zipfile
 
 import torch
 
 from .errors import UsageError
+
+
+def load_bin(file: str):
+    """A torch.save file, loaded with weights_only=True: memory-mapped when it is a zip archive
+    (the format since torch 1.6), read whole when it is the legacy format, which cannot be mapped."""
+    with warnings.catch_warnings():  # e.g. about a raw pickle's protocol: the error, if any, says enough
+        warnings.simplefilter("ignore")
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(file))
+
+
+def is_state_dict(handle) -> bool:
+    return isinstance(handle, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                            for k, v in handle.items())
 
 
 def canonical_name(name: str) -> str:
@@ -19,7 +35,7 @@ def canonical_name(name: str) -> str:
 
 
 class CheckpointWeights:
-    """safetensors shards, or `.bin` shards read with torch.load(weights_only=True, mmap=True)."""
+    """safetensors shards, or `.bin` shards read with torch.load(weights_only=True) (see load_bin)."""
 
     def __init__(self, directory: str, flag: str = "--path"):
         self.directory, self.flag = directory, flag
@@ -38,18 +54,27 @@ class CheckpointWeights:
 
     def _handle(self, file):
         if file not in self._open:
-            try:
-                if self.format == "safetensors":
-                    from safetensors import safe_open
-                    self._open[file] = safe_open(file, framework="pt")
-                else:
-                    self._open[file] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-            except Exception as e:  # a corrupt or foreign file: say which one
-                raise UsageError(self.flag, f"cannot read weights file {file}: {e}") from None
+            self._open[file] = self._load(file)
         return self._open[file]
+
+    def _load(self, file):
+        try:
+            if self.format == "safetensors":
+                from safetensors import safe_open
+                return safe_open(file, framework="pt")
+            return load_bin(file)
+        except pickle.UnpicklingError:  # weights_only=True met something else: never run it
+            raise UsageError(self.flag, f"weights file {file} holds objects other than tensors and was "
+                             "refused") from None
+        except Exception as e:  # a corrupt or foreign file: say which one, in one line
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UsageError(self.flag, f"cannot read weights file {file}: {reason}") from None
 
     def _names(self, file):
         handle = self._handle(file)
+        if self.format == "bin" and not is_state_dict(handle):
+            raise UsageError(self.flag, f"weights file {file} holds an object of type "
+                             f"{type(handle).__name__!r}, not a dict of named tensors")
         return list(handle.keys())
 
     def shape(self, name: str):

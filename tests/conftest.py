@@ -2,7 +2,8 @@ import os
 
 import pytest
 import torch
-from transformers import OPTConfig, OPTForCausalLM
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import OPTConfig, OPTForCausalLM, PreTrainedTokenizerFast
 
 # Tiny OPT shapes: plain pre-norm, a wider one, and opt-350m's post-norm with projections.
 CONFIGS = {
@@ -59,3 +60,19 @@ def hf_generate(model, ids, mask, new_tokens, eos_token_id=None):
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def model_with_tokenizer(tiny_models, tmp_path):
+    directory, _ = tiny_models["tiny"]
+    for f in os.listdir(directory):
+        os.symlink(os.path.join(directory, f), tmp_path / f)
+    words = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran"]
+    vocab = {"<pad>": 1, "</s>": 2, "<unk>": 3, **{w: 4 + i for i, w in enumerate(words)}}
+    vocab.update({f"w{i}": i for i in range(len(vocab) + 1, VOCAB)})
+    vocab["<s>"] = 0
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(tmp_path)
+    return tmp_path

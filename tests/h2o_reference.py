@@ -105,7 +105,9 @@ class MaskedH2OOPT:
                     continue
                 newest = max(int(pos[row, t]) for t in held)
                 window = [t for t in held if pos[row, t] > newest - self.recent]
-                older = sorted((t for t in held if t not in window), key=lambda t: -float(score[row, head, t]))
+                # Highest score first; of equal scores the newer token first, so the older one goes.
+                older = sorted((t for t in held if t not in window),
+                               key=lambda t: (-float(score[row, head, t]), -int(pos[row, t])))
                 keep = set(window) | set(older[: self.heavy])
                 for t in held:
                     if t not in keep:

@@ -6,12 +6,10 @@ import subprocess
 import sys
 
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 from flexh2o.engine import default_dtype
 from flexh2o.run import main
-from conftest import REPO, VOCAB
+from conftest import REPO
 
 FIGURES = ["model_size_bytes", "cache_size_bytes", "hidden_size_bytes", "peak_gpu_mem_bytes",
            "peak_cpu_mem_bytes", "peak_rss_bytes", "peak_disk_bytes", "prefill_latency_s", "prefill_throughput", "decode_latency_s",
@@ -56,22 +54,6 @@ def test_h2o_run_without_placement_flags_fits_a_small_cap(tmp_path, capsys):
     # 12 layers x 2 sequences x 12 heads x 8 slots x (2 x 64 K/V elements + 4 bytes position + 4 score)
     element = default_dtype("cpu").itemsize
     assert report["cache_size_bytes"] == 12 * 2 * 12 * 8 * (2 * 64 * element + 8)
-
-
-@pytest.fixture
-def model_with_tokenizer(tiny_models, tmp_path):
-    directory, _ = tiny_models["tiny"]
-    for f in os.listdir(directory):
-        os.symlink(os.path.join(directory, f), tmp_path / f)
-    words = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran"]
-    vocab = {"<pad>": 1, "</s>": 2, "<unk>": 3, **{w: 4 + i for i, w in enumerate(words)}}
-    vocab.update({f"w{i}": i for i in range(len(vocab) + 1, VOCAB)})
-    vocab["<s>"] = 0
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
-                            unk_token="<unk>").save_pretrained(tmp_path)
-    return tmp_path
 
 
 def test_prompts_file_with_real_weights_prints_a_sample(model_with_tokenizer, tmp_path):

@@ -63,3 +63,13 @@ def test_no_allocation_after_the_first_decode_step_on_cuda(tiny_models, tmp_path
             assert engine.last_stats.step_allocations[2:] == [0] * (new - 2)
             peaks.append(torch.cuda.max_memory_allocated())
     assert peaks[1] <= peaks[0] * 1.01 + (1 << 20), peaks
+
+
+def test_keyformer_noise_advances_while_the_device_alternates():
+    """With a cache split between CPU and GPU, Keyformer sees logits on both devices in turn."""
+    from types import SimpleNamespace
+    from flexh2o.kv import make_policy
+    policy = make_policy(Policy(kv_policy="keyformer", hh_ratio=0.25), 12, 4, 0)
+    logits, step = torch.zeros(1, 1, 1, 64), SimpleNamespace(i=1)
+    draws = [policy.contribution(logits.to(device), None, None, step).cpu() for device in ("cpu", "cuda") * 2]
+    assert not torch.equal(draws[0], draws[2]) and not torch.equal(draws[1], draws[3])

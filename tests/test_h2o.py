@@ -84,3 +84,13 @@ def test_bad_kv_settings_name_their_flag(kwargs, flag):
     with pytest.raises(UsageError) as e:
         Policy(**kwargs)
     assert e.value.flag == flag
+
+
+def test_the_reference_evicts_the_older_of_equal_scores():
+    """The tie-break the engine follows too (tests/test_kv_policies.py): lowest position goes first."""
+    ref = MaskedH2OOPT.__new__(MaskedH2OOPT)
+    ref.heavy, ref.recent = 2, 2
+    ref.kept, ref.score = [torch.ones(1, 1, 8, dtype=torch.bool)], [torch.zeros(1, 1, 8)]
+    ref.key_pos = torch.arange(8)[None]
+    ref._evict(0)
+    assert ref.kept[0][0, 0].nonzero().flatten().tolist() == [4, 5, 6, 7]

@@ -142,3 +142,31 @@ def test_keyformer_temperature_rises_from_1_to_2():
     policy = make_policy(Policy(kv_policy="keyformer", hh_ratio=0.25), PROMPT, GEN, 0)
     assert policy.temperature(0) == 1.0 and policy.temperature(GEN - 1) == 2.0
     assert policy.temperature(GEN // 2) == pytest.approx(1 + (GEN // 2) / (GEN - 1))
+
+
+def test_of_equal_scores_the_older_token_is_evicted():
+    """Exact ties (every score 0): H2O then keeps the newest tokens, prompt and decode alike."""
+    policy = make_policy(Policy(kv_policy="h2o", hh_ratio=0.25), PROMPT, GEN, 0)
+    cache = KVCache.allocate(Tiers("cpu", torch.float32), B, HEADS, D, policy.capacity, policy.accumulates)
+    pos = torch.arange(PROMPT).expand(B, PROMPT)
+    k, v = token_kv(pos, torch.ones(B, PROMPT, dtype=torch.bool))
+    step = SimpleNamespace(i=0)
+    policy.prompt(cache, k, v, pos.to(torch.int32)[:, None].expand(B, HEADS, PROMPT), torch.zeros(B, HEADS, PROMPT), step)
+    for newest in range(PROMPT - 1, PROMPT + GEN):
+        if newest >= PROMPT:
+            k, v = token_kv(torch.full((B, 1), newest), torch.ones(B, 1, dtype=torch.bool))
+            zeros = torch.zeros(B, HEADS, 1, policy.capacity + 1)
+            policy.decode(cache, k, v, torch.full((B, 1), newest), zeros, zeros, step)
+        for row in range(B):
+            for head in range(HEADS):
+                assert held(cache, row, head) == list(range(newest - policy.capacity + 1, newest + 1))
+
+
+def test_keyformer_keeps_one_advancing_generator_per_device():
+    """A split cache attends on two devices in turn; each device's noise must go on, not restart.
+    (tests/test_cuda.py alternates real devices.)"""
+    policy = make_policy(Policy(kv_policy="keyformer", hh_ratio=0.25), PROMPT, GEN, 0)
+    logits, step = torch.zeros(1, 1, 1, 64), SimpleNamespace(i=1)
+    first, second = (policy.contribution(logits, None, None, step) for _ in range(2))
+    assert not torch.equal(first, second)
+    assert list(policy.generators) == [torch.device("cpu")]

@@ -86,3 +86,14 @@ def test_generation_ends_early_when_every_sequence_finished(tiny_models):
     stop = free[0, 6:].tolist().index(eos)
     assert engine.last_stats.steps_done == stop + 1
     assert out.shape == (1, 14) and (out[0, 6 + stop + 1:] == 1).all()
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-45, 1e-300])
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_a_tiny_temperature_is_greedy_not_nan(temperature, top_k):
+    """Logits / 1e-38 overflow float32; 1e-300 is 0 there. Both must pick the largest logit."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(64, 50, generator=g) * 5
+    uniforms = torch.rand(64, dtype=torch.float64, generator=g)
+    picked = Sampler(do_sample=True, temperature=temperature, top_k=top_k, seed=0).pick(logits, uniforms)
+    assert torch.equal(picked, logits.argmax(-1))

@@ -9,7 +9,8 @@ a running score:
 
 - keep the `window` newest positions (the new token included);
 - keep the highest-priority older tokens up to `capacity`; evict the rest;
-- padding is never kept; an empty slot is always filled before a token is evicted.
+- padding is never kept; an empty slot is always filled before a token is evicted;
+- among tokens of equal priority the older one (lower position) is evicted first.
 """
 
 import torch
@@ -23,6 +24,19 @@ def per_kv_head(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     if heads == kv_heads:
         return x
     return x.view(b, kv_heads, heads // kv_heads, *x.shape[2:]).sum(2)
+
+
+def highest(pri, pos, n: int):
+    """Indices of the n highest priorities along the last dim; of equal ones, the newer (higher pos) first."""
+    newest_first = pos.argsort(dim=-1, descending=True)
+    ranked = pri.gather(-1, newest_first).sort(dim=-1, descending=True, stable=True).indices
+    return newest_first.gather(-1, ranked[..., :n])
+
+
+def lowest(pri, pos):
+    """Index of the lowest priority along the last dim; of equal ones, the oldest (lowest pos)."""
+    tied = pri == pri.amin(-1, keepdim=True)
+    return pos.masked_fill(~tied, torch.iinfo(pos.dtype).max).argmin(-1)
 
 
 class FullCache:
@@ -71,7 +85,7 @@ class Evicting(FullCache):
             newest = pos.amax(-1, keepdim=True)
             pri = self.priority(pos, contribution, contribution)
             pri = pri.masked_fill(pos > newest - self.window, INF).masked_fill(pos < 0, -INF)
-            keep = pri.topk(cache.capacity, dim=-1, sorted=False).indices
+            keep = highest(pri, pos, cache.capacity)
         cache.fill_prompt(k, v, pos, score, keep)
         cache.length = cache.capacity
 
@@ -87,4 +101,4 @@ class Evicting(FullCache):
         pri = self.priority(cache.pos, cache.score, held)
         in_window = cache.pos > (pos - self.window).to(cache.pos.dtype)[:, :, None]
         pri = pri.masked_fill(in_window, INF).masked_fill_(cache.pos < 0, -INF)
-        cache.put(pri.argmin(-1), k, v, pos, new if self.accumulates else None)
+        cache.put(lowest(pri, cache.pos), k, v, pos, new if self.accumulates else None)

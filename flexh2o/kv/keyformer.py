@@ -11,15 +11,23 @@ class Keyformer(Evicting):
     name = "keyformer"
     accumulates = True
 
-    generator = None  # made on the device of the first logits it sees
+    def __init__(self, capacity: int, window: int, gen_len: int, seed: int):
+        super().__init__(capacity, window, gen_len, seed)
+        self.generators = {}  # device -> its generator, seeded once and advancing with every draw
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """One generator per device: a split cache attends on two devices in turn, and seeding
+        again at each switch would give every step the same noise."""
+        if device not in self.generators:
+            self.generators[device] = torch.Generator(device).manual_seed(self.seed)
+        return self.generators[device]
 
     def temperature(self, i: int) -> float:
         return 1.0 + i / max(self.gen_len - 1, 1)
 
     def contribution(self, logits, probs, real_rows, step):
-        if self.generator is None or self.generator.device != logits.device:
-            self.generator = torch.Generator(logits.device).manual_seed(self.seed)
-        u = torch.rand(logits.shape, generator=self.generator, device=logits.device, dtype=torch.float32)
+        u = torch.rand(logits.shape, generator=self.generator(logits.device), device=logits.device,
+                       dtype=torch.float32)
         exponential = torch.log(u.clamp_(min=1e-20)).neg_().clamp_(min=1e-20)
         gumbel = torch.log(exponential).neg_()
         noisy = torch.softmax((logits.float() + gumbel) / self.temperature(step.i), dim=-1)

@@ -12,10 +12,13 @@ SUPPORTED_TYPES = ("opt",)
 def read_hf_config(directory: str, flag: str) -> dict:
     path = os.path.join(directory, "config.json")
     try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
         raise UsageError(flag, f"cannot read {path}: {e}") from None
+    if not isinstance(config, dict):
+        raise UsageError(flag, f"{path} holds a JSON {type(config).__name__}, not an object of model settings")
+    return config
 
 
 def spec_from_directory(directory: str, name: str, flag: str):
@@ -23,7 +26,7 @@ def spec_from_directory(directory: str, name: str, flag: str):
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_TYPES:
         raise UsageError(flag, f"{directory} holds a {model_type!r} model; supported: {', '.join(SUPPORTED_TYPES)}")
-    return spec_from_hf_config(config, name)
+    return spec_from_hf_config(config, name, flag)
 
 
 def resolve_model(model: str, path: str | None = None):

@@ -78,35 +78,64 @@ PRESETS = {s.name: s for s in [
 ]}
 
 
-def spec_from_hf_config(config: dict, name: str) -> OPTSpec:
+POSITIVE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "ffn_dim", "vocab_size",
+                   "max_position_embeddings")
+TOKEN_FIELDS = {"pad_token_id": 1, "bos_token_id": 2, "eos_token_id": 2}
+
+
+def is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def checked_fields(config: dict, refuse) -> dict:
+    """The shape fields of an OPT config.json, each a positive integer, and its special token ids."""
+    for field in POSITIVE_FIELDS:
+        if field not in config:
+            refuse(f"config.json lacks {field}")
+        if not is_int(config[field]) or config[field] < 1:
+            refuse(f"config.json's {field} must be a positive integer, got {config[field]!r}")
+    proj = config.get("word_embed_proj_dim")
+    proj = config["hidden_size"] if proj is None else proj  # None: as HF's OPTConfig, the hidden size
+    if not is_int(proj) or proj < 1:
+        refuse(f"config.json's word_embed_proj_dim must be a positive integer, got {proj!r}")
+    tokens = {}
+    for field, default in TOKEN_FIELDS.items():
+        value = config.get(field, default)
+        tokens[field] = default if value is None else value
+        if not is_int(tokens[field]) or not 0 <= tokens[field] < config["vocab_size"]:
+            refuse(f"config.json's {field} must be a token id below vocab_size, got {value!r}")
+    return {**{f: config[f] for f in POSITIVE_FIELDS}, "word_embed_proj_dim": proj, **tokens}
+
+
+def spec_from_hf_config(config: dict, name: str, flag: str = "--model") -> OPTSpec:
     """An OPTSpec from the fields of an HF OPT config.json."""
     def refuse(what):
-        raise UsageError("--model", f"{name}: {what}; flexh2o runs standard OPT checkpoints")
+        raise UsageError(flag, f"{name}: {what}; flexh2o runs standard OPT checkpoints")
 
     if config.get("activation_function", "relu") != "relu":
         refuse(f"activation {config['activation_function']!r} is not ReLU")
     if not config.get("enable_bias", True) or not config.get("layer_norm_elementwise_affine", True):
         refuse("layers without biases or layer-norm weights")
-    hidden = config["hidden_size"]
-    if hidden % config["num_attention_heads"]:
+    c = checked_fields(config, refuse)
+    hidden = c["hidden_size"]
+    if hidden % c["num_attention_heads"]:
         refuse("hidden_size is not a multiple of num_attention_heads")
     pre_norm = config.get("do_layer_norm_before", True)
-    proj = config.get("word_embed_proj_dim", hidden)
     return OPTSpec(
         name=name,
-        num_layers=config["num_hidden_layers"],
+        num_layers=c["num_hidden_layers"],
         hidden_size=hidden,
-        num_heads=config["num_attention_heads"],
-        ffn_dim=config["ffn_dim"],
-        vocab_size=config["vocab_size"],
-        max_positions=config["max_position_embeddings"],
-        word_embed_proj_dim=0 if proj == hidden else proj,
+        num_heads=c["num_attention_heads"],
+        ffn_dim=c["ffn_dim"],
+        vocab_size=c["vocab_size"],
+        max_positions=c["max_position_embeddings"],
+        word_embed_proj_dim=0 if c["word_embed_proj_dim"] == hidden else c["word_embed_proj_dim"],
         do_layer_norm_before=pre_norm,
         final_layer_norm=pre_norm and not config.get("_remove_final_layer_norm", False),
         tie_word_embeddings=config.get("tie_word_embeddings", True),
-        pad_token_id=config.get("pad_token_id", 1),
-        bos_token_id=config.get("bos_token_id", 2),
-        eos_token_id=config.get("eos_token_id", 2),
+        pad_token_id=c["pad_token_id"],
+        bos_token_id=c["bos_token_id"],
+        eos_token_id=c["eos_token_id"],
     )
 
 
