@@ -20,7 +20,8 @@ from .models import resolve_model
 from .policy import KV_POLICIES, Policy
 from .prompts import file_prompts, load_tokenizer, synthetic_prompts
 from .sampling import check_sampling
-from .report import build_report, format_report, write_json_atomic
+from .output import check_output_file, json_text, write_json_atomic
+from .report import build_report, format_report
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -96,12 +97,6 @@ def check_writable_dir(flag: str, directory: str):
             pass
     except OSError as e:
         raise UsageError(flag, f"cannot write to {directory}: {e.strerror}") from None
-
-
-def check_output_file(flag: str, path: str):
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
-        raise UsageError(flag, f"cannot write {path}: its directory is missing or not writable")
 
 
 def parse_placement(text: str, flag: str) -> tuple[float, float]:
@@ -210,10 +205,20 @@ def generate_and_report(args, engine, policy, input_ids, mask, tokenizer, dummy)
     if tokenizer is not None and not dummy:
         sample = tokenizer.decode(ids[0, args.prompt_len:], skip_special_tokens=True)
     report = build_report(engine, engine.last_stats, policy, sample)
-    print(format_report(report))
-    if args.json_out:
-        write_json_atomic(args.json_out, report)
-    return 0
+    print(format_report(report), flush=True)
+    return save_json(args.json_out, report) if args.json_out else 0
+
+
+def save_json(path: str, report: dict) -> int:
+    """Writes the JSON report; if that fails after all, prints it to stdout instead (exit code 1)."""
+    try:
+        write_json_atomic(path, report)
+        return 0
+    except OSError as e:
+        print(json_text(report), end="")
+        print(f"error: --json-out: cannot write {path}: {e.strerror or e}; the JSON report went to stdout",
+              file=sys.stderr)
+        return 1
 
 
 def exit_on_sigterm(signum, frame):

@@ -29,7 +29,7 @@ from flexh2o.memory import parse_size  # noqa: E402
 from flexh2o.models.opt import PRESETS  # noqa: E402
 from flexh2o.placement import fits  # noqa: E402
 from flexh2o.prompts import synthetic_prompts  # noqa: E402
-from flexh2o.report import write_json_atomic, write_text_atomic  # noqa: E402
+from flexh2o.output import write_json_atomic, write_text_atomic  # noqa: E402
 
 GB = 1 << 30
 

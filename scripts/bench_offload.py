@@ -37,7 +37,7 @@ from flexh2o.disk import DIRECT, MEMORY  # noqa: E402
 from flexh2o.machine import describe_machine  # noqa: E402
 from flexh2o.memory import parse_size  # noqa: E402
 from flexh2o.prompts import synthetic_prompts  # noqa: E402
-from flexh2o.report import write_json_atomic, write_text_atomic  # noqa: E402
+from flexh2o.output import write_json_atomic, write_text_atomic  # noqa: E402
 from flexh2o.tiers import Tiers  # noqa: E402
 
 IO_THREADS = inspect.signature(Tiers).parameters["io_threads"].default  # the engine keeps the default
