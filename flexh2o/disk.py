@@ -2,7 +2,7 @@
 
 Each run works in its own fresh sub-directory of --offload-dir, removed when the run ends (on
 close, at interpreter exit, or when the engine is garbage collected), so a crash or Ctrl-C leaves
-nothing behind.
+nothing behind. The removal runs with signals deferred (see signals.py).
 
 With `bypass_page_cache`, reads miss every cache so benchmarks measure the disk: they use O_DIRECT
 where the filesystem allows it, else the pages a read touched are evicted after it, with readahead
@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from .errors import UsageError
+from .signals import deferred
 
 MAX_IO = 1 << 30    # bytes per system call; Linux caps a single read/write near 2 GiB
 ALIGN = 4096        # O_DIRECT alignment of offsets, lengths and memory
@@ -223,6 +224,7 @@ def _widen(offset: int, nbytes: int) -> tuple[int, int]:
 
 
 def _remove(directory, files):
-    for f in files:
-        f.close()
-    shutil.rmtree(directory, ignore_errors=True)
+    with deferred():
+        for f in files:
+            f.close()
+        shutil.rmtree(directory, ignore_errors=True)

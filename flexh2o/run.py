@@ -6,7 +6,6 @@ With no flags it runs a small default: opt-125m, dummy weights, 4 x (512 + 32) t
 
 import argparse
 import os
-import signal
 import sys
 import tempfile
 
@@ -22,6 +21,7 @@ from .prompts import file_prompts, load_tokenizer, synthetic_prompts
 from .sampling import check_sampling
 from .output import check_output_file, json_text, write_json_atomic
 from .report import build_report, format_report
+from .signals import run_stoppable
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -221,11 +221,6 @@ def save_json(path: str, report: dict) -> int:
         return 1
 
 
-def exit_on_sigterm(signum, frame):
-    raise SystemExit(128 + signum)  # unwinds like Ctrl-C, so the offload files are removed
-
-
 if __name__ == "__main__":
     torch.set_grad_enabled(False)
-    signal.signal(signal.SIGTERM, exit_on_sigterm)
-    sys.exit(main())
+    sys.exit(run_stoppable(main))
