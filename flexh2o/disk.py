@@ -2,7 +2,8 @@
 
 Each run works in its own fresh sub-directory of --offload-dir, removed when the run ends (on
 close, at interpreter exit, or when the engine is garbage collected), so a crash or Ctrl-C leaves
-nothing behind. The removal runs with signals deferred (see signals.py).
+nothing behind. The removal runs with signals deferred (see signals.py). A write that fails (the
+disk filled up after the pre-flight) raises OffloadError, which names the directory.
 
 With `bypass_page_cache`, reads miss every cache so benchmarks measure the disk: they use O_DIRECT
 where the filesystem allows it, else the pages a read touched are evicted after it, with readahead
@@ -11,11 +12,13 @@ buffered: an O_DIRECT read first flushes the dirty pages of its range, so it see
 fdatasync would only measure the sync.
 """
 
+import errno
 import os
 import shutil
 import tempfile
 import threading
 import weakref
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -36,6 +39,14 @@ MEMORY = "in memory (the offload dir is on tmpfs: no disk to read)"
 def as_bytes(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, as a writable buffer (works for bfloat16 too)."""
     return memoryview(tensor.view(torch.uint8).numpy()).cast("B")
+
+
+class OffloadError(OSError):
+    """Writing the offload files failed mid-run (most often: the disk is full)."""
+
+    def __init__(self, directory: str, cause: OSError):
+        reason = "the disk is full" if cause.errno in (errno.ENOSPC, errno.EDQUOT) else cause.strerror or str(cause)
+        super().__init__(cause.errno, f"cannot write the offload files in {directory}: {reason}")
 
 
 def ensure_dir(directory: str):
@@ -59,6 +70,16 @@ def pread_all(fd: int, view: memoryview, offset: int, path: str):
         n = os.preadv(fd, [view[done: done + MAX_IO]], offset + done)
         if n <= 0:
             raise OSError(f"short read from {path}")
+        done += n
+
+
+def pwrite_all(fd: int, view: memoryview, offset: int):
+    """Writes all of `view`; a short write on a nearly full disk is continued until it fails."""
+    done = 0
+    while done < len(view):
+        n = os.pwritev(fd, [view[done: done + MAX_IO]], offset + done)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         done += n
 
 
@@ -141,10 +162,18 @@ class DiskStore:
         self._count = threading.Lock()
         self._local = threading.local()  # per I/O thread: its aligned bounce buffer
 
+    @contextmanager
+    def _writing(self):
+        try:
+            yield
+        except OSError as e:
+            raise OffloadError(os.path.dirname(self.dir), e) from e
+
     def create(self, nbytes: int) -> DiskFile:
         self.created += 1
-        f = DiskFile(os.path.join(self.dir, f"t{self.created:06d}.bin"), nbytes,
-                     direct=self.page_cache == DIRECT, random=self.page_cache == EVICTED)
+        with self._writing():
+            f = DiskFile(os.path.join(self.dir, f"t{self.created:06d}.bin"), nbytes,
+                         direct=self.page_cache == DIRECT, random=self.page_cache == EVICTED)
         self.files.append(f)
         return f
 
@@ -191,15 +220,15 @@ class DiskStore:
         """Writes the contiguous CPU tensor `data` to the file at `offset` (blocking). Called for
         whole tensors (weights at load time, the prompt's cache): with bypass on, their pages are
         synced and dropped so they do not sit in RAM."""
-        view, done = as_bytes(data), 0
-        while done < len(view):
-            done += os.pwritev(f.fd, [view[done: done + MAX_IO]], offset + done)
-        if self.page_cache in (DIRECT, EVICTED):
-            os.fdatasync(f.fd)
-            start, end = _widen(offset, done)
-            os.posix_fadvise(f.fd, start, end - start, os.POSIX_FADV_DONTNEED)
+        view = as_bytes(data)
+        with self._writing():
+            pwrite_all(f.fd, view, offset)
+            if self.page_cache in (DIRECT, EVICTED):
+                os.fdatasync(f.fd)
+                start, end = _widen(offset, len(view))
+                os.posix_fadvise(f.fd, start, end - start, os.POSIX_FADV_DONTNEED)
         with self._count:
-            self.bytes_written += done
+            self.bytes_written += len(view)
 
     def write_rows(self, f: DiskFile, rows: torch.Tensor, data: torch.Tensor):
         """Writes data[i] (a contiguous CPU tensor [n, ...]) at row rows[i] of a file of equal-sized rows;
@@ -209,8 +238,9 @@ class DiskStore:
         view = as_bytes(data.contiguous())
         r = rows.tolist()
         breaks = [0] + [i for i in range(1, len(r)) if r[i] != r[i - 1] + 1] + [len(r)]
-        for a, b in zip(breaks, breaks[1:]):
-            os.pwrite(f.fd, view[a * row_bytes: b * row_bytes], r[a] * row_bytes)
+        with self._writing():
+            for a, b in zip(breaks, breaks[1:]):
+                pwrite_all(f.fd, view[a * row_bytes: b * row_bytes], r[a] * row_bytes)
         with self._count:
             self.bytes_written += len(view)
 

@@ -11,6 +11,7 @@ import tempfile
 
 import torch
 
+from .disk import OffloadError
 from .engine import Engine, default_device, default_dtype, parse_device, parse_dtype
 from .errors import UsageError
 from .memory import capacities, parse_size
@@ -136,6 +137,10 @@ def main(argv=None) -> int:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OffloadError as e:
+        print(f"error: --offload-dir: {e.strerror}; the run stopped and its offload files were removed",
+              file=sys.stderr)
+        return 1
 
 
 def run(args) -> int:
