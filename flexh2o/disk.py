@@ -2,8 +2,10 @@
 
 Each run works in its own fresh sub-directory of --offload-dir, removed when the run ends (on
 close, at interpreter exit, or when the engine is garbage collected), so a crash or Ctrl-C leaves
-nothing behind. The removal runs with signals deferred (see signals.py). A write that fails (the
-disk filled up after the pre-flight) raises OffloadError, which names the directory.
+nothing behind; the offload dir itself (and its parents) are created only when a tensor goes to
+disk, and removed with it when this run created them and they are empty. The removal runs with
+signals deferred (see signals.py). A write that fails (the disk filled up after the pre-flight)
+raises OffloadError, which names the directory.
 
 With `bypass_page_cache`, reads miss every cache so benchmarks measure the disk: they use O_DIRECT
 where the filesystem allows it, else the pages a read touched are evicted after it, with readahead
@@ -49,12 +51,48 @@ class OffloadError(OSError):
         super().__init__(cause.errno, f"cannot write the offload files in {directory}: {reason}")
 
 
-def ensure_dir(directory: str):
-    """Creates the offload dir if needed; a clear error when that is impossible."""
+def existing_ancestor(path: str) -> str:
+    """`path` itself if it exists, else the nearest folder above it that does."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def check_offload_dir(directory: str):
+    """The offload dir (or where it would be created) is writable; nothing is left behind."""
+    base = existing_ancestor(directory)
     try:
-        os.makedirs(directory, exist_ok=True)
+        if not os.path.isdir(base):
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+        with tempfile.NamedTemporaryFile(dir=base, prefix=".flexh2o-probe-"):
+            pass
     except OSError as e:
         raise UsageError("--offload-dir", f"cannot write to {directory}: {e.strerror}") from None
+
+
+def make_dirs(directory: str) -> list[str]:
+    """Creates `directory` and its missing parents; returns those created, deepest first."""
+    created, path = [], os.path.abspath(directory)
+    while not os.path.isdir(path) and path != os.path.dirname(path):
+        created.append(path)
+        path = os.path.dirname(path)
+    try:
+        for d in reversed(created):
+            os.mkdir(d)
+    except OSError as e:
+        _remove_empty(created)
+        raise UsageError("--offload-dir", f"cannot write to {directory}: {e.strerror}") from None
+    return created
+
+
+def _remove_empty(dirs: list[str]):
+    for d in dirs:
+        try:
+            os.rmdir(d)
+        except OSError:
+            if os.path.exists(d):
+                return
 
 
 def aligned_empty(nbytes: int) -> torch.Tensor:
@@ -148,13 +186,14 @@ class DiskFile:
 
 class DiskStore:
     def __init__(self, offload_dir: str, bypass_page_cache: bool = False):
-        ensure_dir(offload_dir)
+        created = make_dirs(offload_dir)
         try:
             self.dir = tempfile.mkdtemp(prefix="flexh2o-run-", dir=offload_dir)
         except OSError as e:
+            _remove_empty(created)
             raise UsageError("--offload-dir", f"cannot write to {offload_dir}: {e.strerror}") from None
         self.files: list[DiskFile] = []
-        self._cleanup = weakref.finalize(self, _remove, self.dir, self.files)
+        self._cleanup = weakref.finalize(self, _remove, self.dir, self.files, created)
         self.page_cache = page_cache_mode(self.dir) if bypass_page_cache else USED
         self.created = 0
         self.bytes_read = 0   # what callers asked for, not the aligned ranges O_DIRECT widens them to
@@ -253,8 +292,9 @@ def _widen(offset: int, nbytes: int) -> tuple[int, int]:
     return offset - offset % ALIGN, -(-(offset + nbytes) // ALIGN) * ALIGN
 
 
-def _remove(directory, files):
+def _remove(directory, files, created):
     with deferred():
         for f in files:
             f.close()
         shutil.rmtree(directory, ignore_errors=True)
+        _remove_empty(created)

@@ -11,7 +11,7 @@ import tempfile
 
 import torch
 
-from .disk import OffloadError
+from .disk import OffloadError, check_offload_dir
 from .engine import Engine, default_device, default_dtype, parse_device, parse_dtype
 from .errors import UsageError
 from .memory import capacities, parse_size
@@ -91,15 +91,6 @@ def check_positive(args):
             raise UsageError(f"--{flag.replace('_', '-')}", f"must be a positive integer, got {getattr(args, flag)}")
 
 
-def check_writable_dir(flag: str, directory: str):
-    try:
-        os.makedirs(directory, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory):
-            pass
-    except OSError as e:
-        raise UsageError(flag, f"cannot write to {directory}: {e.strerror}") from None
-
-
 def parse_placement(text: str, flag: str) -> tuple[float, float]:
     """'gpu=20,cpu=80' -> (20, 80); a missing tier is 0, and disk takes what is left."""
     shares = {"gpu": 0.0, "cpu": 0.0, "disk": None}
@@ -162,7 +153,7 @@ def run(args) -> int:
         policy = fit_default_placement(args, policy, spec, device, dtype, caps)
     if args.offload_dir is not None or any(policy.disk_percent(kind) > 0 for kind in ("w", "cache", "act")):
         args.offload_dir = args.offload_dir or default_offload_dir()
-        check_writable_dir("--offload-dir", args.offload_dir)
+        check_offload_dir(args.offload_dir)
     if args.json_out:
         check_output_file("--json-out", args.json_out)
     dummy = args.dummy or weights_dir is None
@@ -190,7 +181,7 @@ def fit_default_placement(args, policy, spec, device, dtype, caps) -> Policy:
     if fits(spec, policy, dtype_bytes, args.prompt_len, args.gen_len, limits, device):
         return policy
     offload_dir = args.offload_dir or default_offload_dir()
-    check_writable_dir("--offload-dir", offload_dir)
+    check_offload_dir(offload_dir)
     limits = capacities(device, offload_dir, caps.get("gpu_mem"), caps.get("cpu_mem"), caps.get("disk_mem"))
     fitted = fitted_placement(spec, policy, dtype_bytes, args.prompt_len, args.gen_len, limits, device)
     if fitted is None or fitted is policy:
