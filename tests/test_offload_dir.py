@@ -14,10 +14,13 @@ def test_nothing_on_disk_creates_no_offload_dir(tiny_models, tmp_path):
     assert not (tmp_path / "a").exists()
 
 
-def test_the_default_offload_dir_is_not_created_when_the_fitted_placement_keeps_off_disk(tmp_path, monkeypatch):
+def test_the_default_offload_dir_is_not_created_when_the_fitted_placement_keeps_off_disk(tiny_models, tmp_path,
+                                                                                         monkeypatch, capsys):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    assert main(["--model", "opt-125m", *RUN, "--gpu-batch-size", "2", "--gpu-mem", "0.2GB"]) == 0
-    assert list(tmp_path.iterdir()) == []
+    model, _ = tiny_models["tiny"]
+    assert main(["--model", model, *RUN, "--gpu-mem", "100KB"]) == 0
+    assert "placing --weights gpu=0,cpu=100,disk=0" in capsys.readouterr().err
+    assert not (tmp_path / "flexh2o_offload").exists()
 
 
 def test_dirs_created_for_the_offload_files_are_removed_with_them(tiny_models, tmp_path):
