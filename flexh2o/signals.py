@@ -46,15 +46,47 @@ def _handle(signum, frame):
 
 @contextmanager
 def deferred():
-    """Signals that arrive inside are noted, not raised; the first of them is raised on leaving."""
+    """Signals that arrive inside are noted, not raised; the first of them is raised on leaving.
+    Outside the CLI (the Python API) the process's own handlers are set aside meanwhile, and what
+    arrived is delivered to them on leaving."""
+    borrowed = _borrow_handlers() if _state.depth == 0 else {}
     _state.depth += 1
     try:
         yield
     finally:
         _state.depth -= 1
+        _give_back(borrowed)
     if _state.depth == 0 and _state.first is not None and not (_state.raised or _state.closing):
         _state.raised = True
         raise Stopped(_state.first)
+
+
+_noted = []
+
+
+def _note(signum, frame):
+    _noted.append(signum)
+
+
+def _borrow_handlers() -> dict:
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    borrowed = {}
+    for signum in HANDLED:
+        handler = signal.getsignal(signum)
+        if handler not in (_handle, None):  # None: set outside Python, cannot be put back
+            borrowed[signum] = handler
+            signal.signal(signum, _note)
+    return borrowed
+
+
+def _give_back(borrowed: dict):
+    for signum, handler in borrowed.items():
+        signal.signal(signum, handler)
+    arrived = [s for s in dict.fromkeys(_noted) if s in borrowed]
+    _noted.clear()
+    for signum in arrived:
+        signal.raise_signal(signum)
 
 
 def run_stoppable(main) -> int:

@@ -132,3 +132,22 @@ def test_later_signals_are_only_noted(handlers):
     os.kill(os.getpid(), signal.SIGINT)  # unwinding: noted, not raised
     time.sleep(0.05)
     assert signals._state.first == TERM
+
+
+def test_outside_the_cli_a_ctrl_c_during_removal_is_delivered_after_it(tmp_path, monkeypatch):
+    """The Python API keeps the process's own handlers: Python's KeyboardInterrupt comes once the files are gone."""
+    assert signal.getsignal(INT) is signal.default_int_handler
+    store = DiskStore(str(tmp_path / "off"))
+    store.create(4096)
+    rmtree = shutil.rmtree
+
+    def rmtree_interrupted(path, **kw):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        rmtree(path, **kw)
+    monkeypatch.setattr(disk.shutil, "rmtree", rmtree_interrupted)
+    with pytest.raises(KeyboardInterrupt) as raised:
+        store.close()
+    assert type(raised.value) is KeyboardInterrupt
+    assert not os.path.exists(store.dir)
+    assert signal.getsignal(INT) is signal.default_int_handler
