@@ -2,7 +2,10 @@
 
 Each run works in its own fresh sub-directory of --offload-dir, removed when the run ends (on
 close, at interpreter exit, or when the engine is garbage collected), so a crash or Ctrl-C leaves
-nothing behind.
+nothing behind; the offload dir itself (and its parents) are created only when a tensor goes to
+disk, and removed with it when this run created them and they are empty. The removal runs with
+signals deferred (see signals.py). A write that fails (the disk filled up after the pre-flight)
+raises OffloadError, which names the directory.
 
 With `bypass_page_cache`, reads miss every cache so benchmarks measure the disk: they use O_DIRECT
 where the filesystem allows it, else the pages a read touched are evicted after it, with readahead
@@ -11,16 +14,19 @@ buffered: an O_DIRECT read first flushes the dirty pages of its range, so it see
 fdatasync would only measure the sync.
 """
 
+import errno
 import os
 import shutil
 import tempfile
 import threading
 import weakref
+from contextlib import contextmanager
 
 import numpy as np
 import torch
 
 from .errors import UsageError
+from .signals import deferred
 
 MAX_IO = 1 << 30    # bytes per system call; Linux caps a single read/write near 2 GiB
 ALIGN = 4096        # O_DIRECT alignment of offsets, lengths and memory
@@ -37,12 +43,56 @@ def as_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.view(torch.uint8).numpy()).cast("B")
 
 
-def ensure_dir(directory: str):
-    """Creates the offload dir if needed; a clear error when that is impossible."""
+class OffloadError(OSError):
+    """Writing the offload files failed mid-run (most often: the disk is full)."""
+
+    def __init__(self, directory: str, cause: OSError):
+        reason = "the disk is full" if cause.errno in (errno.ENOSPC, errno.EDQUOT) else cause.strerror or str(cause)
+        super().__init__(cause.errno, f"cannot write the offload files in {directory}: {reason}")
+
+
+def existing_ancestor(path: str) -> str:
+    """`path` itself if it exists, else the nearest folder above it that does."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def check_offload_dir(directory: str):
+    """The offload dir (or where it would be created) is writable; nothing is left behind."""
+    base = existing_ancestor(directory)
     try:
-        os.makedirs(directory, exist_ok=True)
+        if not os.path.isdir(base):
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+        with tempfile.NamedTemporaryFile(dir=base, prefix=".flexh2o-probe-"):
+            pass
     except OSError as e:
         raise UsageError("--offload-dir", f"cannot write to {directory}: {e.strerror}") from None
+
+
+def make_dirs(directory: str) -> list[str]:
+    """Creates `directory` and its missing parents; returns those created, deepest first."""
+    created, path = [], os.path.abspath(directory)
+    while not os.path.isdir(path) and path != os.path.dirname(path):
+        created.append(path)
+        path = os.path.dirname(path)
+    try:
+        for d in reversed(created):
+            os.mkdir(d)
+    except OSError as e:
+        _remove_empty(created)
+        raise UsageError("--offload-dir", f"cannot write to {directory}: {e.strerror}") from None
+    return created
+
+
+def _remove_empty(dirs: list[str]):
+    for d in dirs:
+        try:
+            os.rmdir(d)
+        except OSError:
+            if os.path.exists(d):
+                return
 
 
 def aligned_empty(nbytes: int) -> torch.Tensor:
@@ -58,6 +108,16 @@ def pread_all(fd: int, view: memoryview, offset: int, path: str):
         n = os.preadv(fd, [view[done: done + MAX_IO]], offset + done)
         if n <= 0:
             raise OSError(f"short read from {path}")
+        done += n
+
+
+def pwrite_all(fd: int, view: memoryview, offset: int):
+    """Writes all of `view`; a short write on a nearly full disk is continued until it fails."""
+    done = 0
+    while done < len(view):
+        n = os.pwritev(fd, [view[done: done + MAX_IO]], offset + done)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         done += n
 
 
@@ -126,13 +186,14 @@ class DiskFile:
 
 class DiskStore:
     def __init__(self, offload_dir: str, bypass_page_cache: bool = False):
-        ensure_dir(offload_dir)
+        created = make_dirs(offload_dir)
         try:
             self.dir = tempfile.mkdtemp(prefix="flexh2o-run-", dir=offload_dir)
         except OSError as e:
+            _remove_empty(created)
             raise UsageError("--offload-dir", f"cannot write to {offload_dir}: {e.strerror}") from None
         self.files: list[DiskFile] = []
-        self._cleanup = weakref.finalize(self, _remove, self.dir, self.files)
+        self._cleanup = weakref.finalize(self, _remove, self.dir, self.files, created)
         self.page_cache = page_cache_mode(self.dir) if bypass_page_cache else USED
         self.created = 0
         self.bytes_read = 0   # what callers asked for, not the aligned ranges O_DIRECT widens them to
@@ -140,10 +201,18 @@ class DiskStore:
         self._count = threading.Lock()
         self._local = threading.local()  # per I/O thread: its aligned bounce buffer
 
+    @contextmanager
+    def _writing(self):
+        try:
+            yield
+        except OSError as e:
+            raise OffloadError(os.path.dirname(self.dir), e) from e
+
     def create(self, nbytes: int) -> DiskFile:
         self.created += 1
-        f = DiskFile(os.path.join(self.dir, f"t{self.created:06d}.bin"), nbytes,
-                     direct=self.page_cache == DIRECT, random=self.page_cache == EVICTED)
+        with self._writing():
+            f = DiskFile(os.path.join(self.dir, f"t{self.created:06d}.bin"), nbytes,
+                         direct=self.page_cache == DIRECT, random=self.page_cache == EVICTED)
         self.files.append(f)
         return f
 
@@ -190,15 +259,15 @@ class DiskStore:
         """Writes the contiguous CPU tensor `data` to the file at `offset` (blocking). Called for
         whole tensors (weights at load time, the prompt's cache): with bypass on, their pages are
         synced and dropped so they do not sit in RAM."""
-        view, done = as_bytes(data), 0
-        while done < len(view):
-            done += os.pwritev(f.fd, [view[done: done + MAX_IO]], offset + done)
-        if self.page_cache in (DIRECT, EVICTED):
-            os.fdatasync(f.fd)
-            start, end = _widen(offset, done)
-            os.posix_fadvise(f.fd, start, end - start, os.POSIX_FADV_DONTNEED)
+        view = as_bytes(data)
+        with self._writing():
+            pwrite_all(f.fd, view, offset)
+            if self.page_cache in (DIRECT, EVICTED):
+                os.fdatasync(f.fd)
+                start, end = _widen(offset, len(view))
+                os.posix_fadvise(f.fd, start, end - start, os.POSIX_FADV_DONTNEED)
         with self._count:
-            self.bytes_written += done
+            self.bytes_written += len(view)
 
     def write_rows(self, f: DiskFile, rows: torch.Tensor, data: torch.Tensor):
         """Writes data[i] (a contiguous CPU tensor [n, ...]) at row rows[i] of a file of equal-sized rows;
@@ -208,8 +277,9 @@ class DiskStore:
         view = as_bytes(data.contiguous())
         r = rows.tolist()
         breaks = [0] + [i for i in range(1, len(r)) if r[i] != r[i - 1] + 1] + [len(r)]
-        for a, b in zip(breaks, breaks[1:]):
-            os.pwrite(f.fd, view[a * row_bytes: b * row_bytes], r[a] * row_bytes)
+        with self._writing():
+            for a, b in zip(breaks, breaks[1:]):
+                pwrite_all(f.fd, view[a * row_bytes: b * row_bytes], r[a] * row_bytes)
         with self._count:
             self.bytes_written += len(view)
 
@@ -222,7 +292,9 @@ def _widen(offset: int, nbytes: int) -> tuple[int, int]:
     return offset - offset % ALIGN, -(-(offset + nbytes) // ALIGN) * ALIGN
 
 
-def _remove(directory, files):
-    for f in files:
-        f.close()
-    shutil.rmtree(directory, ignore_errors=True)
+def _remove(directory, files, created):
+    with deferred():
+        for f in files:
+            f.close()
+        shutil.rmtree(directory, ignore_errors=True)
+        _remove_empty(created)

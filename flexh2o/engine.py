@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from .disk import DiskStore, ensure_dir
+from .disk import DiskStore, check_offload_dir
 from .errors import UsageError
 from .kv import make_policy
 from .machine import cpu_compute_dtype
@@ -117,7 +117,7 @@ class Engine:
         if uses_disk and offload_dir is None:
             raise UsageError("--offload-dir", "the policy puts tensors on disk: give an offload directory")
         if uses_disk:
-            ensure_dir(offload_dir)
+            check_offload_dir(offload_dir)
         caps = capacities(device, offload_dir if uses_disk else None, gpu_mem, cpu_mem, disk_mem)
         need = weight_need(layers, dtype.itemsize, policy, device)
         if prompt_len and gen_len:

@@ -13,6 +13,7 @@ from collections import Counter
 import psutil
 import torch
 
+from .disk import existing_ancestor
 from .errors import UsageError
 from .kv import POLICIES, budget, cache_bytes
 from .kv.home import IN_FLIGHT, batch_split, cpu_attention_dtype
@@ -46,7 +47,7 @@ def capacities(device: torch.device, offload_dir: str | None, gpu_mem=None, cpu_
     if gpu_mem is None:
         gpu_mem = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available
     if disk_mem is None:
-        disk_mem = shutil.disk_usage(offload_dir).free if offload_dir else 0
+        disk_mem = shutil.disk_usage(existing_ancestor(offload_dir)).free if offload_dir else 0
     return {"gpu": gpu_mem, "cpu": available if cpu_mem is None else cpu_mem, "disk": disk_mem, "ram": available,
             "given": given}
 

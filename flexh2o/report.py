@@ -5,10 +5,7 @@ decode time; total throughput = batch * steps / (prefill + decode time), steps b
 steps run (gen_len unless every sequence stopped at EOS earlier).
 """
 
-import json
-import os
 import resource
-import tempfile
 import time
 
 import torch
@@ -108,20 +105,3 @@ def format_report(r: dict) -> str:
     if r.get("sample") is not None:
         lines.append(f"sample: {r['sample']!r}")
     return "\n".join(lines)
-
-
-def write_text_atomic(path: str, text: str):
-    """Writes to a temporary name in the same directory, then renames: never a half-written file."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
-def write_json_atomic(path: str, data: dict):
-    write_text_atomic(path, json.dumps(data, indent=2) + "\n")

@@ -6,12 +6,12 @@ With no flags it runs a small default: opt-125m, dummy weights, 4 x (512 + 32) t
 
 import argparse
 import os
-import signal
 import sys
 import tempfile
 
 import torch
 
+from .disk import OffloadError, check_offload_dir
 from .engine import Engine, default_device, default_dtype, parse_device, parse_dtype
 from .errors import UsageError
 from .memory import capacities, parse_size
@@ -20,7 +20,9 @@ from .models import resolve_model
 from .policy import KV_POLICIES, Policy, placement_flag, policy_percents
 from .prompts import load_tokenizer, pad_prompts, read_prompts, synthetic_prompts
 from .sampling import check_sampling, check_seed
-from .report import build_report, format_report, write_json_atomic
+from .output import check_output_file, json_text, write_json_atomic
+from .report import build_report, format_report
+from .signals import run_stoppable
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -100,21 +102,6 @@ def check_positive(args):
             raise UsageError(f"--{flag.replace('_', '-')}", f"must be a positive integer, got {getattr(args, flag)}")
 
 
-def check_writable_dir(flag: str, directory: str):
-    try:
-        os.makedirs(directory, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory):
-            pass
-    except OSError as e:
-        raise UsageError(flag, f"cannot write to {directory}: {e.strerror}") from None
-
-
-def check_output_file(flag: str, path: str):
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
-        raise UsageError(flag, f"cannot write {path}: its directory is missing or not writable")
-
-
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -122,6 +109,10 @@ def main(argv=None) -> int:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OffloadError as e:
+        print(f"error: --offload-dir: {e.strerror}; the run stopped and its offload files were removed",
+              file=sys.stderr)
+        return 1
 
 
 def run(args) -> int:
@@ -145,7 +136,7 @@ def run(args) -> int:
         policy = fit_default_placement(args, policy, spec, device, dtype, caps)
     if args.offload_dir is not None or any(policy.disk_percent(kind) > 0 for kind in ("w", "cache", "act")):
         args.offload_dir = args.offload_dir or default_offload_dir()
-        check_writable_dir("--offload-dir", args.offload_dir)
+        check_offload_dir(args.offload_dir)
     if args.json_out:
         check_output_file("--json-out", args.json_out)
     dummy = args.dummy or weights_dir is None
@@ -170,7 +161,7 @@ def fit_default_placement(args, policy, spec, device, dtype, caps) -> Policy:
     if fits(spec, policy, dtype_bytes, args.prompt_len, args.gen_len, limits, device):
         return policy
     offload_dir = args.offload_dir or default_offload_dir()
-    check_writable_dir("--offload-dir", offload_dir)
+    check_offload_dir(offload_dir)
     limits = capacities(device, offload_dir, caps.get("gpu_mem"), caps.get("cpu_mem"), caps.get("disk_mem"))
     weights = WeightNeeds(spec, dtype_bytes, device)
     fitted = fitted_placement(spec, policy, dtype_bytes, args.prompt_len, args.gen_len, limits, device, weights)
@@ -201,17 +192,22 @@ def generate_and_report(args, engine, policy, tokens, tokenizer, dummy) -> int:
     if tokenizer is not None and not dummy:
         sample = tokenizer.decode(ids[0, args.prompt_len:], skip_special_tokens=True)
     report = build_report(engine, engine.last_stats, policy, sample)
-    print(format_report(report))
-    if args.json_out:
-        write_json_atomic(args.json_out, report)
-    return 0
+    print(format_report(report), flush=True)
+    return save_json(args.json_out, report) if args.json_out else 0
 
 
-def exit_on_sigterm(signum, frame):
-    raise SystemExit(128 + signum)  # unwinds like Ctrl-C, so the offload files are removed
+def save_json(path: str, report: dict) -> int:
+    """Writes the JSON report; if that fails after all, prints it to stdout instead (exit code 1)."""
+    try:
+        write_json_atomic(path, report)
+        return 0
+    except OSError as e:
+        print(json_text(report), end="")
+        print(f"error: --json-out: cannot write {path}: {e.strerror or e}; the JSON report went to stdout",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
     torch.set_grad_enabled(False)
-    signal.signal(signal.SIGTERM, exit_on_sigterm)
-    sys.exit(main())
+    sys.exit(run_stoppable(main))

@@ -15,6 +15,7 @@ import torch
 
 from .buffers import TIERS, Buffers
 from .kv.cache import slot_grid
+from .signals import deferred
 
 
 class Pending:
@@ -241,6 +242,10 @@ class Tiers(Buffers):
             self.cuda.compute_stream.synchronize()
 
     def close(self):
+        with deferred():  # a signal here would leave the disk store open
+            self._close()
+
+    def _close(self):
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
         if self.disk is not None:

@@ -49,7 +49,7 @@ from flexh2o.memory import capacities, parse_size, weight_need  # noqa: E402
 from flexh2o.models.opt import PRESETS  # noqa: E402
 from flexh2o.placement import describe, fits, largest  # noqa: E402
 from flexh2o.prompts import synthetic_prompts  # noqa: E402
-from flexh2o.report import write_json_atomic, write_text_atomic  # noqa: E402
+from flexh2o.output import write_json_atomic, write_text_atomic  # noqa: E402
 
 GB = 1 << 30
 CACHE = {"gpu": (100, 0), "cpu": (0, 100)}  # cache on the capped tier / in CPU memory

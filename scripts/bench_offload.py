@@ -30,7 +30,6 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from flexh2o import Engine, Policy  # noqa: E402
@@ -38,7 +37,7 @@ from flexh2o.disk import DIRECT, MEMORY  # noqa: E402
 from flexh2o.machine import cpu_compute_dtype, describe_machine  # noqa: E402
 from flexh2o.memory import parse_size  # noqa: E402
 from flexh2o.prompts import synthetic_prompts  # noqa: E402
-from flexh2o.report import write_json_atomic, write_text_atomic  # noqa: E402
+from flexh2o.output import write_json_atomic, write_text_atomic  # noqa: E402
 from flexh2o.tiers import Tiers  # noqa: E402
 
 DTYPE = cpu_compute_dtype()  # bfloat16 where the CPU multiplies it natively, else float32

@@ -49,7 +49,7 @@ from flexh2o.memory import capacities, layer_bytes, parse_size, weight_need  # n
 from flexh2o.models.opt import PRESETS  # noqa: E402
 from flexh2o.placement import fits, largest  # noqa: E402
 from flexh2o.prompts import synthetic_prompts  # noqa: E402
-from flexh2o.report import write_json_atomic, write_text_atomic  # noqa: E402
+from flexh2o.output import write_json_atomic, write_text_atomic  # noqa: E402
 from memory_budget import CgroupUnavailable, check_available, exit_on_sigterm, report_result, run_in_budget  # noqa: E402
 
 GB = 1 << 30

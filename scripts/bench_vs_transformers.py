@@ -21,7 +21,7 @@ from flexh2o import Engine, Policy  # noqa: E402
 from flexh2o.machine import cpu_compute_dtype, describe_machine  # noqa: E402
 from flexh2o.models.opt import PRESETS  # noqa: E402
 from flexh2o.prompts import synthetic_prompts  # noqa: E402
-from flexh2o.report import write_json_atomic, write_text_atomic  # noqa: E402
+from flexh2o.output import write_json_atomic, write_text_atomic  # noqa: E402
 from flexh2o.weights import DummyWeights  # noqa: E402
 
 

@@ -32,7 +32,7 @@ from flexh2o.kv.home import cpu_attention_dtype  # noqa: E402
 from flexh2o.machine import describe_machine  # noqa: E402
 from flexh2o.memory import CUDA_HEADROOM  # noqa: E402
 from flexh2o.prompts import synthetic_prompts  # noqa: E402
-from flexh2o.report import write_json_atomic, write_text_atomic  # noqa: E402
+from flexh2o.output import write_json_atomic, write_text_atomic  # noqa: E402
 
 GB = 1 << 30
 MODEL = "opt-1.3b"

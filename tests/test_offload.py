@@ -2,10 +2,8 @@
 each tier gets its share of bytes; the offload dir is left empty; pre-flight refuses what cannot fit."""
 
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -87,24 +85,6 @@ def test_offload_dir_is_emptied_when_a_run_fails(tiny_models, tmp_path):
                                     offload_dir=str(tmp_path)) as engine:
             assert len(os.listdir(tmp_path)) == 1 and os.listdir(os.path.join(tmp_path, os.listdir(tmp_path)[0]))
             engine.generate(torch.ones(3, 4, dtype=torch.long))  # wrong batch: fails
-    assert os.listdir(tmp_path) == []
-
-
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_offload_dir_is_emptied_when_a_run_is_interrupted(tmp_path, sig):
-    proc = subprocess.Popen([sys.executable, "-m", "flexh2o.run", "--model", "opt-125m", "--dummy",
-                             "--prompt-len", "64", "--gen-len", "400", "--weights", "gpu=0,cpu=50,disk=50",
-                             "--cache", "disk=100", "--offload-dir", str(tmp_path)],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while time.time() < deadline and not any(os.scandir(tmp_path)):
-        time.sleep(0.1)
-    time.sleep(3)  # inside generation by now
-    assert proc.poll() is None, proc.communicate()
-    assert any(os.scandir(tmp_path))
-    proc.send_signal(sig)
-    proc.communicate(timeout=60)
-    assert proc.returncode != 0
     assert os.listdir(tmp_path) == []
 
 

@@ -1,0 +1,123 @@
+"""Stopping a run on a signal without leaving offload files behind.
+
+The first SIGINT, SIGTERM or SIGHUP raises `Stopped` in the main thread, so the run unwinds through
+its `finally` blocks and closes its disk store. Every later signal is only noted: a second Ctrl-C
+or a SIGTERM sent right after the first cannot cut that cleanup short. Code that must not be cut
+at all (removing the offload directory) runs under `deferred()`, where even the first signal is
+only noted. Masking with pthread_sigmask would not do: the kernel hands a process-directed signal
+to any thread that leaves it unblocked (I/O threads, torch's workers), and Python then runs the
+handler in the main thread anyway.
+"""
+
+import signal
+import sys
+import threading
+from contextlib import contextmanager
+
+HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Stopped(KeyboardInterrupt):
+    """Raised by the first handled signal; a KeyboardInterrupt, so `except Exception` lets it pass."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class _State:
+    first = None     # the first signal received, raised or noted
+    raised = False   # whether a Stopped has been raised (later signals are then only noted)
+    depth = 0        # nesting of deferred() sections
+    closing = False  # the run has returned: signals are only noted
+
+
+_state = _State()
+
+
+def _handle(signum, frame):
+    if _state.first is None:
+        _state.first = signum
+    if _state.raised or _state.depth > 0 or _state.closing:
+        return
+    _state.raised = True
+    raise Stopped(signum)
+
+
+@contextmanager
+def deferred():
+    """Signals that arrive inside are noted, not raised; the first of them is raised on leaving.
+    Outside the CLI (the Python API) the process's own handlers are set aside meanwhile, and what
+    arrived is delivered to them on leaving."""
+    borrowed = _borrow_handlers() if _state.depth == 0 else {}
+    _state.depth += 1
+    try:
+        yield
+    finally:
+        _state.depth -= 1
+        _give_back(borrowed)
+    if _state.depth == 0 and _state.first is not None and not (_state.raised or _state.closing):
+        _state.raised = True
+        raise Stopped(_state.first)
+
+
+_noted = []
+
+
+def _note(signum, frame):
+    _noted.append(signum)
+
+
+def _borrow_handlers() -> dict:
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    borrowed = {}
+    for signum in HANDLED:
+        handler = signal.getsignal(signum)
+        if handler not in (_handle, None):  # None: set outside Python, cannot be put back
+            borrowed[signum] = handler
+            signal.signal(signum, _note)
+    return borrowed
+
+
+def _give_back(borrowed: dict):
+    for signum, handler in borrowed.items():
+        signal.signal(signum, handler)
+    arrived = [s for s in dict.fromkeys(_noted) if s in borrowed]
+    _noted.clear()
+    for signum in arrived:
+        signal.raise_signal(signum)
+
+
+def run_stoppable(main) -> int:
+    """Runs main() -> exit code with the handlers installed. A signal ends it with one line on
+    stderr and exit code 128 + signum (130 for Ctrl-C)."""
+    if threading.current_thread() is threading.main_thread():
+        for signum in HANDLED:
+            signal.signal(signum, _handle)
+    try:
+        code = main()
+    except Stopped:
+        code = None
+    finally:
+        _state.closing = True
+        _ignore_from_now()
+    if _state.first is None:
+        return code
+    _say(f"stopped by {signal.Signals(_state.first).name}: the run was cancelled and its offload files removed")
+    return 128 + _state.first
+
+
+def _ignore_from_now():
+    """The run is over and its files removed. Python puts the default handlers back while it shuts
+    down, and a late signal would then kill the process with the wrong exit code."""
+    if threading.current_thread() is threading.main_thread():
+        for signum in HANDLED:
+            signal.signal(signum, signal.SIG_IGN)
+
+
+def _say(line: str):
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except OSError:  # the terminal is gone (SIGHUP)
+        pass

@@ -1,0 +1,80 @@
+"""The disk filling up mid-run, after the pre-flight passed: one line naming the offload dir,
+the offload files removed, exit code 1, no traceback. Injected (ENOSPC after some writes), and for
+real on a small tmpfs where this machine lets the test mount one."""
+
+import errno
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from flexh2o import disk
+from flexh2o.run import main
+from conftest import REPO
+
+RUN = ["--prompt-len", "8", "--gen-len", "4", "--dtype", "float32", "--gpu-batch-size", "2"]
+
+
+def fail_after(monkeypatch, writes):
+    """The disk store's writes fail with ENOSPC from the `writes`-th on."""
+    real, calls = disk.pwrite_all, []
+
+    def write(*args):
+        calls.append(1)
+        if len(calls) >= writes:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(*args)
+    monkeypatch.setattr(disk, "pwrite_all", write)
+    return calls
+
+
+def last_line(stderr: str) -> str:
+    """The last line, past the progress bar's carriage returns."""
+    return re.split(r"[\r\n]", stderr.rstrip())[-1]
+
+
+# The run below writes 17 times while placing the weights, then the cache: the prompt's, then each token's.
+@pytest.mark.parametrize("writes,overlap", [(3, "--overlap"), (20, "--overlap"), (30, "--no-overlap")],
+                         ids=["placing-weights", "prompt-cache", "decode-cache"])
+def test_a_full_disk_mid_run_is_one_line_and_leaves_nothing(tiny_models, tmp_path, capsys, monkeypatch,
+                                                            writes, overlap):
+    calls = fail_after(monkeypatch, writes)
+    model, _ = tiny_models["tiny"]
+    offload = tmp_path / "off"
+    offload.mkdir()
+    code = main(["--model", model, *RUN, "--weights", "cpu=50,disk=50", "--cache", "disk=100", overlap,
+                 "--offload-dir", str(offload)])
+    out, err = capsys.readouterr()
+    assert len(calls) >= writes
+    assert code == 1
+    line = last_line(err)
+    assert line == (f"error: --offload-dir: cannot write the offload files in {offload}: the disk is full; "
+                    "the run stopped and its offload files were removed")
+    assert "Traceback" not in err and "total throughput" not in out
+    assert os.listdir(offload) == []
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_a_real_disk_filling_up_mid_run(tiny_models, small_tmpfs):
+    model, _ = tiny_models["tiny"]
+    # --disk-mem claims more room than the tmpfs has, so the pre-flight passes and the run fills it.
+    r = subprocess.run([sys.executable, "-m", "flexh2o.run", "--model", model, "--prompt-len", "16", "--gen-len", "40",
+                        "--gpu-batch-size", "64", "--dtype", "float32", "--cache", "disk=100", "--disk-mem", "1GB",
+                        "--offload-dir", str(small_tmpfs)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    assert last_line(r.stderr).endswith("the disk is full; the run stopped and its offload files were "
+                                                      "removed")
+    assert os.listdir(small_tmpfs) == []

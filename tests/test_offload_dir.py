@@ -1,0 +1,32 @@
+"""The offload dir exists only while something is on disk: it is not created when nothing goes
+there, and what a run created for it is removed at the end (a dir that was there stays)."""
+
+import tempfile
+
+from flexh2o.run import main
+
+RUN = ["--prompt-len", "8", "--gen-len", "2", "--dtype", "float32"]
+
+
+def test_nothing_on_disk_creates_no_offload_dir(tiny_models, tmp_path):
+    model, _ = tiny_models["tiny"]
+    assert main(["--model", model, *RUN, "--offload-dir", str(tmp_path / "a" / "b")]) == 0
+    assert not (tmp_path / "a").exists()
+
+
+def test_the_default_offload_dir_is_not_created_when_the_fitted_placement_keeps_off_disk(tiny_models, tmp_path,
+                                                                                         monkeypatch, capsys):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    model, _ = tiny_models["tiny"]
+    assert main(["--model", model, *RUN, "--gpu-mem", "100KB"]) == 0
+    assert "placing --weights gpu=0,cpu=100,disk=0" in capsys.readouterr().err
+    assert not (tmp_path / "flexh2o_offload").exists()
+
+
+def test_dirs_created_for_the_offload_files_are_removed_with_them(tiny_models, tmp_path):
+    model, _ = tiny_models["tiny"]
+    assert main(["--model", model, *RUN, "--weights", "disk=100", "--offload-dir", str(tmp_path / "a" / "b")]) == 0
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "kept").mkdir()
+    assert main(["--model", model, *RUN, "--cache", "disk=100", "--offload-dir", str(tmp_path / "kept")]) == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["kept"] and list((tmp_path / "kept").iterdir()) == []

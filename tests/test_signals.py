@@ -1,0 +1,153 @@
+"""Signals: a run stopped by INT, TERM or HUP, once or several times in quick succession, also
+while its offload files are being removed, exits with one line and 128 + signum and leaves the
+offload dir empty."""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from transformers import OPTConfig
+
+from flexh2o import disk, signals
+from flexh2o.disk import DiskStore
+from conftest import REPO
+
+INT, TERM, HUP = signal.SIGINT, signal.SIGTERM, signal.SIGHUP
+
+
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory):
+    """A small model with room for 2000 positions: a run of it lasts long enough to be stopped."""
+    directory = tmp_path_factory.mktemp("long")
+    OPTConfig(vocab_size=128, hidden_size=64, num_hidden_layers=8, ffn_dim=128, num_attention_heads=4,
+              max_position_embeddings=2048).save_pretrained(directory)
+    return str(directory)
+
+
+def start_run(model, offload_dir):
+    return subprocess.Popen([sys.executable, "-m", "flexh2o.run", "--model", model, "--dummy", "--dtype", "float32",
+                             "--prompt-len", "16", "--gen-len", "2000", "--weights", "disk=100", "--cache", "disk=100",
+                             "--offload-dir", str(offload_dir)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_offload_files(proc, offload_dir, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        runs = [os.path.join(offload_dir, d) for d in os.listdir(offload_dir)]
+        if any(len(os.listdir(r)) > 20 for r in runs if os.path.isdir(r)):
+            return
+        time.sleep(0.05)
+    pytest.fail(f"no offload files appeared: {proc.communicate()}")
+
+
+def storm(proc, first):
+    """`first`, then INT, TERM and HUP in turn every few milliseconds until the process is gone:
+    some of them land while it removes its offload files."""
+    proc.send_signal(first)
+    for n in range(100_000):
+        time.sleep(0.003)
+        if proc.poll() is not None:
+            return
+        try:
+            proc.send_signal((INT, TERM, HUP)[n % 3])
+        except ProcessLookupError:
+            return
+
+
+def message_lines(stderr: str) -> list[str]:
+    """stderr without the progress bar."""
+    return [line for line in re.split(r"[\r\n]", stderr) if line.strip() and not line.startswith("generate:")]
+
+
+# The storm mixes INT, TERM and HUP, so it also covers a SIGTERM right after a Ctrl-C.
+CASES = {"int-int": [INT, INT], "hup": [HUP], "term-then-storm": TERM}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_signals_in_quick_succession_leave_no_offload_files(long_model, tmp_path, case):
+    offload_dir = tmp_path / "off"
+    offload_dir.mkdir()
+    proc = start_run(long_model, offload_dir)
+    try:
+        wait_for_offload_files(proc, offload_dir)
+        sigs = CASES[case]
+        if isinstance(sigs, list):
+            for sig in sigs:
+                proc.send_signal(sig)
+                time.sleep(0.03)
+        else:
+            storm(proc, sigs)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    # Python runs the handlers of signals pending together in signal-number order: any one sent may be the first.
+    sent = set(sigs) if isinstance(sigs, list) else {INT, TERM, HUP}
+    assert os.listdir(offload_dir) == []
+    assert proc.returncode - 128 in sent, err
+    first = signal.Signals(proc.returncode - 128)
+    assert "Traceback" not in err
+    assert message_lines(err) == [f"stopped by {first.name}: the run was cancelled and its offload files removed"]
+
+
+@pytest.fixture
+def handlers(monkeypatch):
+    """The CLI's handlers installed in this process, with fresh state; the old ones put back after."""
+    monkeypatch.setattr(signals, "_state", signals._State())
+    old = {s: signal.getsignal(s) for s in signals.HANDLED}
+    for s in signals.HANDLED:
+        signal.signal(s, signals._handle)
+    yield
+    for s, h in old.items():
+        signal.signal(s, h)
+
+
+def test_a_signal_during_removal_waits_for_it(handlers, tmp_path, monkeypatch):
+    store = DiskStore(str(tmp_path / "off"))
+    for _ in range(5):
+        store.create(4096)
+    removed, rmtree = [], shutil.rmtree
+
+    def rmtree_interrupted(path, **kw):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # the handler runs here, inside the removal
+        removed.append(path)
+        rmtree(path, **kw)
+    monkeypatch.setattr(disk.shutil, "rmtree", rmtree_interrupted)
+    with pytest.raises(signals.Stopped):
+        store.close()
+    assert removed and not os.path.exists(store.dir)
+
+
+def test_later_signals_are_only_noted(handlers):
+    with pytest.raises(signals.Stopped) as stopped:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1)
+    assert stopped.value.signum == TERM
+    os.kill(os.getpid(), signal.SIGINT)  # unwinding: noted, not raised
+    time.sleep(0.05)
+    assert signals._state.first == TERM
+
+
+def test_outside_the_cli_a_ctrl_c_during_removal_is_delivered_after_it(tmp_path, monkeypatch):
+    """The Python API keeps the process's own handlers: Python's KeyboardInterrupt comes once the files are gone."""
+    assert signal.getsignal(INT) is signal.default_int_handler
+    store = DiskStore(str(tmp_path / "off"))
+    store.create(4096)
+    rmtree = shutil.rmtree
+
+    def rmtree_interrupted(path, **kw):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        rmtree(path, **kw)
+    monkeypatch.setattr(disk.shutil, "rmtree", rmtree_interrupted)
+    with pytest.raises(KeyboardInterrupt) as raised:
+        store.close()
+    assert type(raised.value) is KeyboardInterrupt
+    assert not os.path.exists(store.dir)
+    assert signal.getsignal(INT) is signal.default_int_handler
