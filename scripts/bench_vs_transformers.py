@@ -41,7 +41,8 @@ class FirstTokenClock:
 def hf_model(spec, seed, dtype):
     config = OPTConfig(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, num_hidden_layers=spec.num_layers,
                        ffn_dim=spec.ffn_dim, num_attention_heads=spec.num_heads,
-                       max_position_embeddings=spec.max_positions, word_embed_proj_dim=spec.hidden_size)
+                       max_position_embeddings=spec.max_positions, word_embed_proj_dim=spec.embed_dim,
+                       do_layer_norm_before=spec.do_layer_norm_before)
     with torch.device("meta"):
         model = OPTForCausalLM(config)
     source = DummyWeights(seed)
