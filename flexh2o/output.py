@@ -3,8 +3,9 @@
 A write goes to a temporary name in the target's directory and is renamed over the target, so a
 reader never sees half a file. The rename would replace whatever is at the target, so only a
 regular file or a missing path is accepted: a device (/dev/full), a FIFO, a directory or a
-symlink is refused, before the run (check_output_file) and again just before the rename.
-The file's mode follows the umask, like any file the user creates.
+symlink is refused, before the run (check_output_file) and again just before the rename (what
+another process puts there between that check and the rename is replaced: the check narrows the
+window, it cannot close it). The file's mode follows the umask, like any file the user creates.
 """
 
 import errno
@@ -24,10 +25,14 @@ KINDS = {stat.S_ISDIR: "a directory", stat.S_ISCHR: "a character device", stat.S
 
 def refusal(path: str) -> str | None:
     """Why `path` must not be replaced by a written file, or None (a regular file or nothing)."""
+    if path.endswith(os.sep) or path.endswith("/."):
+        return "names a directory (it ends in a slash): give a file name"
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
         return None
+    except OSError as e:  # a parent that is a file, a name too long, a folder we may not enter
+        return f"cannot be written: {e.strerror}"
     if stat.S_ISREG(mode):
         return None
     kind = next((name for test, name in KINDS.items() if test(mode)), "not a regular file")
@@ -65,8 +70,8 @@ def write_text_atomic(path: str, text: str):
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
     try:
-        os.fchmod(fd, 0o666 & ~current_umask())
         with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o666 & ~current_umask())
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

@@ -63,9 +63,12 @@ class CheckpointWeights:
                 from safetensors import safe_open
                 return safe_open(file, framework="pt")
             return load_bin(file)
-        except pickle.UnpicklingError:  # weights_only=True met something else: never run it
-            raise UsageError(self.flag, f"weights file {file} holds objects other than tensors and was "
-                             "refused") from None
+        except pickle.UnpicklingError as e:
+            if "GLOBAL" in str(e):  # weights_only=True met a class or function to call: never run it
+                raise UsageError(self.flag, f"weights file {file} holds objects other than tensors and was "
+                                 "refused") from None
+            raise UsageError(self.flag, f"cannot read weights file {file}: it is corrupt or not a PyTorch "
+                             "checkpoint") from None
         except Exception as e:  # a corrupt or foreign file: say which one, in one line
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UsageError(self.flag, f"cannot read weights file {file}: {reason}") from None

@@ -26,6 +26,9 @@ FLAGS = [
     (["--weights", "gpu=20,gpu=30,disk=50"], "--weights", "gpu is given twice"),
     (["--weights", ""], "--weights", "is empty"),
     (["--json-out", ""], "--json-out", "is empty"),
+    (["--json-out", os.path.abspath(__file__) + "/report.json"], "--json-out", "cannot be written: Not a directory"),
+    (["--json-out", "r" * 300 + ".json"], "--json-out", "cannot be written: File name too long"),
+    (["--json-out", "no-such-folder-of-flexh2o/"], "--json-out", "names a directory (it ends in a slash)"),
     (["--prompts-file", " "], "--prompts-file", "is empty"),
     (["--weights", "gpu=150,cpu=-50"], "--weights", "within 0..100"),
     (["--cache", "gpu=70,cpu=50"], "--cache", "sum to 120, over 100"),
@@ -120,6 +123,14 @@ def test_bad_checkpoints(tiny_models, tmp_path, content, text, capsys, monkeypat
     assert code == 2 and err.count("\n") == 0 and text in err, err
     assert err.startswith("error: --model: ")  # only --model was given: not --path
     assert "weights_only" not in err and not os.path.exists("ran-the-payload")
+
+
+def test_a_corrupt_checkpoint_is_called_corrupt_not_malicious(tiny_models, tmp_path, capsys):
+    directory = model_with_bin(tiny_models, tmp_path, {})
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x02}q\x00not a pickle any further")
+    code, err = run_main(SMALL + ["--model", directory, "--gpu-batch-size", "1"], capsys)
+    assert code == 2 and err.count("\n") == 0, err
+    assert "it is corrupt or not a PyTorch checkpoint" in err and "other than tensors" not in err, err
 
 
 def test_a_model_directory_without_weights_names_model(tiny_models, tmp_path, capsys):
