@@ -170,3 +170,19 @@ def test_keyformer_keeps_one_advancing_generator_per_device():
     first, second = (policy.contribution(logits, None, None, step) for _ in range(2))
     assert not torch.equal(first, second)
     assert list(policy.generators) == [torch.device("cpu")]
+
+
+def test_keyformer_noise_goes_on_across_device_switches():
+    """Draws alternating between two devices continue each device's own stream: the second draw on
+    a device is the stream's second draw, not its first again (torch.device("cpu", 0) stands for a
+    second device: it compares unequal to "cpu")."""
+    policy = make_policy(Policy(kv_policy="keyformer", hh_ratio=0.25), PROMPT, GEN, 7)
+    devices = [torch.device("cpu"), torch.device("cpu", 0)]
+    draws = {d: [] for d in devices}
+    for _ in range(2):
+        for d in devices:
+            draws[d].append(torch.rand(8, generator=policy.generator(d)))
+    expected = torch.Generator().manual_seed(7)
+    stream = [torch.rand(8, generator=expected) for _ in range(2)]
+    for d in devices:
+        assert torch.equal(draws[d][0], stream[0]) and torch.equal(draws[d][1], stream[1])
