@@ -79,6 +79,7 @@ CONFIGS = [
     ("string hidden_size", lambda c: {**c, "hidden_size": "32"}, "hidden_size must be a positive integer, got '32'"),
     ("negative vocab", lambda c: {**c, "vocab_size": -5}, "vocab_size must be a positive integer"),
     ("bool layers", lambda c: {**c, "num_hidden_layers": True}, "num_hidden_layers must be a positive integer"),
+    ("1e9 layers", lambda c: {**c, "num_hidden_layers": 10**9}, "num_hidden_layers is 1000000000, over"),
     ("pad id outside", lambda c: {**c, "pad_token_id": 500}, "pad_token_id must be a token id"),
 ]
 

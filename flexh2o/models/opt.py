@@ -80,6 +80,7 @@ PRESETS = {s.name: s for s in [
 
 POSITIVE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "ffn_dim", "vocab_size",
                    "max_position_embeddings")
+LARGEST = 1 << 24  # far above any real model's field (OPT-175B: 96 layers, 12288 hidden, 50272 vocab)
 TOKEN_FIELDS = {"pad_token_id": 1, "bos_token_id": 2, "eos_token_id": 2}
 
 
@@ -94,6 +95,8 @@ def checked_fields(config: dict, refuse) -> dict:
             refuse(f"config.json lacks {field}")
         if not is_int(config[field]) or config[field] < 1:
             refuse(f"config.json's {field} must be a positive integer, got {config[field]!r}")
+        if config[field] > LARGEST:  # a hand-edited 10**9 layers would hang building them
+            refuse(f"config.json's {field} is {config[field]}, over {LARGEST}")
     proj = config.get("word_embed_proj_dim")
     proj = config["hidden_size"] if proj is None else proj  # None: as HF's OPTConfig, the hidden size
     if not is_int(proj) or proj < 1:
