@@ -17,10 +17,10 @@ from .memory import add, check_fits, format_size, run_need, weight_need
 STEP = 5
 
 
-def fits(spec, policy, dtype_bytes, prompt_len, gen_len, caps, device, layers=None, weights=None) -> bool:
+def fits(spec, policy, dtype_bytes, prompt_len, gen_len, caps, device, weights=None) -> bool:
     """Whether the pre-flight projection admits the policy (weights: its weight_need, if known)."""
     if weights is None:
-        weights = weight_need(layers or spec.build_layers(), dtype_bytes, policy, device)
+        weights = weight_need(spec.build_layers(), dtype_bytes, policy, device)
     try:
         check_fits(add(weights, run_need(spec, policy, dtype_bytes, prompt_len, gen_len, device)), caps, device)
     except UsageError:
