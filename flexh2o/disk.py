@@ -72,18 +72,40 @@ def check_offload_dir(directory: str):
 
 
 def make_dirs(directory: str) -> list[str]:
-    """Creates `directory` and its missing parents; returns those created, deepest first."""
-    created, path = [], os.path.abspath(directory)
+    """Creates `directory` and its missing parents; returns those this call created, deepest first.
+    A folder a parallel run creates meanwhile is used, and left to that run. On an error, what
+    this call created is removed again."""
+    missing, path = [], os.path.abspath(directory)
     while not os.path.isdir(path) and path != os.path.dirname(path):
-        created.append(path)
+        missing.append(path)
         path = os.path.dirname(path)
+    created = []
     try:
-        for d in reversed(created):
-            os.mkdir(d)
-    except OSError as e:
+        for d in reversed(missing):
+            try:
+                os.mkdir(d)
+            except FileExistsError:
+                continue
+            created.insert(0, d)
+    except OSError:
         _remove_empty(created)
-        raise UsageError("--offload-dir", f"cannot write to {directory}: {e.strerror}") from None
+        raise
     return created
+
+
+def make_run_dir(offload_dir: str) -> tuple[str, list[str]]:
+    """A fresh run folder in `offload_dir`, and the folders created for it (deepest first). A run
+    that ends removes the shared offload dir when empty, maybe between our make_dirs and mkdtemp:
+    tried once more then."""
+    for retries in (1, 0):
+        created = []
+        try:
+            created = make_dirs(offload_dir)
+            return tempfile.mkdtemp(prefix="flexh2o-run-", dir=offload_dir), created
+        except OSError as e:
+            _remove_empty(created)
+            if not (isinstance(e, FileNotFoundError) and retries):
+                raise UsageError("--offload-dir", f"cannot write to {offload_dir}: {e.strerror}") from None
 
 
 def _remove_empty(dirs: list[str]):
@@ -186,14 +208,10 @@ class DiskFile:
 
 class DiskStore:
     def __init__(self, offload_dir: str, bypass_page_cache: bool = False):
-        created = make_dirs(offload_dir)
-        try:
-            self.dir = tempfile.mkdtemp(prefix="flexh2o-run-", dir=offload_dir)
-        except OSError as e:
-            _remove_empty(created)
-            raise UsageError("--offload-dir", f"cannot write to {offload_dir}: {e.strerror}") from None
         self.files: list[DiskFile] = []
-        self._cleanup = weakref.finalize(self, _remove, self.dir, self.files, created)
+        with deferred():  # a signal before the finalizer is registered would leave the folders behind
+            self.dir, created = make_run_dir(offload_dir)
+            self._cleanup = weakref.finalize(self, _remove, self.dir, self.files, created)
         self.page_cache = page_cache_mode(self.dir) if bypass_page_cache else USED
         self.created = 0
         self.bytes_read = 0   # what callers asked for, not the aligned ranges O_DIRECT widens them to

@@ -31,6 +31,9 @@ class _State:
     depth = 0        # nesting of deferred() sections
     closing = False  # the run has returned: signals are only noted
 
+    def __init__(self):
+        self.noted = []  # signals that arrived while the process's own handlers were borrowed
+
 
 _state = _State()
 
@@ -49,23 +52,22 @@ def deferred():
     """Signals that arrive inside are noted, not raised; the first of them is raised on leaving.
     Outside the CLI (the Python API) the process's own handlers are set aside meanwhile, and what
     arrived is delivered to them on leaving."""
-    borrowed = _borrow_handlers() if _state.depth == 0 else {}
+    outermost = _state.depth == 0
+    borrowed = _borrow_handlers() if outermost else {}
     _state.depth += 1
     try:
         yield
     finally:
         _state.depth -= 1
-        _give_back(borrowed)
+        if outermost:  # an inner section must not drop what the outer one will deliver
+            _give_back(borrowed)
     if _state.depth == 0 and _state.first is not None and not (_state.raised or _state.closing):
         _state.raised = True
         raise Stopped(_state.first)
 
 
-_noted = []
-
-
 def _note(signum, frame):
-    _noted.append(signum)
+    _state.noted.append(signum)
 
 
 def _borrow_handlers() -> dict:
@@ -83,26 +85,33 @@ def _borrow_handlers() -> dict:
 def _give_back(borrowed: dict):
     for signum, handler in borrowed.items():
         signal.signal(signum, handler)
-    arrived = [s for s in dict.fromkeys(_noted) if s in borrowed]
-    _noted.clear()
+    arrived = [s for s in dict.fromkeys(_state.noted) if s in borrowed]
+    _state.noted.clear()
     for signum in arrived:
         signal.raise_signal(signum)
 
 
 def run_stoppable(main) -> int:
     """Runs main() -> exit code with the handlers installed. A signal ends it with one line on
-    stderr and exit code 128 + signum (130 for Ctrl-C)."""
+    stderr and exit code 128 + signum (130 for Ctrl-C). A signal ignored when the run starts
+    (SIGHUP under nohup) stays ignored; one that comes after main() returned changes nothing."""
     if threading.current_thread() is threading.main_thread():
         for signum in HANDLED:
-            signal.signal(signum, _handle)
+            if signal.getsignal(signum) is not signal.SIG_IGN:
+                signal.signal(signum, _handle)
+    code = None
+    # Only one Stopped is ever raised: it is caught here wherever it lands, also after main()
+    # returned and before `closing` is set, so it never escapes as a traceback.
     try:
-        code = main()
+        try:
+            code = main()
+        finally:
+            _state.closing = True
     except Stopped:
-        code = None
+        pass
     finally:
-        _state.closing = True
         _ignore_from_now()
-    if _state.first is None:
+    if code is not None or _state.first is None:
         return code
     _say(f"stopped by {signal.Signals(_state.first).name}: the run was cancelled and its offload files removed")
     return 128 + _state.first

@@ -5,6 +5,7 @@ import ctypes
 import fcntl
 import mmap
 import os
+import threading
 
 import pytest
 import torch
@@ -150,3 +151,13 @@ def test_fallback_and_memory_modes(tmp_path, monkeypatch):
     assert disk.page_cache_mode(str(tmp_path)) == EVICTED
     monkeypatch.undo()
     assert disk.fs_type("/proc/self") == "proc" and disk.fs_type(str(tmp_path)) not in ("", "proc")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_making_a_store_starts_no_threads(tmp_path, monkeypatch, mode):
+    threads = threading.active_count()
+    store = make_store(tmp_path, mode, monkeypatch)
+    try:
+        assert threading.active_count() == threads
+    finally:
+        store.close()

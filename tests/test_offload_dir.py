@@ -1,8 +1,12 @@
 """The offload dir exists only while something is on disk: it is not created when nothing goes
 there, and what a run created for it is removed at the end (a dir that was there stays)."""
 
+import os
+import shutil
 import tempfile
 
+from flexh2o import disk
+from flexh2o.disk import DiskStore
 from flexh2o.run import main
 
 RUN = ["--prompt-len", "8", "--gen-len", "2", "--dtype", "float32"]
@@ -30,3 +34,33 @@ def test_dirs_created_for_the_offload_files_are_removed_with_them(tiny_models, t
     (tmp_path / "kept").mkdir()
     assert main(["--model", model, *RUN, "--cache", "disk=100", "--offload-dir", str(tmp_path / "kept")]) == 0
     assert [p.name for p in tmp_path.iterdir()] == ["kept"] and list((tmp_path / "kept").iterdir()) == []
+
+
+def test_a_folder_a_parallel_run_makes_meanwhile_is_used_and_left_to_it(tmp_path, monkeypatch):
+    mkdir, theirs = os.mkdir, str(tmp_path / "a")
+
+    def raced(path, *args, **kw):
+        if path == theirs:  # the other run gets there between our look and our mkdir
+            mkdir(path, *args, **kw)
+        mkdir(path, *args, **kw)
+    monkeypatch.setattr(disk.os, "mkdir", raced)
+    store = DiskStore(str(tmp_path / "a" / "b"))
+    monkeypatch.undo()
+    store.close()
+    assert [p.name for p in tmp_path.iterdir()] == ["a"] and list((tmp_path / "a").iterdir()) == []
+
+
+def test_an_offload_dir_another_run_removes_meanwhile_is_made_again(tmp_path, monkeypatch):
+    mkdtemp, shared, calls = tempfile.mkdtemp, tmp_path / "flexh2o_offload", []
+    shared.mkdir()
+
+    def raced(**kw):
+        calls.append(kw)
+        if len(calls) == 1:  # the other run ends between our make_dirs and mkdtemp, taking the empty dir
+            shutil.rmtree(shared)
+        return mkdtemp(**kw)
+    monkeypatch.setattr(disk.tempfile, "mkdtemp", raced)
+    store = DiskStore(str(shared))
+    assert os.path.isdir(store.dir) and len(calls) == 2
+    store.close()
+    assert list(tmp_path.iterdir()) == []

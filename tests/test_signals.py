@@ -2,19 +2,23 @@
 while its offload files are being removed, exits with one line and 128 + signum and leaves the
 offload dir empty."""
 
+import gc
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
+import torch
 from transformers import OPTConfig
 
 from flexh2o import disk, signals
 from flexh2o.disk import DiskStore
+from flexh2o.tiers import Tiers
 from conftest import REPO
 
 INT, TERM, HUP = signal.SIGINT, signal.SIGTERM, signal.SIGHUP
@@ -29,10 +33,13 @@ def long_model(tmp_path_factory):
     return str(directory)
 
 
-def start_run(model, offload_dir):
-    return subprocess.Popen([sys.executable, "-m", "flexh2o.run", "--model", model, "--dummy", "--dtype", "float32",
-                             "--prompt-len", "16", "--gen-len", "2000", "--weights", "disk=100", "--cache", "disk=100",
-                             "--offload-dir", str(offload_dir)],
+def start_run(model, offload_dir, hup=signal.SIG_DFL, gen_len=2000):
+    """The CLI in a child whose SIGHUP is set to `hup` first: not inherited, pytest may run under nohup."""
+    launch = (f"import runpy, signal; signal.signal(signal.SIGHUP, signal.{hup.name}); "
+              "runpy.run_module('flexh2o.run', run_name='__main__', alter_sys=True)")
+    return subprocess.Popen([sys.executable, "-c", launch, "--model", model, "--dummy", "--dtype", "float32",
+                             "--prompt-len", "16", "--gen-len", str(gen_len), "--weights", "disk=100",
+                             "--cache", "disk=100", "--offload-dir", str(offload_dir)],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -95,6 +102,21 @@ def test_signals_in_quick_succession_leave_no_offload_files(long_model, tmp_path
     assert message_lines(err) == [f"stopped by {first.name}: the run was cancelled and its offload files removed"]
 
 
+def test_a_run_started_with_sighup_ignored_survives_it(long_model, tmp_path):
+    """Under nohup a SIGHUP (the terminal closing) must not cancel the run."""
+    offload_dir = tmp_path / "off"
+    offload_dir.mkdir()
+    proc = start_run(long_model, offload_dir, hup=signal.SIG_IGN, gen_len=200)
+    try:
+        wait_for_offload_files(proc, offload_dir)
+        proc.send_signal(HUP)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert os.listdir(offload_dir) == []
+
+
 @pytest.fixture
 def handlers(monkeypatch):
     """The CLI's handlers installed in this process, with fresh state; the old ones put back after."""
@@ -151,3 +173,60 @@ def test_outside_the_cli_a_ctrl_c_during_removal_is_delivered_after_it(tmp_path,
     assert type(raised.value) is KeyboardInterrupt
     assert not os.path.exists(store.dir)
     assert signal.getsignal(INT) is signal.default_int_handler
+
+
+def test_a_ctrl_c_while_the_tiers_close_is_delivered_after_the_files_are_gone(tmp_path, monkeypatch):
+    """Tiers.close defers signals around DiskStore's removal, which defers them again: the inner
+    section must not drop the Ctrl-C the outer one delivers."""
+    assert signal.getsignal(INT) is signal.default_int_handler
+    tiers = Tiers(torch.device("cpu"), torch.float32, DiskStore(str(tmp_path / "off")), overlap=False)
+    tiers.place(torch.ones(4, 4), {"disk": 4})
+    rmtree = shutil.rmtree
+
+    def rmtree_interrupted(path, **kw):
+        signal.raise_signal(INT)
+        rmtree(path, **kw)
+    monkeypatch.setattr(disk.shutil, "rmtree", rmtree_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tiers.close()
+    assert not (tmp_path / "off").exists()
+    assert signal.getsignal(INT) is signal.default_int_handler
+
+
+def test_a_signal_while_a_store_is_made_leaves_no_folders(handlers, tmp_path, monkeypatch):
+    """The signal is held until the store's cleanup is registered, so its folders go with the store."""
+    mkdtemp = tempfile.mkdtemp
+
+    def mkdtemp_interrupted(**kw):
+        made = mkdtemp(**kw)
+        signal.raise_signal(TERM)
+        return made
+    monkeypatch.setattr(disk.tempfile, "mkdtemp", mkdtemp_interrupted)
+    with pytest.raises(signals.Stopped):
+        DiskStore(str(tmp_path / "a" / "off"))
+    gc.collect()
+    assert list(tmp_path.iterdir()) == []
+
+
+class _LateState(signals._State):
+    """A SIGTERM lands just after main() returned, as `closing` is being set."""
+
+    @property
+    def closing(self):
+        return self.__dict__.get("closing", False)
+
+    @closing.setter
+    def closing(self, value):
+        if value:
+            signal.raise_signal(TERM)
+        self.__dict__["closing"] = value
+
+
+def test_a_signal_after_the_run_returned_keeps_its_exit_code(handlers, monkeypatch, capsys):
+    monkeypatch.setattr(signals, "_state", _LateState())
+    try:
+        code = signals.run_stoppable(lambda: 0)
+    except signals.Stopped:  # a KeyboardInterrupt: let through, it would end the whole pytest session
+        pytest.fail("the late signal escaped run_stoppable")
+    assert code == 0
+    assert capsys.readouterr().err == ""
