@@ -45,9 +45,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from flexh2o import Engine, Policy  # noqa: E402
 from flexh2o.kv.eviction import Evicting  # noqa: E402
 from flexh2o.machine import cpu_compute_dtype, describe_machine  # noqa: E402
-from flexh2o.memory import capacities, parse_size, weight_need  # noqa: E402
+from flexh2o.memory import capacities, parse_size  # noqa: E402
 from flexh2o.models.opt import PRESETS  # noqa: E402
-from flexh2o.placement import describe, fits, largest  # noqa: E402
+from flexh2o.placement import WeightNeeds, describe, fits, largest  # noqa: E402
 from flexh2o.prompts import synthetic_prompts  # noqa: E402
 from flexh2o.output import write_json_atomic, write_text_atomic  # noqa: E402
 
@@ -79,16 +79,12 @@ class PolicyTimer:
         Evicting.decode = self.original
 
 
-def search(spec, caps, prompt_len, gen_len, hh_ratio, max_gpu_batches, limit=4096) -> dict:
+def search(spec, caps, prompt_len, gen_len, hh_ratio, max_gpu_batches, weights: WeightNeeds, limit=4096) -> dict:
     """Per cache placement ("gpu": the capped tier, "cpu"), the admitted policy with the largest batch, or None."""
-    device, layers, weights, best = torch.device("cpu"), spec.build_layers(), {}, {}
-    dtype_bytes = DTYPE.itemsize
+    device, dtype_bytes, best = torch.device("cpu"), DTYPE.itemsize, {}
     for place, (cache_gpu, cache_cpu) in CACHE.items():
         best[place] = None
         for w_gpu in range(100, -1, -5):
-            if w_gpu not in weights:
-                weights[w_gpu] = weight_need(layers, dtype_bytes, Policy(w_gpu_percent=w_gpu, w_cpu_percent=100 - w_gpu),
-                                             device)
             for nb in range(1, max_gpu_batches + 1):
                 for act_gpu in ((100, 0) if nb > 1 else (100,)):
                     def make(b):
@@ -97,7 +93,7 @@ def search(spec, caps, prompt_len, gen_len, hh_ratio, max_gpu_batches, limit=409
                                       cache_cpu_percent=cache_cpu, act_gpu_percent=act_gpu,
                                       act_cpu_percent=100 - act_gpu, hh_ratio=hh_ratio)
                     b = largest(lambda b: fits(spec, make(b), dtype_bytes, prompt_len, gen_len, caps, device,
-                                               weights=weights[w_gpu]), limit // nb)
+                                               weights=weights.of(make(b))), limit // nb)
                     if b and (best[place] is None or b * nb > best[place].batch_size):
                         best[place] = make(b)
     return best
@@ -156,12 +152,13 @@ def main():
     caps = capacities(torch.device("cpu"), None, gpu_mem, cpu_mem)  # what the engine will check against
     torch.set_grad_enabled(False)
     policies = {"full": None, f"h2o-{args.hh_ratio:g}": args.hh_ratio}
+    weights = WeightNeeds(spec, DTYPE.itemsize, torch.device("cpu"))  # the same for every search
 
     runs, searches, pairs, equal = [], [], [], None
     for n, gen_len in enumerate(args.gen_lens):
         chosen = {}
         for kv, hh in policies.items():
-            found = search(spec, caps, args.prompt_len, gen_len, hh, args.max_gpu_batches)
+            found = search(spec, caps, args.prompt_len, gen_len, hh, args.max_gpu_batches, weights)
             chosen[kv] = pick(found)
             searches.append({"kv": kv, "gen_len": gen_len, **{f"cache_{t}": summary(p) for t, p in found.items()}})
             if chosen[kv] is None:
@@ -184,7 +181,7 @@ def main():
         c = capacities(torch.device("cpu"), None, gpu_mem, parse_size(text, "--trend-cpu-mems"))
         for gen_len in args.gen_lens:
             trend.append({"cpu_mem": text, "gen_len": gen_len, **{
-                kv: summary(pick(search(spec, c, args.prompt_len, gen_len, hh, args.max_gpu_batches)))
+                kv: summary(pick(search(spec, c, args.prompt_len, gen_len, hh, args.max_gpu_batches, weights)))
                 for kv, hh in policies.items()}})
 
     eh = equal["h2o"]

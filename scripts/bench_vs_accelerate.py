@@ -45,9 +45,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 from flexh2o import Engine, Policy  # noqa: E402
 from flexh2o.machine import cpu_compute_dtype, describe_machine  # noqa: E402
-from flexh2o.memory import capacities, layer_bytes, parse_size, weight_need  # noqa: E402
+from flexh2o.memory import capacities, layer_bytes, parse_size  # noqa: E402
 from flexh2o.models.opt import PRESETS  # noqa: E402
-from flexh2o.placement import fits, largest  # noqa: E402
+from flexh2o.placement import WeightNeeds, fits, largest  # noqa: E402
 from flexh2o.prompts import synthetic_prompts  # noqa: E402
 from flexh2o.output import write_json_atomic, write_text_atomic  # noqa: E402
 from memory_budget import CgroupUnavailable, check_available, exit_on_sigterm, report_result, run_in_budget  # noqa: E402
@@ -230,14 +230,13 @@ def search_accelerate(runner, weights_bytes):
 def flexh2o_plan(spec, caps, prompt_len, gen_len, max_batch):
     """The largest batch the engine's pre-flight admits: weights w_gpu% on the (capped) compute tier and
     the rest on disk, the cache on the compute tier, 1 or 2 gpu-batches."""
-    device, layers, best = torch.device("cpu"), spec.build_layers(), None
+    device, best = torch.device("cpu"), None
+    weights = WeightNeeds(spec, DTYPE.itemsize, device)
     for w_gpu in range(100, -1, -5):
-        base = Policy(gpu_batch_size=1, w_gpu_percent=w_gpu, w_cpu_percent=0)
-        weights = weight_need(layers, DTYPE.itemsize, base, device)
         for nb in (1, 2):
             def ok(b):
                 p = Policy(gpu_batch_size=b, num_gpu_batches=nb, w_gpu_percent=w_gpu, w_cpu_percent=0)
-                return fits(spec, p, DTYPE.itemsize, prompt_len, gen_len, caps, device, weights=weights)
+                return fits(spec, p, DTYPE.itemsize, prompt_len, gen_len, caps, device, weights=weights.of(p))
             b = largest(ok, max_batch // nb)
             if b and (best is None or b * nb > best["gpu_batch_size"] * best["num_gpu_batches"]):
                 best = {"gpu_batch_size": b, "num_gpu_batches": nb, "w_gpu_percent": w_gpu, "w_cpu_percent": 0}
