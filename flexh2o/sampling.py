@@ -34,6 +34,8 @@ class Sampler:
         check_sampling(temperature, top_k, top_p)
         self.do_sample = do_sample
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        # A temperature that is 0 in float32 is the limit of sampling: greedy.
+        self.greedy = not do_sample or float(torch.tensor(temperature, dtype=torch.float32)) == 0
         self.generator = torch.Generator()
         if seed is None:
             self.generator.seed()
@@ -47,8 +49,7 @@ class Sampler:
 
     def pick(self, logits: torch.Tensor, uniforms: torch.Tensor | None) -> torch.Tensor:
         """logits [b, vocab] (float32) -> token ids [b]."""
-        # A temperature that is 0 in float32 is the limit of sampling: greedy.
-        if not self.do_sample or torch.tensor(self.temperature, dtype=torch.float32) == 0:
+        if self.greedy:
             return logits.argmax(dim=-1)
         # Relative to the largest logit first: each scaled logit is then <= 0 and cannot overflow to
         # inf (and a NaN distribution) however small the temperature.
