@@ -116,8 +116,13 @@ class CudaCopies:
 
     def on_device(self, dst: torch.Tensor, src: torch.Tensor):
         """A device-side copy on the load stream, after the loads queued there before it."""
+        self.on_device_run(lambda: dst.copy_(src))
+
+    def on_device_run(self, fn):
+        """Device-side work (a copy, a dequantization) on the load stream, after the loads queued
+        there before it; returns once it is done."""
         with self._start(self.load_stream):
-            dst.copy_(src)
+            fn()
             self._finish(self.load_stream, wait_now=True)
 
     def gather_to_host(self, src: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:

@@ -67,6 +67,7 @@ class GenerationStats:
     io_seconds: float = 0.0       # I/O tasks, summed over threads
     disk_bytes_read: int = 0
     step_allocations: list | None = None  # tensors allocated during each token step
+    step_dequant_seconds: list | None = None  # dequantizing during each token step, summed over threads
 
 
 def act_tier(policy: Policy) -> str:
@@ -196,7 +197,8 @@ class Engine:
         read = (self.tiers.disk.bytes_read if self.tiers.disk else 0) - read_before
         self.last_stats = GenerationStats(policy.batch_size, prompt_len, max_new_tokens, steps_done, times[0],
                                           sum(times[1:]), schedule.compute_seconds,
-                                          self.tiers.io_seconds - io_before, read, schedule.step_allocations)
+                                          self.tiers.io_seconds - io_before, read, schedule.step_allocations,
+                                          schedule.step_dequant_seconds)
         if output_scores:
             return GenerateOutput(seqs.ids, seqs.score_list(steps_done))
         return seqs.ids

@@ -15,9 +15,10 @@ import torch
 
 from .disk import existing_ancestor
 from .errors import UsageError
-from .kv import POLICIES, budget, cache_bytes
+from .kv import POLICIES, budget, cache_bytes, slot_bytes
 from .kv.home import IN_FLIGHT, batch_split, cpu_attention_dtype
 from .models.attention import PROBS_CHUNK_BYTES
+from .quant import compressible, stored_row_bytes
 from .tiers import split_rows
 
 GB = 1 << 30
@@ -52,14 +53,25 @@ def capacities(device: torch.device, offload_dir: str | None, gpu_mem=None, cpu_
             "given": given}
 
 
-def layer_bytes(layers, dtype_bytes: int) -> list[int]:
-    return [sum(math.prod(shape) for _, shape in layer.weight_specs()) * dtype_bytes for layer in layers]
+def stored_shapes(layer, dtype_bytes: int, policy) -> list[tuple]:
+    """(shape, compressed, bytes of a row as stored) of each tensor a layer places (after prepare)."""
+    tensors = layer.prepare([torch.empty(shape, device="meta") for _, shape in layer.weight_specs()])
+    out = []
+    for t in tensors:
+        compressed = policy.compress_weight and compressible(t.shape)
+        out.append((tuple(t.shape), compressed, stored_row_bytes(t.shape, dtype_bytes, compressed)))
+    return out
+
+
+def layer_bytes(layers, dtype_bytes: int, policy) -> list[int]:
+    """Bytes each layer's weights take as stored (compressed ones as their 4-bit groups)."""
+    return [sum(shape[0] * rb for shape, _, rb in stored_shapes(layer, dtype_bytes, policy)) for layer in layers]
 
 
 def weight_need(layers, dtype_bytes: int, policy, device) -> dict:
     """The weights' shares per tier, plus their compute copies on the gpu tier."""
     need = {"gpu": 0, "cpu": 0, "disk": 0}
-    for b in layer_bytes(layers, dtype_bytes):
+    for b in layer_bytes(layers, dtype_bytes, policy):
         need["gpu"] += b * policy.w_gpu_percent / 100
         need["cpu"] += b * policy.w_cpu_percent / 100
         need["disk"] += b * policy.disk_percent("w") / 100
@@ -67,6 +79,14 @@ def weight_need(layers, dtype_bytes: int, policy, device) -> dict:
     if device.type == "cuda":  # disk reads go through pinned staging blocks (cuda_io.py)
         need["cpu"] += (IO_THREADS + 1) * largest_disk_segment(layers, dtype_bytes, policy)
     return need
+
+
+def split_as_placed(layer, dtype_bytes: int, policy):
+    """(shape, compressed, row bytes, rows per tier) of each tensor, split as init_weight splits."""
+    stored = stored_shapes(layer, dtype_bytes, policy)
+    splits = split_rows([shape for shape, _, _ in stored], [rb for _, _, rb in stored],
+                        policy.w_gpu_percent, policy.w_cpu_percent)
+    return [(*item, rows) for item, rows in zip(stored, splits)]
 
 
 def largest_disk_segment(layers, dtype_bytes: int, policy) -> int:
@@ -77,42 +97,43 @@ def largest_disk_segment(layers, dtype_bytes: int, policy) -> int:
         if kind in seen:
             continue
         seen.add(kind)
-        shapes = [tuple(t.shape) for t in layer.prepare([torch.empty(s, device="meta") for s in kind])]
-        row_bytes = [math.prod(shape[1:]) * dtype_bytes for shape in shapes]
-        for rb, rows in zip(row_bytes, split_rows(shapes, row_bytes, policy.w_gpu_percent, policy.w_cpu_percent)):
+        for _, _, rb, rows in split_as_placed(layer, dtype_bytes, policy):
             largest = max(largest, rows["disk"] * rb)
     return largest
 
 
-def buffered_shapes(layer, dtype_bytes: int, policy, device) -> list[tuple]:
-    """Shapes of the weights a layer cannot use in place under the policy (split as init_weight splits)."""
-    tensors = layer.prepare([torch.empty(shape, device="meta") for _, shape in layer.weight_specs()])
-    shapes = [tuple(t.shape) for t in tensors]
-    row_bytes = [math.prod(shape[1:]) * dtype_bytes for shape in shapes]
-    out = []
-    for shape, rows in zip(shapes, split_rows(shapes, row_bytes, policy.w_gpu_percent, policy.w_cpu_percent)):
+def buffered(layer, dtype_bytes: int, policy, device) -> Counter:
+    """The pooled compute buffers a layer's weight loads take, as (kind, bytes) -> count: every
+    weight the layer cannot use in place, and every compressed one (dequantized into a buffer,
+    its groups first moved into one unless they are on the compute device)."""
+    out = Counter()
+    for shape, compressed, rb, rows in split_as_placed(layer, dtype_bytes, policy):
         whole = [tier for tier, n in rows.items() if n == shape[0]]
-        if not (whole and (whole[0] == "gpu" or (whole[0] == "cpu" and device.type == "cpu"))):
-            out.append(shape)
+        in_place = bool(whole) and (whole[0] == "gpu" or (whole[0] == "cpu" and device.type == "cpu"))
+        if compressed or not in_place:
+            out[("values", shape), math.prod(shape) * dtype_bytes] += 1
+        if compressed and not in_place:
+            out[("groups", shape), shape[0] * rb] += 1
     return out
 
 
 def compute_copy_bytes(layers, dtype_bytes: int, policy, device) -> int:
     """Bytes of the pooled compute buffers. The pool keeps buffers per shape, and at any time the
     layer computing and the next one loading (cyclically: the last layer and the first) hold one
-    each, so a shape needs as many buffers as those two layers ever hold together."""
+    each, so a shape needs as many buffers as those two layers ever hold together. A buffer of
+    groups goes back as soon as it is dequantized: at most one per I/O thread is out at once."""
     kinds = {}  # layers with the same weight shapes are split alike
     per_layer = []
     for layer in layers:
         kind = tuple(shape for _, shape in layer.weight_specs())
         if kind not in kinds:
-            kinds[kind] = Counter(buffered_shapes(layer, dtype_bytes, policy, device))
+            kinds[kind] = buffered(layer, dtype_bytes, policy, device)
         per_layer.append(kinds[kind])
     most = Counter()
     for j in range(len(layers)):
-        for shape, count in (per_layer[j] + per_layer[(j + 1) % len(layers)]).items():
-            most[shape] = max(most[shape], count)
-    return sum(math.prod(shape) * dtype_bytes * count for shape, count in most.items())
+        for key, count in (per_layer[j] + per_layer[(j + 1) % len(layers)]).items():
+            most[key] = max(most[key], count if key[0][0] == "values" else min(count, IO_THREADS))
+    return sum(nbytes * count for (_, nbytes), count in most.items())
 
 
 def run_need(spec, policy, dtype_bytes: int, prompt_len: int, gen_len: int, device,
@@ -121,22 +142,28 @@ def run_need(spec, policy, dtype_bytes: int, prompt_len: int, gen_len: int, devi
     b, nb = policy.gpu_batch_size, policy.num_gpu_batches
     on_cuda = device.type == "cuda"
     rows = batch_split(b, policy.cache_gpu_percent, policy.cache_cpu_percent)
-    per_row = cache_bytes(spec, policy, 1, prompt_len, gen_len, dtype_bytes) // spec.num_layers  # one layer
+    per_row = cache_bytes(spec, policy, 1, prompt_len, gen_len, dtype_bytes) // spec.num_layers  # one layer, as stored
     need = {tier: rows[tier] * per_row * nb * spec.num_layers for tier in rows}
     # Parts a step loads into pooled compute buffers (kv/home.py): IN_FLIGHT sets of each, plus a
     # slot-major block of K per I/O thread; on CUDA a CPU part under cpu_cache_compute is loaded
-    # for the prompt only, but its buffers stay pooled.
-    loaded = rows["disk"] + (rows["cpu"] if on_cuda else 0)
+    # for the prompt only, but its buffers stay pooled. A compressed cache is always dequantized
+    # into buffers; its parts in memory the compute device reads keep positions and scores in place.
+    moved_rows = rows["disk"] + (rows["cpu"] if on_cuda else 0)
+    loaded = b if policy.compress_cache else moved_rows
     capacity, _ = budget(policy, prompt_len, gen_len)
-    k_bytes = spec.cache_bytes(1, capacity, dtype_bytes) // spec.num_layers // 2  # K of one sequence
+    k_values = capacity * spec.num_kv_heads * spec.head_dim * dtype_bytes  # K of one sequence, computed on
+    k_bytes = capacity * spec.num_kv_heads * slot_bytes(spec, policy, dtype_bytes)  # as stored
+    state = per_row - 2 * k_bytes
     if on_cuda and policy.cpu_cache_compute:  # the CPU-attended part may be held in a wider dtype
         wider = cpu_attention_dtype(DTYPE_OF[dtype_bytes]).itemsize - dtype_bytes
         need["cpu"] += rows["cpu"] * nb * spec.num_layers * 2 * k_bytes * wider // dtype_bytes
-    need["gpu"] += IN_FLIGHT * loaded * per_row
+    need["gpu"] += IN_FLIGHT * (loaded * 2 * k_values + moved_rows * state)
     moved = [n for n in (rows["disk"], 0 if policy.cpu_cache_compute else rows["cpu"] if on_cuda else 0) if n]
     need["gpu"] += io_threads * sum(n * k_bytes for n in set(moved))
     if on_cuda and (rows["cpu"] or rows["disk"]):
         need["cpu"] += (io_threads + 1) * max(rows["cpu"], rows["disk"]) * k_bytes  # pinned staging blocks
+    if policy.compress_cache:  # the prompt's K and V groups, and quantize's float32 working copies of one
+        need["gpu"] += b * 2 * k_bytes * prompt_len // capacity + 3 * b * k_values * 4 // dtype_bytes
     hidden = spec.hidden_bytes(b, prompt_len, dtype_bytes)
     # The prompt's attention works in blocks (fused kernels, or PROBS_CHUNK_BYTES of probabilities).
     attention = min(b * spec.num_heads * prompt_len * prompt_len * 4, PROBS_CHUNK_BYTES)

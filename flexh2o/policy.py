@@ -31,6 +31,10 @@ class Policy:
     kv_policy: str | None = None
     hh_ratio: float | None = None
     recent_ratio: float | None = None  # None: the same as hh_ratio
+    # 4-bit group quantization (flexh2o/quant.py) of the weight matrices and of the KV cache,
+    # stored compressed on every tier and dequantized right before use.
+    compress_weight: bool = False
+    compress_cache: bool = False
 
     def __post_init__(self):
         for name in ("gpu_batch_size", "num_gpu_batches"):
@@ -45,6 +49,9 @@ class Policy:
             if gpu + cpu > 100:
                 raise UsageError("--percent", f"{kind} gpu + cpu percentages sum to {gpu + cpu}, over 100")
         self._check_kv()
+        if self.compress_cache and self.cpu_cache_compute:
+            raise UsageError("--compress-cache", "cannot be combined with --cpu-cache-compute (the CPU would "
+                             "dequantize its whole cache at every step); give one of them")
 
     def _check_kv(self):
         if self.kv_policy is None:

@@ -12,6 +12,7 @@ import torch
 
 from .kv import budget, cache_bytes
 from .machine import describe_machine
+from .memory import layer_bytes
 
 GB = 1 << 30
 
@@ -50,7 +51,7 @@ def build_report(engine, stats, policy, sample_text=None) -> dict:
         "prompt_len": stats.prompt_len,
         "gen_len": stats.gen_len,
         "steps_done": steps,
-        "model_size_bytes": spec.param_count() * dtype_bytes,
+        "model_size_bytes": sum(layer_bytes(engine.layers, dtype_bytes, policy)),
         "kv_policy": kv_description(policy, stats.prompt_len, stats.gen_len),
         "cache_size_bytes": cache_bytes(spec, policy, batch, stats.prompt_len, stats.gen_len, dtype_bytes),
         "hidden_size_bytes": spec.hidden_bytes(batch, stats.prompt_len, dtype_bytes),
@@ -63,6 +64,7 @@ def build_report(engine, stats, policy, sample_text=None) -> dict:
         "decode_throughput": batch * (steps - 1) / max(stats.decode_seconds, 1e-10),
         "total_latency_s": total,
         "total_throughput": batch * steps / total,
+        "dequant_seconds": sum(stats.step_dequant_seconds or []),  # summed over I/O threads
         "sample": sample_text,
         "machine": describe_machine(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

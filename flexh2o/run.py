@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="overlap weight / cache I/O with compute")
     p.add_argument("--cpu-cache-compute", action="store_true",
                    help="on CUDA, attend over a CPU-resident cache on the CPU instead of moving it")
+    p.add_argument("--compress-weight", action="store_true",
+                   help="store weight matrices as 4-bit groups of 64 (4.5 bits per value) on every tier")
+    p.add_argument("--compress-cache", action="store_true",
+                   help="store the KV cache as 4-bit groups of 64 along head_dim on every tier")
     for tier in ("gpu", "cpu", "disk"):
         p.add_argument(f"--{tier}-mem", metavar="SIZE", help=f"cap on the {tier} tier, e.g. 16GB (default: detected)")
     p.add_argument("--no-page-cache", action="store_true",
@@ -123,7 +127,8 @@ def run(args) -> int:
     w_gpu, w_cpu, c_gpu, c_cpu, a_gpu, a_cpu = policy_percents(args)
     policy = Policy(args.gpu_batch_size, args.num_gpu_batches, w_gpu, w_cpu, c_gpu, c_cpu, a_gpu, a_cpu,
                     overlap=args.overlap, cpu_cache_compute=args.cpu_cache_compute, kv_policy=args.kv_policy,
-                    hh_ratio=args.hh_ratio, recent_ratio=args.recent_ratio)
+                    hh_ratio=args.hh_ratio, recent_ratio=args.recent_ratio,
+                    compress_weight=args.compress_weight, compress_cache=args.compress_cache)
     caps = {f"{t}_mem": parse_size(getattr(args, f"{t}_mem"), f"--{t}-mem")
             for t in ("gpu", "cpu", "disk") if getattr(args, f"{t}_mem") is not None}
     device = parse_device(args.device or default_device())

@@ -21,6 +21,7 @@ class Schedule:
         self.hidden = [None] * num_gpu_batches
         self.step_seconds = []
         self.step_allocations = []  # tensors allocated during each token step (none after the first decode step)
+        self.step_dequant_seconds = []  # time spent dequantizing during each token step (summed over threads)
         self.compute_seconds = 0.0  # forward passes only, without waiting for their inputs
 
     def run(self, gen_len: int, progress: bool = False) -> int:
@@ -30,7 +31,7 @@ class Schedule:
         self.load_weight(0, 0, 0)
         self.load_cache(0, 0, 0)
         for i in tqdm(range(gen_len), desc="generate", unit="tok", disable=not progress, leave=False):
-            start, allocated = time.perf_counter(), self.tiers.allocations
+            start, allocated, dequant = time.perf_counter(), self.tiers.allocations, self.tiers.dequant_seconds
             self.steps = self.seqs.steps(i, nb)
             for j in range(num_layers):
                 for k in range(nb):
@@ -45,6 +46,7 @@ class Schedule:
             self.sync()
             self.step_seconds.append(time.perf_counter() - start)
             self.step_allocations.append(self.tiers.allocations - allocated)
+            self.step_dequant_seconds.append(self.tiers.dequant_seconds - dequant)
             if self.seqs.all_finished():
                 self.layers[0].release_weight()  # the next token's first weights may be loading
                 return i + 1

@@ -3,7 +3,8 @@
 A tensor is placed by rows of its first dimension: some rows on the gpu tier, some in CPU memory,
 the rest on disk, so each tier gets the share of bytes the policy asks for. Loading assembles the
 rows into a reusable compute buffer; with overlap on, that work runs on the I/O threads and the
-caller gets a `Pending` to wait on. Where the compute device is the CPU, the gpu and cpu tiers
+caller gets a `Pending` to wait on. A compressed tensor (quant.py) is placed, and moved, as its
+uint8 groups, and dequantized into a compute buffer at the end of its load. Where the compute device is the CPU, the gpu and cpu tiers
 are the same memory: a tensor held whole by either is used in place, never copied.
 """
 
@@ -15,6 +16,7 @@ import torch
 
 from .buffers import TIERS, Buffers
 from .kv.cache import slot_grid
+from .quant import dequantize, quantize
 from .signals import deferred
 
 
@@ -42,9 +44,10 @@ class Segment:
 
 @dataclass
 class Placed:
-    shape: tuple
-    dtype: torch.dtype
+    shape: tuple        # as stored
+    dtype: torch.dtype  # as stored: uint8 when compressed
     segments: list
+    decoded_shape: tuple | None = None  # compressed: the shape it dequantizes to
 
     def resident(self) -> torch.Tensor | None:
         """The tensor itself when one memory tier holds it whole."""
@@ -81,15 +84,21 @@ class Tiers(Buffers):
         self.io_threads = io_threads
         self.parked_slots = 1  # hidden states parked in CPU memory at once: one per gpu-batch (set by the schedule)
         self.io_seconds = 0.0  # summed over I/O tasks (with overlap off: time the schedule waits for I/O)
+        self.dequant_seconds = 0.0  # of which dequantizing (on CUDA: queueing the kernels)
         self.cuda = None
         if self.on_cuda:
             from .cuda_io import CudaCopies
             self.cuda = CudaCopies(self, stages=io_threads + 1)
 
     # -- placement --------------------------------------------------------------------------
-    def place(self, tensor: torch.Tensor, rows: dict) -> Placed:
-        """Puts a tensor's rows at their home tiers (rows: tier -> number of rows, in tier order)."""
+    def place(self, tensor: torch.Tensor, rows: dict, compressed: bool = False) -> Placed:
+        """Puts a tensor's rows at their home tiers (rows: tier -> number of rows, in tier order),
+        as 4-bit groups when compressed (ValueError if it holds inf, NaN or values beyond float16)."""
         tensor = tensor.to(self.dtype)
+        decoded = tuple(tensor.shape) if compressed else None
+        if compressed:  # in blocks of rows, so that its float32 working copies stay small
+            rows_at_once = max(1, (64 << 20) // max(1, tensor[0].numel() * 4))
+            tensor = torch.cat([quantize(block) for block in tensor.split(rows_at_once)])
         segments, start = [], 0
         for tier in TIERS:
             n = rows.get(tier, 0)
@@ -103,11 +112,11 @@ class Tiers(Buffers):
                 self.reserve_staging(seg.file.nbytes)
                 self.track("disk", seg.file.nbytes)
             else:
-                seg.data = self.alloc(tier, part.shape)
+                seg.data = self.alloc(tier, part.shape, tensor.dtype)
                 seg.data.copy_(part)
             segments.append(seg)
             start += n
-        return Placed(tuple(tensor.shape), self.dtype, segments)
+        return Placed(tuple(tensor.shape), tensor.dtype, segments, decoded)
 
     # -- moving data ------------------------------------------------------------------------
     def run_io(self, fn, value) -> Pending:
@@ -133,10 +142,38 @@ class Tiers(Buffers):
     def load(self, placed: Placed) -> Pending:
         """The compute-device tensor of `placed`: the resident tensor itself, or a filled buffer."""
         whole = placed.resident()
-        if whole is not None and (placed.segments[0].tier == "gpu" or not self.on_cuda):
+        in_place = whole is not None and (placed.segments[0].tier == "gpu" or not self.on_cuda)
+        if placed.decoded_shape is not None:
+            return self._load_compressed(placed, whole if in_place else None)
+        if in_place:
             return Pending(whole)
         buf = self.buffer(placed.shape, placed.dtype)
         return self.run_io(lambda: self.fill(buf, placed.segments), buf)
+
+    def _load_compressed(self, placed: Placed, whole) -> Pending:
+        """Its groups, moved to the compute device unless they are there, dequantized into a buffer."""
+        out = self.buffer(placed.decoded_shape)
+
+        def task():
+            packed = whole
+            if packed is None:
+                packed = self.buffer(placed.shape, placed.dtype)
+                self.fill(packed, placed.segments)
+            self.dequantize(packed, out)
+            if packed is not whole:
+                self.release(packed)
+        return self.run_io(task, out)
+
+    def dequantize(self, packed: torch.Tensor, out: torch.Tensor):
+        """out <- the values of `packed`, on the device both are on; on CUDA after the loads queued
+        before it, and done when this returns (packed may be a buffer going back to the pool)."""
+        start = time.perf_counter()
+        if self.on_cuda and out.device.type == "cuda":
+            self.cuda.on_device_run(lambda: dequantize(packed, out.shape[-1], out))
+        else:
+            dequantize(packed, out.shape[-1], out)
+        with self._lock:
+            self.dequant_seconds += time.perf_counter() - start
 
     def fill(self, buf: torch.Tensor, segments: list):
         for seg in segments:

@@ -294,7 +294,7 @@ def main():
     budget, reserve = parse_size(args.budget, "--budget"), parse_size(args.reserve, "--reserve")
     checkpoint = os.path.join(args.workdir, args.model)
     make_checkpoint(spec, checkpoint)
-    weights_bytes = sum(layer_bytes(spec.build_layers(), DTYPE.itemsize))
+    weights_bytes = sum(layer_bytes(spec.build_layers(), DTYPE.itemsize, Policy()))
     runner = Runner(args, checkpoint, budget)
 
     ours, probes, theirs = [], [], []

@@ -4,6 +4,7 @@ Adding a policy: one file with an `Evicting` subclass, one line in POLICIES.
 """
 
 from ..errors import UsageError
+from ..quant import packed_width
 from .cache import KVCache
 from .eviction import FullCache
 from .h2o import HeavyHitters
@@ -37,12 +38,17 @@ def budget(policy, prompt_len: int, gen_len: int) -> tuple[int, int]:
     return min(heavy + recent, total), recent
 
 
+def slot_bytes(spec, policy, dtype_bytes: int) -> int:
+    """Bytes K (or V) of one slot of one KV head takes at home: head_dim values, or their 4-bit groups."""
+    return packed_width(spec.head_dim) if policy.compress_cache else spec.head_dim * dtype_bytes
+
+
 def cache_bytes(spec, policy, batch: int, prompt_len: int, gen_len: int, dtype_bytes: int) -> int:
-    """Bytes of the whole KV cache of a job: K and V at the policy's capacity, plus each slot's
-    position (int32) and, for scoring policies, its score (float32); every layer."""
+    """Bytes of the whole KV cache of a job as stored: K and V at the policy's capacity (compressed
+    or not), plus each slot's position (int32) and, for scoring policies, its score (float32); every layer."""
     capacity, _ = budget(policy, prompt_len, gen_len)
     state = 4 + (4 if POLICIES[policy.kv_policy].accumulates else 0)
-    return spec.cache_bytes(batch, capacity, dtype_bytes) + batch * capacity * spec.num_kv_heads * spec.num_layers * state
+    return batch * capacity * spec.num_kv_heads * spec.num_layers * (2 * slot_bytes(spec, policy, dtype_bytes) + state)
 
 
 def make_policy(policy, prompt_len: int, gen_len: int, seed: int = 0) -> FullCache:
@@ -51,4 +57,4 @@ def make_policy(policy, prompt_len: int, gen_len: int, seed: int = 0) -> FullCac
     return POLICIES[policy.kv_policy](capacity, recent, gen_len, seed)
 
 
-__all__ = ["KVCache", "POLICIES", "budget", "cache_bytes", "make_policy"]
+__all__ = ["KVCache", "POLICIES", "budget", "cache_bytes", "make_policy", "slot_bytes"]

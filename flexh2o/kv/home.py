@@ -10,6 +10,10 @@ On disk, K and V are stored slot-major ([capacity, rows, kv_heads, head_dim]): t
 new slot is one contiguous write, and an evicting policy's scattered slots become one write per
 run of neighbours. Positions and scores of a disk part stay in CPU memory (4 bytes per slot
 against 2 x head_dim x 2 for K and V).
+
+Compressed (quant.py), every part holds K and V slot-major as 4-bit groups along head_dim, on its
+own tier; a step dequantizes the filled slots into a pooled compute buffer, and afterwards
+quantizes only the slots it wrote into their place at home. Positions and scores stay exact.
 """
 
 from collections import Counter
@@ -19,6 +23,7 @@ import torch
 
 from ..machine import cpu_compute_dtype
 from ..tiers import TIERS, Pending
+from ..quant import packed_width, quantize
 from .cache import KVCache, slot_grid
 
 IN_FLIGHT = 3  # sets of compute buffers per loaded part: computing, loading, storing
@@ -36,13 +41,15 @@ class CachePart:
     rows: slice
     tier: str
     home: KVCache | None = None  # held where some device attends over it in place
-    k_host: torch.Tensor | None = None  # or K and V slot-major in CPU memory (moved to the GPU each step)
-    v_host: torch.Tensor | None = None
+    k_mem: torch.Tensor | None = None  # or K and V slot-major in memory: in CPU memory, moved to the
+    v_mem: torch.Tensor | None = None  # GPU each step, or compressed (4-bit groups) on its memory tier
     k_file: object = None        # or on disk, slot-major; positions and scores then in CPU memory
     v_file: object = None
     pos: torch.Tensor | None = None
     score: torch.Tensor | None = None
     cpu_attends: bool = False    # on CUDA, decode attention over this part runs on the CPU (home in CPU memory)
+    direct: bool = False         # compressed, in memory the compute device reads: dequantized straight
+                                 # from home, its positions and scores used in place
 
     def in_place(self, prefill: bool) -> bool:
         """Whether a step uses the home itself. Under cpu_cache_compute the prompt's attention still
@@ -58,17 +65,21 @@ def cpu_attention_dtype(dtype: torch.dtype) -> torch.dtype:
 
 class CacheHome:
     def __init__(self, tiers, batch, kv_heads, head_dim, capacity, with_score: bool, rows: dict,
-                 compute_on_cpu: bool = False):
+                 compute_on_cpu: bool = False, compressed: bool = False):
         self.tiers, self.shape, self.with_score = tiers, (kv_heads, head_dim, capacity), with_score
+        self.compressed = compressed
+        # What one slot of one (sequence, KV head) holds at home: head_dim values, or their groups.
+        self.width, self.stored = (packed_width(head_dim), torch.uint8) if compressed else (head_dim, tiers.dtype)
         self.parts, start = [], 0
         for tier in TIERS:
             n = rows.get(tier, 0)
             if n == 0:
                 continue
             part = CachePart(slice(start, start + n), tier)
-            slot_major = (capacity, n, kv_heads, head_dim)
-            nbytes = capacity * n * kv_heads * head_dim * tiers.dtype.itemsize
-            if tier == "gpu" or (tier == "cpu" and (not tiers.on_cuda or compute_on_cpu)):
+            slot_major = (capacity, n, kv_heads, self.width)
+            nbytes = capacity * n * kv_heads * self.width * self.stored.itemsize
+            reachable = tier == "gpu" or (tier == "cpu" and (not tiers.on_cuda or compute_on_cpu))
+            if reachable and not compressed:
                 part.cpu_attends = tier == "cpu" and tiers.on_cuda
                 dtype = cpu_attention_dtype(tiers.dtype) if part.cpu_attends else None
                 part.home = KVCache.allocate(tiers, n, kv_heads, head_dim, capacity, with_score, tier, dtype)
@@ -78,8 +89,10 @@ class CacheHome:
                     part.k_file, part.v_file = tiers.disk.create(nbytes), tiers.disk.create(nbytes)
                     tiers.track("disk", 2 * nbytes)
                 else:
-                    part.k_host, part.v_host = tiers.alloc("cpu", slot_major), tiers.alloc("cpu", slot_major)
-                part.pos, part.score = KVCache.allocate_state(tiers, n, kv_heads, capacity, with_score, "cpu")
+                    part.direct = reachable
+                    part.k_mem, part.v_mem = (tiers.alloc(tier, slot_major, self.stored) for _ in "kv")
+                state_tier = "gpu" if tier == "gpu" else "cpu"
+                part.pos, part.score = KVCache.allocate_state(tiers, n, kv_heads, capacity, with_score, state_tier)
             if tier != "gpu":
                 tiers.reserve_staging(nbytes)
             self.parts.append(part)
@@ -93,15 +106,17 @@ class CacheHome:
         one computing, the one loading and the one storing (a further load waits for that store)."""
         kv_heads, head_dim, capacity = self.shape
         loaded = Counter(p.rows.stop - p.rows.start for p in self.parts if not p.in_place(prefill=True))
-        moved = {p.rows.stop - p.rows.start for p in self.parts if p.home is None}
+        with_state = Counter(p.rows.stop - p.rows.start for p in self.parts
+                             if not p.in_place(prefill=True) and not p.direct)
+        moved = {p.rows.stop - p.rows.start for p in self.parts if p.home is None and not p.direct}
         for n, parts in loaded.items():
-            sets = IN_FLIGHT * parts
-            self.tiers.reserve((n, kv_heads, capacity, head_dim), count=2 * sets)  # K and V
-            self.tiers.reserve((n, kv_heads, capacity), torch.int32, count=sets)
+            self.tiers.reserve((n, kv_heads, capacity, head_dim), count=2 * IN_FLIGHT * parts)  # K and V
+        for n, parts in with_state.items():
+            self.tiers.reserve((n, kv_heads, capacity), torch.int32, count=IN_FLIGHT * parts)
             if self.with_score:
-                self.tiers.reserve((n, kv_heads, capacity), torch.float32, count=sets)
-            if n in moved:  # _read's slot-major block, one per I/O thread
-                self.tiers.reserve((capacity, n, kv_heads, head_dim), count=self.tiers.io_threads)
+                self.tiers.reserve((n, kv_heads, capacity), torch.float32, count=IN_FLIGHT * parts)
+        for n in moved:  # _read's slot-major block, one per I/O thread
+            self.tiers.reserve((capacity, n, kv_heads, self.width), self.stored, count=self.tiers.io_threads)
 
     def load(self, prefill: bool) -> Pending:
         """The compute-side KVCache of every part: [(rows, KVCache)]."""
@@ -112,11 +127,13 @@ class CacheHome:
                 views.append((part.rows, part.home))
                 continue
             n = part.rows.stop - part.rows.start
-            buf = KVCache(self.tiers.buffer((n, kv_heads, capacity, head_dim)),
-                          self.tiers.buffer((n, kv_heads, capacity, head_dim)),
-                          self.tiers.buffer((n, kv_heads, capacity), torch.int32),
-                          self.tiers.buffer((n, kv_heads, capacity), torch.float32) if self.with_score else None,
-                          length=self.length)
+            k, v = (self.tiers.buffer((n, kv_heads, capacity, head_dim)) for _ in "kv")
+            if part.direct:
+                buf = KVCache(k, v, part.pos, part.score, length=self.length)
+            else:
+                buf = KVCache(k, v, self.tiers.buffer((n, kv_heads, capacity), torch.int32),
+                              self.tiers.buffer((n, kv_heads, capacity), torch.float32) if self.with_score else None,
+                              length=self.length)
             views.append((part.rows, buf))
             todo.append((part, buf))
         previous = self.last_store
@@ -134,40 +151,71 @@ class CacheHome:
 
     def _read(self, part, buf):
         tiers, length = self.tiers, self.length
-        tiers.to_device(buf.pos, part.pos)
-        if buf.score is not None:
-            tiers.to_device(buf.score, part.score)
+        if not part.direct:
+            tiers.to_device(buf.pos, part.pos)
+            if buf.score is not None:
+                tiers.to_device(buf.score, part.score)
         if not length:
             return
-        n, (kv_heads, head_dim, capacity) = buf.k.shape[0], self.shape
-        for host, file, dst in ((part.k_host, part.k_file, buf.k), (part.v_host, part.v_file, buf.v)):
+        n, capacity = buf.k.shape[0], self.shape[2]
+        for mem, file, dst in ((part.k_mem, part.k_file, buf.k), (part.v_mem, part.v_file, buf.v)):
             # Slot-major, as at home: slots [0, length) are one contiguous block there and here.
-            block = tiers.buffer((capacity, n, kv_heads, head_dim))
+            window = dst[:, :, :length].permute(2, 0, 1, 3)
+            if part.direct:
+                tiers.dequantize(mem[:length], window)
+                continue
+            block = tiers.buffer((capacity, n, self.shape[0], self.width), self.stored)
             if file is not None:
                 tiers.read_disk(file, 0, block[:length])
             else:
-                tiers.to_device(block[:length], host[:length])
-            tiers.copy_on_device(dst[:, :, :length], block[:length].permute(1, 2, 0, 3))
+                tiers.to_device(block[:length], mem[:length])
+            if self.compressed:
+                tiers.dequantize(block[:length], window)
+            else:
+                tiers.copy_on_device(window, block[:length])
             tiers.release(block)
 
     def store(self, views) -> Pending:
-        """Writes what the step changed back home, then frees the buffers."""
+        """Writes what the step changed back home, then frees the buffers. Compressed, what the step
+        wrote is quantized here, on the compute thread (in its stream's order), and only that."""
         todo = [(part, buf) for part, (_, buf) in zip(self.parts, views) if buf is not part.home]
         self.length = views[0][1].length
         for part, buf in todo:
             if part.home is not None:  # the prompt's cache, computed in a buffer, goes to a home used in place
                 part.home.length = buf.length
+        groups = [self._quantize_written(part, buf) for part, buf in todo]
 
         def write():
-            for part, buf in todo:
-                self._write(part, buf)
+            for (part, buf), written in zip(todo, groups):
+                if not part.direct:
+                    self._write(part, buf, written)
                 for t in buf.tensors():
-                    self.tiers.release(t)
+                    if t is not part.pos and t is not part.score:
+                        self.tiers.release(t)
         if todo:
             self.last_store = self.tiers.run_io(write, None)
         return self.last_store or Pending(None)
 
-    def _write(self, part, buf):
+    def _quantize_written(self, part, buf):
+        """Compressed: the groups of what the step wrote, K and V (slot-major after the prompt, one
+        per (sequence, KV head) after a decode step); a direct part gets them at home right here."""
+        if not self.compressed:
+            return None
+        slots = buf.written
+        if isinstance(slots, str):  # the prompt: every slot in use
+            k, v = (quantize(t[:, :, :buf.length], check=False).permute(2, 0, 1, 3) for t in (buf.k, buf.v))
+            if part.direct:
+                part.k_mem[:buf.length], part.v_mem[:buf.length] = k, v
+                return None
+            return k, v
+        seq, head = slot_grid(slots)
+        k, v = (quantize(t[seq, head, slots], check=False) for t in (buf.k, buf.v))
+        if part.direct:
+            part.k_mem[slots, seq, head], part.v_mem[slots, seq, head] = k, v
+            return None
+        return k, v
+
+    def _write(self, part, buf, groups):
         tiers, slots = self.tiers, buf.written
         tiers.to_host(part.pos, buf.pos)
         if buf.score is not None:
@@ -178,26 +226,26 @@ class CacheHome:
                 for src, dst in ((buf.k, part.home.k), (buf.v, part.home.v)):
                     tiers.to_host(dst[:, :, :length], src[:, :, :length])
                 return
-            for src, host, file in ((buf.k, part.k_host, part.k_file), (buf.v, part.v_host, part.v_file)):
-                slot_major = src[:, :, :length].permute(2, 0, 1, 3)
+            for i, (src, mem, file) in enumerate(((buf.k, part.k_mem, part.k_file), (buf.v, part.v_mem, part.v_file))):
+                slot_major = groups[i] if groups else src[:, :, :length].permute(2, 0, 1, 3)
                 if file is not None:
                     tiers.write_disk(file, 0, slot_major)
                 else:
-                    tiers.to_host(host[:length], slot_major)
+                    tiers.to_host(mem[:length], slot_major)
             return
         n, kv_heads = slots.shape
         written = tiers.host(slots)
         seq, head = slot_grid(written)
+        values = [tiers.host(g) for g in groups] if groups else [tiers.gather_slots(src, slots) for src in (buf.k, buf.v)]
         if part.k_file is None:
-            for src, host in ((buf.k, part.k_host), (buf.v, part.v_host)):
-                host[written, seq, head] = tiers.gather_slots(src, slots)
+            for mem, data in zip((part.k_mem, part.v_mem), values):
+                mem[written, seq, head] = data
             return
         # Disk: the row of (slot, sequence, head) in the slot-major file, written in runs of neighbours.
         rows = (written * (n * kv_heads) + seq * kv_heads + head).flatten()
         order = rows.argsort()
-        for src, file in ((buf.k, part.k_file), (buf.v, part.v_file)):
-            data = tiers.gather_slots(src, slots).flatten(0, 1)[order]  # [n * kv_heads, head_dim]
-            tiers.disk.write_rows(file, rows[order], data)
+        for file, data in zip((part.k_file, part.v_file), values):
+            tiers.disk.write_rows(file, rows[order], data.flatten(0, 1)[order])  # [n * kv_heads, width]
 
     def close(self):
         """Waits for the last write-back (its buffers go back to the pool) and frees the home."""
@@ -207,7 +255,8 @@ class CacheHome:
             if part.home is not None:
                 self.tiers.free(part.tier, part.home.tensors())
                 continue
-            self.tiers.free("cpu", [part.k_host, part.v_host, part.pos, part.score])
+            self.tiers.free(part.tier, [part.k_mem, part.v_mem])
+            self.tiers.free("gpu" if part.tier == "gpu" else "cpu", [part.pos, part.score])
             if part.tier == "disk":
                 self.tiers.track("disk", -(part.k_file.nbytes + part.v_file.nbytes))
                 self.tiers.disk.remove(part.k_file)

@@ -6,6 +6,8 @@ operations and never asks what kind of layer it holds.
 
 import torch
 
+from ..errors import UsageError
+from ..quant import check_quantizable, compressible, stored_row_bytes
 from ..tiers import split_rows
 
 
@@ -22,13 +24,22 @@ class Layer:
 
     def init_weight(self, source, tiers, policy):
         """Reads this layer's weights and places them: policy.w_gpu_percent of the layer's bytes on
-        the gpu tier, w_cpu_percent in CPU memory, the rest on disk (split by rows)."""
+        the gpu tier, w_cpu_percent in CPU memory, the rest on disk (split by rows); with
+        compress_weight, matrices are placed as 4-bit groups and these shares are of compressed bytes."""
         self.tiers = tiers
-        tensors = self.prepare([source.get(name, shape) for name, shape in self.weight_specs()])
-        row_bytes = [t[0].numel() * tiers.dtype.itemsize if t.dim() > 1 else tiers.dtype.itemsize
-                     for t in tensors]
+        raw = [source.get(name, shape) for name, shape in self.weight_specs()]
+        if policy.compress_weight:
+            for (name, _), t in zip(self.weight_specs(), raw):
+                try:
+                    if compressible(t.shape):
+                        check_quantizable(t.to(tiers.dtype))
+                except ValueError as e:
+                    raise UsageError("--compress-weight", f"weight {name}: {e}") from None
+        tensors = self.prepare(raw)
+        compressed = [policy.compress_weight and compressible(t.shape) for t in tensors]
+        row_bytes = [stored_row_bytes(t.shape, tiers.dtype.itemsize, c) for t, c in zip(tensors, compressed)]
         rows = split_rows([tuple(t.shape) for t in tensors], row_bytes, policy.w_gpu_percent, policy.w_cpu_percent)
-        self.home = [tiers.place(t, r) for t, r in zip(tensors, rows)]
+        self.home = [tiers.place(t, r, c) for t, r, c in zip(tensors, rows, compressed)]
         self._loading = None
 
     def load_weight(self, k: int):

@@ -64,7 +64,7 @@ class SelfAttention(Layer):
         self.kv = kv
         self.homes = [CacheHome(self.tiers, b, s.num_kv_heads, s.head_dim, kv.capacity, kv.accumulates,
                                 batch_split(b, policy.cache_gpu_percent, policy.cache_cpu_percent),
-                                policy.cpu_cache_compute) for b in batch_sizes]
+                                policy.cpu_cache_compute, policy.compress_cache) for b in batch_sizes]
         self.loading = [None] * len(batch_sizes)
 
     def free_cache(self):

@@ -1,0 +1,127 @@
+"""4-bit group quantization: pure functions, no state.
+
+A tensor [..., n] is quantized along its last dimension in groups of GROUP values (the last group
+padded by repeating the final value). Each group is stored as one self-contained record of
+GROUP_BYTES bytes: GROUP / 2 bytes of 4-bit codes (two per byte: the group's first half in the
+low nibbles, its second half in the high ones), then its scale and its minimum as float16. So a compressed tensor is a plain uint8
+tensor [..., packed_width(n)]: 36 bytes per 64 values, 4.5 bits per value, and any slice of its
+leading dimensions is a compressed tensor of those rows.
+
+A value x becomes code round((x - minimum) / scale), 0..15, and comes back as minimum + code * scale.
+The stored minimum is rounded down and the scale up to float16, so every value of a group lies
+within [minimum, minimum + 15 * scale] and comes back within half a step (scale / 2) of itself.
+"""
+
+import math
+
+import torch
+
+GROUP = 64
+LEVELS = 15                 # codes 0..15
+GROUP_BYTES = GROUP // 2 + 4  # the codes, then the float16 scale and minimum
+FLOAT16_MAX = 65504.0
+BLOCK_VALUES = 1 << 22  # values dequantized at once into an `out`: bounds the temporaries
+
+
+def groups(n: int) -> int:
+    return -(-n // GROUP)
+
+
+def packed_width(n: int) -> int:
+    """Bytes that n values (one row along the grouped dimension) take compressed."""
+    return groups(n) * GROUP_BYTES
+
+
+def packed_shape(shape) -> tuple:
+    """The uint8 shape a tensor of `shape` is stored in."""
+    return (*shape[:-1], packed_width(shape[-1]))
+
+
+def packed_bytes(shape) -> int:
+    return math.prod(packed_shape(shape))
+
+
+def check_quantizable(x: torch.Tensor):
+    """Raises ValueError for what 4-bit groups cannot hold: inf, NaN, values beyond float16's range."""
+    if not torch.isfinite(x).all():
+        raise ValueError("cannot quantize a tensor holding inf or NaN")
+    if x.numel() and x.abs().max() > FLOAT16_MAX:
+        raise ValueError(f"cannot quantize values beyond float16's range (|x| > {FLOAT16_MAX:g}): "
+                         "the group minimum and scale are stored as float16")
+
+
+def _round_float16(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """x (float32) as float16, rounded towards +inf (up) or -inf (down) instead of to nearest."""
+    y = x.to(torch.float16)
+    wrong = y.float() < x if up else y.float() > x
+    toward = torch.full_like(y, float("inf") if up else float("-inf"))
+    return torch.where(wrong, torch.nextafter(y, toward), y)
+
+
+def quantize(x: torch.Tensor, check: bool = True) -> torch.Tensor:
+    """x [..., n] (any float dtype, any device) -> uint8 [..., packed_width(n)] on the same device.
+    With check, inf, NaN and values beyond float16's range raise ValueError; without (hot paths),
+    such a group comes back as inf or NaN, never as finite garbage."""
+    if check:
+        check_quantizable(x)
+    n = x.shape[-1]
+    g = groups(n)
+    x = x.float()
+    if g * GROUP != n:
+        x = torch.cat([x, x[..., -1:].expand(*x.shape[:-1], g * GROUP - n)], -1)
+    x = x.reshape(*x.shape[:-1], g, GROUP)
+    low = _round_float16(x.amin(-1, keepdim=True), up=False)
+    scale = _round_float16((x.amax(-1, keepdim=True) - low.float()) / LEVELS, up=True)
+    divisor = torch.where(scale == 0, 1.0, scale.float())  # a constant group: every code 0
+    codes = (x - low.float()).div_(divisor).round_().clamp_(0, LEVELS).to(torch.uint8)
+    pairs = codes[..., :GROUP // 2] | (codes[..., GROUP // 2:] << 4)
+    record = torch.cat([pairs, scale.view(torch.uint8), low.view(torch.uint8)], -1)  # [..., g, GROUP_BYTES]
+    return record.reshape(*record.shape[:-2], g * GROUP_BYTES)
+
+
+def dequantize(packed: torch.Tensor, n: int, out: torch.Tensor | None = None,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """uint8 [..., packed_width(n)] -> [..., n]: written into `out` (any strides) when given, else a
+    new tensor of `dtype`."""
+    g = groups(n)
+    if packed.shape[-1] != g * GROUP_BYTES:
+        raise ValueError(f"a packed row of {packed.shape[-1]} bytes does not hold {n} values "
+                         f"({g * GROUP_BYTES} bytes)")
+    per_row = packed[0].numel() // GROUP_BYTES * GROUP if packed.dim() > 1 and len(packed) else 0
+    if out is not None and per_row and len(packed) * per_row > BLOCK_VALUES:
+        step = max(1, BLOCK_VALUES // per_row)
+        for start in range(0, len(packed), step):
+            dequantize(packed[start: start + step], n, out[start: start + step])
+        return out
+    record = packed.contiguous().view(*packed.shape[:-1], g, GROUP_BYTES)
+    pairs = record[..., :GROUP // 2]
+    scale = record[..., GROUP // 2: GROUP // 2 + 2].view(torch.float16).float().unsqueeze(-1)
+    low = record[..., GROUP // 2 + 2:].view(torch.float16).float().unsqueeze(-1)
+    direct = out is not None and n == g * GROUP and out.stride(-1) == 1
+    target = out if direct else torch.empty(*packed.shape[:-1], g * GROUP, device=packed.device)
+    # In place in the target, one pass each: on a CPU the fused or gathering alternatives were slower.
+    values = target.view(*target.shape[:-1], g, 2, GROUP // 2)
+    values.copy_(torch.stack([pairs & 15, pairs >> 4], -2))
+    values.mul_(scale).add_(low)
+    if direct:
+        return out
+    if out is None:
+        return target[..., :n].to(dtype)
+    out.copy_(target[..., :n])
+    return out
+
+
+def compressible(shape) -> bool:
+    """Whether a weight of this shape is stored compressed under compress_weight: matrices, grouped
+    along their last (input) dimension; vectors (biases, norms) stay as they are."""
+    return len(shape) >= 2
+
+
+def stored_row_bytes(shape, itemsize: int, compressed: bool) -> int:
+    """Bytes of one row (a slice of the first dimension) of a tensor as it is stored."""
+    rest = tuple(shape[1:]) or (1,)
+    return packed_bytes(rest) if compressed else math.prod(rest) * itemsize
+
+
+def stored_bytes(shape, itemsize: int, compressed: bool) -> int:
+    return shape[0] * stored_row_bytes(shape, itemsize, compressed)
