@@ -154,6 +154,9 @@ def run_need(spec, policy, dtype_bytes: int, prompt_len: int, gen_len: int, devi
     k_values = capacity * spec.num_kv_heads * spec.head_dim * dtype_bytes  # K of one sequence, computed on
     k_bytes = capacity * spec.num_kv_heads * slot_bytes(spec, policy, dtype_bytes)  # as stored
     state = per_row - 2 * k_bytes
+    disk_state = rows["disk"] * state * nb * spec.num_layers  # a disk part's positions and scores: in CPU memory
+    need["disk"] -= disk_state
+    need["cpu"] += disk_state
     if on_cuda and policy.cpu_cache_compute:  # the CPU-attended part may be held in a wider dtype
         wider = cpu_attention_dtype(DTYPE_OF[dtype_bytes]).itemsize - dtype_bytes
         need["cpu"] += rows["cpu"] * nb * spec.num_layers * 2 * k_bytes * wider // dtype_bytes

@@ -153,6 +153,10 @@ class Tiers(Buffers):
     def _load_compressed(self, placed: Placed, whole) -> Pending:
         """Its groups, moved to the compute device unless they are there, dequantized into a buffer."""
         out = self.buffer(placed.decoded_shape)
+        if whole is None:
+            # Its groups go through a buffer that the I/O task gives back once dequantized: at most
+            # one per thread is out at once, all made at the first load (later, timing would decide).
+            self.reserve(placed.shape, placed.dtype, count=self.io_threads)
 
         def task():
             packed = whole

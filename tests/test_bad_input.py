@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import flexh2o.memory
 import flexh2o.prompts
@@ -63,6 +63,7 @@ FLAGS = [
     (["--kv-policy", "lru"], "argument --kv-policy", "invalid choice"),
     (["--kv-policy", "sink"], "--hh-ratio", "needs a budget"),
     (["--kv-policy", "full", "--hh-ratio", "0.5"], "--kv-policy", "full keeps every token"),
+    (["--compress-cache", "--cpu-cache-compute"], "--compress-cache", "cannot be combined with --cpu-cache-compute"),
 ]
 
 
@@ -156,6 +157,16 @@ def test_a_corrupt_checkpoint_is_called_corrupt_not_malicious(tiny_models, tmp_p
     code, err = run_main(SMALL + ["--model", directory, "--gpu-batch-size", "1"], capsys)
     assert code == 2 and err.count("\n") == 0, err
     assert "it is corrupt or not a PyTorch checkpoint" in err and "other than tensors" not in err, err
+
+
+def test_a_weight_that_4_bit_groups_cannot_hold_is_refused_by_name(tiny_models, tmp_path, capsys):
+    directory, _ = tiny_models["tiny"]
+    (tmp_path / "config.json").write_text(open(os.path.join(directory, "config.json")).read())
+    weights = load_file(os.path.join(directory, "model.safetensors"))
+    weights["model.decoder.layers.1.fc2.weight"][3, 4] = float("inf")
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    assert_refused(SMALL + ["--model", str(tmp_path), "--compress-weight"], "--compress-weight",
+                   "weight decoder.layers.1.fc2.weight: cannot quantize a tensor holding inf or NaN", capsys)
 
 
 def test_a_model_directory_without_weights_names_model(tiny_models, tmp_path, capsys):

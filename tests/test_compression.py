@@ -1,0 +1,172 @@
+"""4-bit compression of weights and KV cache in the engine: it equals the uncompressed engine run
+on quantized-then-dequantized tensors, on every tier, with every kind of policy; it stores and
+moves compressed bytes; a decode step quantizes only the slots it wrote."""
+
+import os
+
+import pytest
+import torch
+
+import flexh2o.kv.home
+from flexh2o import Engine, Policy
+from flexh2o.kv import cache_bytes
+from flexh2o.kv.cache import KVCache
+from flexh2o.quant import compressible, dequantize, packed_width, quantize, stored_bytes
+from flexh2o.weights import CheckpointWeights
+from conftest import make_tiny_opt, padded_batch
+
+TIERS = {"gpu": (100, 0), "cpu": (0, 100), "disk": (0, 0), "mixed": (34, 33)}
+KV = {"full": {}, "h2o": {"hh_ratio": 0.3}, "local": {"kv_policy": "local", "hh_ratio": 0.2, "recent_ratio": 0.4}}
+BATCH, PROMPT, NEW = 6, 10, 6
+
+
+def round_trip(t):
+    return dequantize(quantize(t, check=False), t.shape[-1]).to(t.dtype)
+
+
+def run(directory, policy, tmp_path, dtype=torch.float32):
+    ids, mask = padded_batch(BATCH, PROMPT, pads=[(r * 3) % 8 for r in range(BATCH)], seed=5)
+    with Engine.from_pretrained(directory, policy=policy, device="cpu", dtype=dtype,
+                                offload_dir=str(tmp_path)) as engine:
+        before = dict(engine.tiers.bytes)
+        out = engine.generate(ids, mask, max_new_tokens=NEW, output_scores=True, eos_token_id=None)
+        assert engine.tiers.bytes == before, "every buffer and cache of the run is given back"
+        allocations = engine.last_stats.step_allocations
+    assert os.listdir(tmp_path) == [], "the offload dir must be empty after close()"
+    assert allocations[2:] == [0] * (NEW - 2), allocations  # nothing allocated after the first decode step
+    return out
+
+
+def reference(directory, policy, tmp_path, monkeypatch):
+    """The uncompressed engine, all on the compute device, on the same tensors quantized and
+    dequantized: every weight matrix as it is read, every K and V as it enters the cache."""
+    with monkeypatch.context() as m:
+        if policy.compress_weight:
+            get = CheckpointWeights.get
+            m.setattr(CheckpointWeights, "get", lambda self, name, shape: (
+                round_trip(get(self, name, shape).float()) if compressible(shape) else get(self, name, shape)))
+        if policy.compress_cache:
+            fill, put = KVCache.fill_prompt, KVCache.put
+            m.setattr(KVCache, "fill_prompt", lambda self, k, v, *a, **kw: fill(self, round_trip(k), round_trip(v), *a, **kw))
+            m.setattr(KVCache, "put", lambda self, slots, k, v, *a, **kw: put(self, slots, round_trip(k), round_trip(v), *a, **kw))
+        plain = Policy(policy.gpu_batch_size, policy.num_gpu_batches, kv_policy=policy.kv_policy,
+                       hh_ratio=policy.hh_ratio, recent_ratio=policy.recent_ratio)
+        return run(directory, plain, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def references():
+    """(kv, nb) -> the reference output with weights and cache compressed, made once per module."""
+    return {}
+
+
+def assert_same(out, ref):
+    assert torch.equal(out.sequences, ref.sequences)
+    for mine, theirs in zip(out.scores, ref.scores):
+        assert torch.allclose(mine, theirs, atol=1e-4, rtol=0)
+
+
+MATRIX = [(w, c, kv, nb) for w in TIERS for c in TIERS for kv in KV for nb in (1, 3)]
+
+
+@pytest.mark.parametrize("weights,cache,kv,nb", MATRIX, ids=[f"w-{w}_cache-{c}_{kv}_nb{nb}" for w, c, kv, nb in MATRIX])
+def test_compressed_engine_equals_the_uncompressed_one_on_round_tripped_tensors(
+        tiny_models, tmp_path, monkeypatch, references, weights, cache, kv, nb):
+    directory, _ = tiny_models["wide"]
+    policy = Policy(BATCH // nb, nb, *TIERS[weights], *TIERS[cache], compress_weight=True, compress_cache=True, **KV[kv])
+    if (kv, nb) not in references:
+        references[kv, nb] = reference(directory, policy, tmp_path, monkeypatch)
+    assert_same(run(directory, policy, tmp_path), references[kv, nb])
+
+
+@pytest.mark.parametrize("what", ["compress_weight", "compress_cache"])
+def test_each_compression_alone_equals_its_reference(tiny_models, tmp_path, monkeypatch, what):
+    directory, _ = tiny_models["post_norm_proj"]
+    policy = Policy(2, 3, 0, 50, 34, 33, hh_ratio=0.3, **{what: True})
+    out = run(directory, policy, tmp_path)
+    assert_same(out, reference(directory, policy, tmp_path, monkeypatch))
+    # ... and differs from the uncompressed engine: the test would see compression doing nothing.
+    plain = run(directory, Policy(2, 3, hh_ratio=0.3), tmp_path)
+    assert any(not torch.equal(a, b) for a, b in zip(out.scores, plain.scores))
+
+
+@pytest.fixture(scope="module")
+def head_dim_64(tmp_path_factory):
+    """A model whose head_dim is one whole group (64), as in real OPTs."""
+    directory = str(tmp_path_factory.mktemp("head64"))
+    make_tiny_opt(directory, hidden_size=128, num_hidden_layers=2, ffn_dim=256, num_attention_heads=2)
+    return directory
+
+
+@pytest.mark.parametrize("w_gpu,w_cpu,c_gpu,c_cpu", [(100, 0, 100, 0), (20, 30, 0, 100), (0, 0, 0, 0), (50, 50, 34, 33)])
+def test_tiers_hold_compressed_bytes_and_the_preflight_bounds_them(head_dim_64, tmp_path, w_gpu, w_cpu, c_gpu, c_cpu):
+    policy = Policy(3, 2, w_gpu, w_cpu, c_gpu, c_cpu, hh_ratio=0.4, compress_weight=True, compress_cache=True)
+    ids, mask = padded_batch(6, 16, pads=[0, 2, 4, 0, 1, 3], seed=1)
+    with Engine.from_pretrained(head_dim_64, policy=policy, device="cpu", dtype=torch.bfloat16,
+                                offload_dir=str(tmp_path)) as engine:
+        layers = engine.layers
+        placed = {tier: 0 for tier in ("gpu", "cpu", "disk")}
+        for layer in layers:
+            for home in layer.home:
+                for seg in home.segments:
+                    placed[seg.tier] += seg.data.nbytes if seg.data is not None else seg.file.nbytes
+                assert (home.dtype == torch.uint8) == (home.decoded_shape is not None)
+        weights = sum(stored_bytes(tuple(h.decoded_shape or h.shape), 2, h.decoded_shape is not None)
+                      for layer in layers for h in layer.home)
+        assert sum(placed.values()) == weights
+        # Shares of compressed bytes, to within a row of each tensor.
+        assert abs(placed["gpu"] - weights * w_gpu / 100) < weights * 0.08
+        assert abs(placed["cpu"] - weights * w_cpu / 100) < weights * 0.08
+        engine.generate(ids, mask, max_new_tokens=4, eos_token_id=None)
+        for tier in ("gpu", "cpu", "disk"):
+            assert engine.tiers.peak[tier] <= engine.projected[tier], tier
+        from flexh2o.report import build_report
+        report = build_report(engine, engine.last_stats, policy)
+    sixteen_bit = sum(2 * torch.Size(shape).numel() for layer in layers for _, shape in layer.weight_specs())
+    assert report["model_size_bytes"] == weights and 0.28 < weights / sixteen_bit < 0.30
+    assert report["cache_size_bytes"] == cache_bytes(engine.spec, policy, 6, 16, 4, 2)
+    plain = cache_bytes(engine.spec, Policy(3, 2, hh_ratio=0.4), 6, 16, 4, 2)
+    state = cache_bytes(engine.spec, Policy(3, 2, hh_ratio=0.4), 6, 16, 4, 0)  # positions and scores alone
+    assert (report["cache_size_bytes"] - state) / (plain - state) == packed_width(64) / 128
+
+
+def test_a_decode_step_quantizes_only_the_slots_it_wrote(head_dim_64, tmp_path, monkeypatch):
+    seen = []
+    real = flexh2o.kv.home.quantize
+    monkeypatch.setattr(flexh2o.kv.home, "quantize", lambda t, **kw: seen.append(tuple(t.shape)) or real(t, **kw))
+    policy = Policy(2, 2, cache_gpu_percent=50, cache_cpu_percent=0, hh_ratio=0.25, compress_cache=True)
+    ids, mask = padded_batch(4, 16, pads=[0, 3, 0, 5], seed=2)
+    with Engine.from_pretrained(head_dim_64, policy=policy, device="cpu", dtype=torch.float32,
+                                offload_dir=str(tmp_path)) as engine:
+        engine.generate(ids, mask, max_new_tokens=5, eos_token_id=None)
+    layers_and_batches = 2 * 2
+    parts = 2  # each gpu-batch: one sequence's cache on the compute device, one on disk
+    prompt, decode = seen[:2 * layers_and_batches * parts], seen[2 * layers_and_batches * parts:]
+    assert all(shape == (1, 2, 8, 64) for shape in prompt)  # K, V of all 8 kept slots, once
+    assert len(decode) == 4 * 2 * layers_and_batches * parts and all(shape == (1, 2, 64) for shape in decode)
+
+
+def test_compressed_slots_change_in_place_one_per_sequence_and_head(head_dim_64, tmp_path):
+    """Between two decode steps, a home on the compute device changes in exactly the slots written."""
+    policy = Policy(2, 1, hh_ratio=0.25, compress_cache=True)
+    ids, mask = padded_batch(2, 16, pads=[0, 3], seed=3)
+    snapshots = []
+    store = flexh2o.kv.home.CacheHome.store
+
+    def spy(self, views):
+        out = store(self, views)
+        out.wait()
+        snapshots.append((self, self.parts[0].k_mem.clone(), views[0][1].written))
+        return out
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(flexh2o.kv.home.CacheHome, "store", spy)
+        with Engine.from_pretrained(head_dim_64, policy=policy, device="cpu", dtype=torch.float32,
+                                    offload_dir=str(tmp_path)) as engine:
+            engine.generate(ids, mask, max_new_tokens=4, eos_token_id=None)
+    first = [s for s in snapshots if s[0] is snapshots[0][0]]
+    for (_, before, _), (_, after, slots) in zip(first[1:], first[2:]):
+        changed = (before != after).any(-1)  # [capacity, batch, kv_heads]
+        for b in range(2):
+            for h in range(2):
+                rows = changed[:, b, h].nonzero().flatten().tolist()
+                assert rows in ([], [slots[b, h].item()]), (rows, slots[b, h])
