@@ -37,7 +37,7 @@ from flexh2o.output import write_json_atomic, write_text_atomic  # noqa: E402
 GB = 1 << 30
 MODEL = "opt-1.3b"
 
-# (name, weights gpu/cpu, cache gpu/cpu, act, gpu-batch size, gpu-batches, hh_ratio, cpu_cache_compute)
+# (name, weights gpu/cpu, cache gpu/cpu, act, gpu-batch size, gpu-batches, hh_ratio, cpu_cache_compute[, compress])
 MATRIX = [
     ("all on gpu", (100, 0), (100, 0), "gpu", 48, 1, None, False),
     ("all on gpu, h2o", (100, 0), (100, 0), "gpu", 96, 1, 0.1, False),
@@ -47,6 +47,8 @@ MATRIX = [
     ("mixed weights, mixed cache, 3 batches", (50, 30), (34, 33), "cpu", 24, 3, None, False),
     ("cache cpu, cpu_cache_compute", (100, 0), (0, 100), "gpu", 48, 1, None, True),
     ("weights cpu+disk, cache cpu+gpu, h2o, 3 batches", (20, 60), (50, 50), "cpu", 32, 3, 0.2, False),
+    ("compressed: weights cpu, cache cpu, h2o, 3 batches", (0, 100), (0, 100), "cpu", 64, 3, 0.1, False, True),
+    ("compressed: weights disk, cache gpu", (0, 0), (100, 0), "gpu", 64, 1, None, False, True),
 ]
 
 
@@ -82,10 +84,11 @@ def run(policy, prompt_len, gen_len, offload_dir, gpu_mem=None):
                 "spec": engine.spec}
 
 
-def policy_of(w, c, act, b, nb, hh, ccc):
+def policy_of(w, c, act, b, nb, hh, ccc, compress=False):
     return Policy(gpu_batch_size=b, num_gpu_batches=nb, w_gpu_percent=w[0], w_cpu_percent=w[1],
                   cache_gpu_percent=c[0], cache_cpu_percent=c[1], act_gpu_percent=100 if act == "gpu" else 0,
-                  act_cpu_percent=100 if act == "cpu" else 0, hh_ratio=hh, cpu_cache_compute=ccc)
+                  act_cpu_percent=100 if act == "cpu" else 0, hh_ratio=hh, cpu_cache_compute=ccc,
+                  compress_weight=compress, compress_cache=compress)
 
 
 def allocator_matrix(offload_dir, cap) -> list:

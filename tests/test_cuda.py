@@ -35,6 +35,26 @@ def test_cuda_placements_match_the_cpu(tiny_models, tmp_path, weights, cache, ac
         assert torch.allclose(a, b, atol=1e-3, rtol=0)
 
 
+@pytest.mark.parametrize("weights,cache", [((100, 0), (100, 0)), ((30, 40), (34, 33)), ((0, 0), (0, 0))])
+def test_compressed_cuda_placements_match_the_compressed_cpu(tiny_models, tmp_path, weights, cache):
+    """Groups moved to the GPU and dequantized on its load stream give what the CPU computes."""
+    directory, _ = tiny_models["wide"]
+    ids, mask = padded_batch(6, 10, pads=[0, 1, 2, 3, 4, 5], seed=8)
+
+    def run(device, w, c):
+        policy = Policy(2, 3, *w, *c, hh_ratio=0.3, compress_weight=True, compress_cache=True)
+        with Engine.from_pretrained(directory, policy=policy, device=device, dtype=torch.float32,
+                                    offload_dir=str(tmp_path)) as engine:
+            out = engine.generate(ids, mask, max_new_tokens=6, output_scores=True, eos_token_id=None)
+            assert engine.last_stats.step_allocations[2:] == [0] * 4
+            return out
+
+    cpu, cuda = run("cpu", (100, 0), (100, 0)), run("cuda", weights, cache)
+    assert torch.equal(cpu.sequences, cuda.sequences)
+    for a, b in zip(cpu.scores, cuda.scores):
+        assert torch.allclose(a, b, atol=1e-3, rtol=0)
+
+
 def test_the_compute_device_has_one_identity(tiny_models):
     directory, _ = tiny_models["tiny"]
     with Engine.from_pretrained(directory, policy=Policy(gpu_batch_size=2), device="cuda",
