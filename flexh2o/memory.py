@@ -16,7 +16,7 @@ import torch
 from .disk import existing_ancestor
 from .errors import UsageError
 from .kv import POLICIES, budget, cache_bytes, slot_bytes
-from .kv.home import IN_FLIGHT, batch_split, cpu_attention_dtype
+from .kv.home import IN_FLIGHT, QUANTIZE_WORKING, batch_split, cpu_attention_dtype
 from .models.attention import PROBS_CHUNK_BYTES
 from .quant import compressible, stored_row_bytes
 from .tiers import split_rows
@@ -121,7 +121,7 @@ def compute_copy_bytes(layers, dtype_bytes: int, policy, device) -> int:
     """Bytes of the pooled compute buffers. The pool keeps buffers per shape, and at any time the
     layer computing and the next one loading (cyclically: the last layer and the first) hold one
     each, so a shape needs as many buffers as those two layers ever hold together. A buffer of
-    groups goes back as soon as it is dequantized: at most one per I/O thread is out at once."""
+    groups goes back as soon as it is dequantized: one per I/O thread is made (tiers.py)."""
     kinds = {}  # layers with the same weight shapes are split alike
     per_layer = []
     for layer in layers:
@@ -132,7 +132,7 @@ def compute_copy_bytes(layers, dtype_bytes: int, policy, device) -> int:
     most = Counter()
     for j in range(len(layers)):
         for key, count in (per_layer[j] + per_layer[(j + 1) % len(layers)]).items():
-            most[key] = max(most[key], count if key[0][0] == "values" else min(count, IO_THREADS))
+            most[key] = max(most[key], count if key[0][0] == "values" else IO_THREADS)
     return sum(nbytes * count for (_, nbytes), count in most.items())
 
 
@@ -165,8 +165,8 @@ def run_need(spec, policy, dtype_bytes: int, prompt_len: int, gen_len: int, devi
     need["gpu"] += io_threads * sum(n * k_bytes for n in set(moved))
     if on_cuda and (rows["cpu"] or rows["disk"]):
         need["cpu"] += (io_threads + 1) * max(rows["cpu"], rows["disk"]) * k_bytes  # pinned staging blocks
-    if policy.compress_cache:  # the prompt's K and V groups, and quantize's float32 working copies of one
-        need["gpu"] += b * 2 * k_bytes * prompt_len // capacity + 3 * b * k_values * 4 // dtype_bytes
+    if policy.compress_cache:  # the prompt's K and V groups, and quantize's working copies of one block
+        need["gpu"] += b * 2 * k_bytes * prompt_len // capacity + QUANTIZE_WORKING
     hidden = spec.hidden_bytes(b, prompt_len, dtype_bytes)
     # The prompt's attention works in blocks (fused kernels, or PROBS_CHUNK_BYTES of probabilities).
     attention = min(b * spec.num_heads * prompt_len * prompt_len * 4, PROBS_CHUNK_BYTES)

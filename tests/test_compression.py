@@ -170,3 +170,14 @@ def test_compressed_slots_change_in_place_one_per_sequence_and_head(head_dim_64,
             for h in range(2):
                 rows = changed[:, b, h].nonzero().flatten().tolist()
                 assert rows in ([], [slots[b, h].item()]), (rows, slots[b, h])
+
+
+@pytest.mark.parametrize("w_gpu,w_cpu", [(0, 0), (0, 100), (30, 30)])
+def test_the_preflight_counts_every_buffer_of_groups(head_dim_64, tmp_path, w_gpu, w_cpu):
+    """Weights alone compressed, off the compute device: what is tracked there stays within the projection."""
+    policy = Policy(2, 1, w_gpu, w_cpu, compress_weight=True)
+    ids, mask = padded_batch(2, 8, pads=[0, 1], seed=4)
+    with Engine.from_pretrained(head_dim_64, policy=policy, device="cpu", dtype=torch.float32,
+                                offload_dir=str(tmp_path)) as engine:
+        engine.generate(ids, mask, max_new_tokens=3, eos_token_id=None)
+        assert engine.tiers.peak["gpu"] <= engine.projected["gpu"]

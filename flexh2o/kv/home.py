@@ -27,6 +27,8 @@ from ..quant import packed_width, quantize
 from .cache import KVCache, slot_grid
 
 IN_FLIGHT = 3  # sets of compute buffers per loaded part: computing, loading, storing
+QUANTIZE_BLOCK = 1 << 20  # values of the prompt's cache quantized at once
+QUANTIZE_WORKING = 12 * QUANTIZE_BLOCK  # quantize's float32 working copies of one such block, in bytes
 
 
 def batch_split(batch: int, gpu_percent: float, cpu_percent: float) -> dict:
@@ -202,12 +204,19 @@ class CacheHome:
         if not self.compressed:
             return None
         slots = buf.written
-        if isinstance(slots, str):  # the prompt: every slot in use
-            k, v = (quantize(t[:, :, :buf.length], check=False).permute(2, 0, 1, 3) for t in (buf.k, buf.v))
+        if isinstance(slots, str):  # the prompt: every slot in use, quantized a block of slots at a time
+            length = buf.length
             if part.direct:
-                part.k_mem[:buf.length], part.v_mem[:buf.length] = k, v
-                return None
-            return k, v
+                out = (part.k_mem, part.v_mem)
+            else:  # slot-major groups for the I/O thread to write home
+                shape = (length, buf.k.shape[0], self.shape[0], self.width)
+                out = tuple(torch.empty(shape, dtype=torch.uint8, device=buf.k.device) for _ in "kv")
+            step = max(1, QUANTIZE_BLOCK // (buf.k.shape[0] * self.shape[0] * self.shape[1]))
+            for start in range(0, length, step):
+                stop = min(start + step, length)
+                for src, dst in zip((buf.k, buf.v), out):
+                    dst[start:stop] = quantize(src[:, :, start:stop], check=False).permute(2, 0, 1, 3)
+            return None if part.direct else out
         seq, head = slot_grid(slots)
         k, v = (quantize(t[seq, head, slots], check=False) for t in (buf.k, buf.v))
         if part.direct:
