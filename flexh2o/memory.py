@@ -16,7 +16,8 @@ import torch
 from .disk import existing_ancestor
 from .errors import UsageError
 from .kv import POLICIES, budget, cache_bytes, slot_bytes
-from .kv.home import IN_FLIGHT, QUANTIZE_WORKING, batch_split, cpu_attention_dtype
+from .kv.compressed import WORKING_BYTES
+from .kv.home import IN_FLIGHT, batch_split, cpu_attention_dtype
 from .models.attention import PROBS_CHUNK_BYTES
 from .quant import compressible, stored_row_bytes
 from .tiers import split_rows
@@ -146,10 +147,9 @@ def run_need(spec, policy, dtype_bytes: int, prompt_len: int, gen_len: int, devi
     need = {tier: rows[tier] * per_row * nb * spec.num_layers for tier in rows}
     # Parts a step loads into pooled compute buffers (kv/home.py): IN_FLIGHT sets of each, plus a
     # slot-major block of K per I/O thread; on CUDA a CPU part under cpu_cache_compute is loaded
-    # for the prompt only, but its buffers stay pooled. A compressed cache is always dequantized
-    # into buffers; its parts in memory the compute device reads keep positions and scores in place.
-    moved_rows = rows["disk"] + (rows["cpu"] if on_cuda else 0)
-    loaded = b if policy.compress_cache else moved_rows
+    # for the prompt only, but its buffers stay pooled. A compressed home the compute device reads
+    # is attended in place, dequantized a block at a time (kv/compressed.py).
+    loaded = rows["disk"] + (rows["cpu"] if on_cuda else 0)
     capacity, _ = budget(policy, prompt_len, gen_len)
     k_values = capacity * spec.num_kv_heads * spec.head_dim * dtype_bytes  # K of one sequence, computed on
     k_bytes = capacity * spec.num_kv_heads * slot_bytes(spec, policy, dtype_bytes)  # as stored
@@ -160,13 +160,13 @@ def run_need(spec, policy, dtype_bytes: int, prompt_len: int, gen_len: int, devi
     if on_cuda and policy.cpu_cache_compute:  # the CPU-attended part may be held in a wider dtype
         wider = cpu_attention_dtype(DTYPE_OF[dtype_bytes]).itemsize - dtype_bytes
         need["cpu"] += rows["cpu"] * nb * spec.num_layers * 2 * k_bytes * wider // dtype_bytes
-    need["gpu"] += IN_FLIGHT * (loaded * 2 * k_values + moved_rows * state)
+    need["gpu"] += IN_FLIGHT * loaded * (2 * k_values + state)
     moved = [n for n in (rows["disk"], 0 if policy.cpu_cache_compute else rows["cpu"] if on_cuda else 0) if n]
     need["gpu"] += io_threads * sum(n * k_bytes for n in set(moved))
     if on_cuda and (rows["cpu"] or rows["disk"]):
         need["cpu"] += (io_threads + 1) * max(rows["cpu"], rows["disk"]) * k_bytes  # pinned staging blocks
-    if policy.compress_cache:  # the prompt's K and V groups, and quantize's working copies of one block
-        need["gpu"] += b * 2 * k_bytes * prompt_len // capacity + QUANTIZE_WORKING
+    if policy.compress_cache:  # a loaded part's prompt K and V groups; the working copies of one block
+        need["gpu"] += loaded * 2 * k_bytes * prompt_len // capacity + WORKING_BYTES
     hidden = spec.hidden_bytes(b, prompt_len, dtype_bytes)
     # The prompt's attention works in blocks (fused kernels, or PROBS_CHUNK_BYTES of probabilities).
     attention = min(b * spec.num_heads * prompt_len * prompt_len * 4, PROBS_CHUNK_BYTES)

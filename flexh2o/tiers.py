@@ -84,7 +84,7 @@ class Tiers(Buffers):
         self.io_threads = io_threads
         self.parked_slots = 1  # hidden states parked in CPU memory at once: one per gpu-batch (set by the schedule)
         self.io_seconds = 0.0  # summed over I/O tasks (with overlap off: time the schedule waits for I/O)
-        self.dequant_seconds = 0.0  # of which dequantizing (on CUDA: queueing the kernels)
+        self.dequant_seconds = 0.0  # spent dequantizing, on any thread (on CUDA: queueing the kernels)
         self.cuda = None
         if self.on_cuda:
             from .cuda_io import CudaCopies
@@ -176,8 +176,11 @@ class Tiers(Buffers):
             self.cuda.on_device_run(lambda: dequantize(packed, out.shape[-1], out))
         else:
             dequantize(packed, out.shape[-1], out)
+        self.count_dequant(time.perf_counter() - start)
+
+    def count_dequant(self, seconds: float):
         with self._lock:
-            self.dequant_seconds += time.perf_counter() - start
+            self.dequant_seconds += seconds
 
     def fill(self, buf: torch.Tensor, segments: list):
         for seg in segments:

@@ -53,8 +53,7 @@ class KVCache:
         s = k.shape[2]
         if s > self.capacity:
             raise ValueError(f"prompt of {s} tokens exceeds the cache's {self.capacity} slots")
-        self.k[:, :, :s] = k
-        self.v[:, :, :s] = v
+        self.store_first(k, v)
         self.pos[:, :, :s] = pos
         self.pos[:, :, s:] = -1
         if self.score is not None:
@@ -67,10 +66,20 @@ class KVCache:
         """Writes one new token per (sequence, KV head) into slots [b, kv_heads]: k, v [b, kv_heads, 1, d],
         pos [b, 1], score [b, kv_heads]. A slot's previous token, if any, is evicted."""
         seq, head = slot_grid(slots)
-        # Indexed assignment: on a CPU, scatter_ along the slot dimension is about 100x slower.
-        self.k[seq, head, slots] = k[:, :, 0]
-        self.v[seq, head, slots] = v[:, :, 0]
+        self.store_at(seq, head, slots, k[:, :, 0], v[:, :, 0])
         self.pos[seq, head, slots] = pos.to(torch.int32)
         if self.score is not None:
             self.score[seq, head, slots] = score
         self.written = slots
+
+    def store_first(self, k, v):
+        """K and V [b, kv_heads, s, d] into slots [0, s)."""
+        s = k.shape[2]
+        self.k[:, :, :s] = k
+        self.v[:, :, :s] = v
+
+    def store_at(self, seq, head, slots, k, v):
+        """K and V [b, kv_heads, d] into one slot per (sequence, KV head)."""
+        # Indexed assignment: on a CPU, scatter_ along the slot dimension is about 100x slower.
+        self.k[seq, head, slots] = k
+        self.v[seq, head, slots] = v

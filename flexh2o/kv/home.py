@@ -11,9 +11,11 @@ new slot is one contiguous write, and an evicting policy's scattered slots becom
 run of neighbours. Positions and scores of a disk part stay in CPU memory (4 bytes per slot
 against 2 x head_dim x 2 for K and V).
 
-Compressed (quant.py), every part holds K and V slot-major as 4-bit groups along head_dim, on its
-own tier; a step dequantizes the filled slots into a pooled compute buffer, and afterwards
-quantizes only the slots it wrote into their place at home. Positions and scores stay exact.
+Compressed (quant.py), every part holds K and V slot-major as 4-bit groups along head_dim. A home
+the compute device reads is a CompressedKVCache, attended over in place a block at a time
+(kv/compressed.py); any other part's groups are loaded and dequantized into a pooled compute
+buffer, and after the step only the slots it wrote are quantized and go back. Positions and
+scores stay exact.
 """
 
 from collections import Counter
@@ -25,10 +27,9 @@ from ..machine import cpu_compute_dtype
 from ..tiers import TIERS, Pending
 from ..quant import packed_width, quantize
 from .cache import KVCache, slot_grid
+from .compressed import BLOCK_VALUES, CompressedKVCache
 
 IN_FLIGHT = 3  # sets of compute buffers per loaded part: computing, loading, storing
-QUANTIZE_BLOCK = 1 << 20  # values of the prompt's cache quantized at once
-QUANTIZE_WORKING = 12 * QUANTIZE_BLOCK  # quantize's float32 working copies of one such block, in bytes
 
 
 def batch_split(batch: int, gpu_percent: float, cpu_percent: float) -> dict:
@@ -43,15 +44,13 @@ class CachePart:
     rows: slice
     tier: str
     home: KVCache | None = None  # held where some device attends over it in place
-    k_mem: torch.Tensor | None = None  # or K and V slot-major in memory: in CPU memory, moved to the
-    v_mem: torch.Tensor | None = None  # GPU each step, or compressed (4-bit groups) on its memory tier
+    k_mem: torch.Tensor | None = None  # or K and V slot-major in CPU memory, moved to the GPU each step
+    v_mem: torch.Tensor | None = None
     k_file: object = None        # or on disk, slot-major; positions and scores then in CPU memory
     v_file: object = None
     pos: torch.Tensor | None = None
     score: torch.Tensor | None = None
     cpu_attends: bool = False    # on CUDA, decode attention over this part runs on the CPU (home in CPU memory)
-    direct: bool = False         # compressed, in memory the compute device reads: dequantized straight
-                                 # from home, its positions and scores used in place
 
     def in_place(self, prefill: bool) -> bool:
         """Whether a step uses the home itself. Under cpu_cache_compute the prompt's attention still
@@ -80,21 +79,19 @@ class CacheHome:
             part = CachePart(slice(start, start + n), tier)
             slot_major = (capacity, n, kv_heads, self.width)
             nbytes = capacity * n * kv_heads * self.width * self.stored.itemsize
-            reachable = tier == "gpu" or (tier == "cpu" and (not tiers.on_cuda or compute_on_cpu))
-            if reachable and not compressed:
+            if tier == "gpu" or (tier == "cpu" and (not tiers.on_cuda or compute_on_cpu)):
                 part.cpu_attends = tier == "cpu" and tiers.on_cuda
                 dtype = cpu_attention_dtype(tiers.dtype) if part.cpu_attends else None
-                part.home = KVCache.allocate(tiers, n, kv_heads, head_dim, capacity, with_score, tier, dtype)
+                kind = CompressedKVCache if compressed else KVCache
+                part.home = kind.allocate(tiers, n, kv_heads, head_dim, capacity, with_score, tier, dtype)
                 part.pos, part.score = part.home.pos, part.home.score
             else:
                 if tier == "disk":
                     part.k_file, part.v_file = tiers.disk.create(nbytes), tiers.disk.create(nbytes)
                     tiers.track("disk", 2 * nbytes)
                 else:
-                    part.direct = reachable
-                    part.k_mem, part.v_mem = (tiers.alloc(tier, slot_major, self.stored) for _ in "kv")
-                state_tier = "gpu" if tier == "gpu" else "cpu"
-                part.pos, part.score = KVCache.allocate_state(tiers, n, kv_heads, capacity, with_score, state_tier)
+                    part.k_mem, part.v_mem = (tiers.alloc("cpu", slot_major, self.stored) for _ in "kv")
+                part.pos, part.score = KVCache.allocate_state(tiers, n, kv_heads, capacity, with_score, "cpu")
             if tier != "gpu":
                 tiers.reserve_staging(nbytes)
             self.parts.append(part)
@@ -108,15 +105,13 @@ class CacheHome:
         one computing, the one loading and the one storing (a further load waits for that store)."""
         kv_heads, head_dim, capacity = self.shape
         loaded = Counter(p.rows.stop - p.rows.start for p in self.parts if not p.in_place(prefill=True))
-        with_state = Counter(p.rows.stop - p.rows.start for p in self.parts
-                             if not p.in_place(prefill=True) and not p.direct)
-        moved = {p.rows.stop - p.rows.start for p in self.parts if p.home is None and not p.direct}
+        moved = {p.rows.stop - p.rows.start for p in self.parts if p.home is None}
         for n, parts in loaded.items():
-            self.tiers.reserve((n, kv_heads, capacity, head_dim), count=2 * IN_FLIGHT * parts)  # K and V
-        for n, parts in with_state.items():
-            self.tiers.reserve((n, kv_heads, capacity), torch.int32, count=IN_FLIGHT * parts)
+            sets = IN_FLIGHT * parts
+            self.tiers.reserve((n, kv_heads, capacity, head_dim), count=2 * sets)  # K and V
+            self.tiers.reserve((n, kv_heads, capacity), torch.int32, count=sets)
             if self.with_score:
-                self.tiers.reserve((n, kv_heads, capacity), torch.float32, count=IN_FLIGHT * parts)
+                self.tiers.reserve((n, kv_heads, capacity), torch.float32, count=sets)
         for n in moved:  # _read's slot-major block, one per I/O thread
             self.tiers.reserve((capacity, n, kv_heads, self.width), self.stored, count=self.tiers.io_threads)
 
@@ -129,13 +124,11 @@ class CacheHome:
                 views.append((part.rows, part.home))
                 continue
             n = part.rows.stop - part.rows.start
-            k, v = (self.tiers.buffer((n, kv_heads, capacity, head_dim)) for _ in "kv")
-            if part.direct:
-                buf = KVCache(k, v, part.pos, part.score, length=self.length)
-            else:
-                buf = KVCache(k, v, self.tiers.buffer((n, kv_heads, capacity), torch.int32),
-                              self.tiers.buffer((n, kv_heads, capacity), torch.float32) if self.with_score else None,
-                              length=self.length)
+            buf = KVCache(self.tiers.buffer((n, kv_heads, capacity, head_dim)),
+                          self.tiers.buffer((n, kv_heads, capacity, head_dim)),
+                          self.tiers.buffer((n, kv_heads, capacity), torch.int32),
+                          self.tiers.buffer((n, kv_heads, capacity), torch.float32) if self.with_score else None,
+                          length=self.length)
             views.append((part.rows, buf))
             todo.append((part, buf))
         previous = self.last_store
@@ -153,19 +146,15 @@ class CacheHome:
 
     def _read(self, part, buf):
         tiers, length = self.tiers, self.length
-        if not part.direct:
-            tiers.to_device(buf.pos, part.pos)
-            if buf.score is not None:
-                tiers.to_device(buf.score, part.score)
+        tiers.to_device(buf.pos, part.pos)
+        if buf.score is not None:
+            tiers.to_device(buf.score, part.score)
         if not length:
             return
         n, capacity = buf.k.shape[0], self.shape[2]
         for mem, file, dst in ((part.k_mem, part.k_file, buf.k), (part.v_mem, part.v_file, buf.v)):
             # Slot-major, as at home: slots [0, length) are one contiguous block there and here.
             window = dst[:, :, :length].permute(2, 0, 1, 3)
-            if part.direct:
-                tiers.dequantize(mem[:length], window)
-                continue
             block = tiers.buffer((capacity, n, self.shape[0], self.width), self.stored)
             if file is not None:
                 tiers.read_disk(file, 0, block[:length])
@@ -189,40 +178,31 @@ class CacheHome:
 
         def write():
             for (part, buf), written in zip(todo, groups):
-                if not part.direct:
-                    self._write(part, buf, written)
+                self._write(part, buf, written)
                 for t in buf.tensors():
-                    if t is not part.pos and t is not part.score:
-                        self.tiers.release(t)
+                    self.tiers.release(t)
         if todo:
             self.last_store = self.tiers.run_io(write, None)
         return self.last_store or Pending(None)
 
     def _quantize_written(self, part, buf):
         """Compressed: the groups of what the step wrote, K and V (slot-major after the prompt, one
-        per (sequence, KV head) after a decode step); a direct part gets them at home right here."""
+        per (sequence, KV head) after a decode step), for the I/O thread to write home."""
         if not self.compressed:
             return None
         slots = buf.written
         if isinstance(slots, str):  # the prompt: every slot in use, quantized a block of slots at a time
             length = buf.length
-            if part.direct:
-                out = (part.k_mem, part.v_mem)
-            else:  # slot-major groups for the I/O thread to write home
-                shape = (length, buf.k.shape[0], self.shape[0], self.width)
-                out = tuple(torch.empty(shape, dtype=torch.uint8, device=buf.k.device) for _ in "kv")
-            step = max(1, QUANTIZE_BLOCK // (buf.k.shape[0] * self.shape[0] * self.shape[1]))
+            shape = (length, buf.k.shape[0], self.shape[0], self.width)
+            out = tuple(torch.empty(shape, dtype=torch.uint8, device=buf.k.device) for _ in "kv")
+            step = max(1, BLOCK_VALUES // (buf.k.shape[0] * self.shape[0] * self.shape[1]))
             for start in range(0, length, step):
                 stop = min(start + step, length)
                 for src, dst in zip((buf.k, buf.v), out):
                     dst[start:stop] = quantize(src[:, :, start:stop], check=False).permute(2, 0, 1, 3)
-            return None if part.direct else out
+            return out
         seq, head = slot_grid(slots)
-        k, v = (quantize(t[seq, head, slots], check=False) for t in (buf.k, buf.v))
-        if part.direct:
-            part.k_mem[slots, seq, head], part.v_mem[slots, seq, head] = k, v
-            return None
-        return k, v
+        return tuple(quantize(t[seq, head, slots], check=False) for t in (buf.k, buf.v))
 
     def _write(self, part, buf, groups):
         tiers, slots = self.tiers, buf.written
@@ -264,8 +244,7 @@ class CacheHome:
             if part.home is not None:
                 self.tiers.free(part.tier, part.home.tensors())
                 continue
-            self.tiers.free(part.tier, [part.k_mem, part.v_mem])
-            self.tiers.free("gpu" if part.tier == "gpu" else "cpu", [part.pos, part.score])
+            self.tiers.free("cpu", [part.k_mem, part.v_mem, part.pos, part.score])
             if part.tier == "disk":
                 self.tiers.track("disk", -(part.k_file.nbytes + part.v_file.nbytes))
                 self.tiers.disk.remove(part.k_file)

@@ -44,16 +44,28 @@ def decode_attention(q, cache, k_new, v_new, scale: float):
     the new token's k_new, v_new [b, kv_heads, 1, d]. Returns the output [b, heads, 1, d] and the
     logits and float32 probabilities [b, heads, 1, capacity + 1] (the new token last)."""
     b, heads, _, d = q.shape
-    kv_heads = cache.k.shape[1]
-    capacity = cache.k.shape[2]
+    _, kv_heads, capacity = cache.pos.shape
     qg = (q * scale).view(b, kv_heads, heads // kv_heads, d)  # the query heads sharing each KV head
     logits = torch.empty(b, kv_heads, heads // kv_heads, capacity + 1, dtype=torch.float32, device=q.device)
     # K times q rather than q times K transposed: on a CPU the former streams K's rows in order and
     # ran 1.7x faster (float32, AVX2); on a GPU both are the same kernel.
-    logits[..., :-1] = torch.matmul(cache.k, qg.transpose(-1, -2)).transpose(-1, -2)
+    for start, stop, k in key_blocks(cache, "k", q.dtype):
+        logits[..., start:stop] = torch.matmul(k, qg.transpose(-1, -2)).transpose(-1, -2)
     logits[..., -1:] = torch.matmul(qg, k_new.transpose(-1, -2))
     logits[..., :-1].masked_fill_(cache.pos.unsqueeze(2) < 0, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     p = probs.to(q.dtype)
-    out = torch.matmul(p[..., :-1], cache.v) + p[..., -1:] * v_new.view(b, kv_heads, 1, d)
+    out = p[..., -1:] * v_new.view(b, kv_heads, 1, d)
+    for start, stop, v in key_blocks(cache, "v", q.dtype):
+        out += torch.matmul(p[..., start:stop], v)
     return out.view(b, heads, 1, d), logits.view(b, heads, 1, -1), probs.view(b, heads, 1, -1)
+
+
+def key_blocks(cache, which: str, dtype):
+    """(start, stop, K or V [b, kv_heads, slots, d]) covering the cache: the whole tensor at once, or,
+    for a compressed cache, its filled slots dequantized a block at a time (its other slots are
+    empty: masked out above, so they never contribute)."""
+    if getattr(cache, "compressed", False):
+        yield from cache.blocks(which, dtype)
+    else:
+        yield 0, cache.capacity, cache.k if which == "k" else cache.v

@@ -1,0 +1,64 @@
+"""A KV cache held as 4-bit groups (quant.py) where the compute device attends over it in place.
+
+K and V are stored slot-major, [capacity, batch, kv_heads, packed_width(head_dim)] uint8, like
+every compressed home (kv/home.py); positions and scores stay exact, as in KVCache, so the
+policies work on it unchanged. Writes quantize only what they store: the prompt's tokens once,
+then one slot per (sequence, KV head) per decode step. Attention dequantizes the filled slots a
+block at a time (`blocks`), so no dequantized copy of the whole cache ever exists.
+"""
+
+import time
+
+import torch
+
+from ..quant import dequantize, packed_width, quantize
+from .cache import KVCache
+
+BLOCK_VALUES = 1 << 20  # values of K or V dequantized (or quantized) at once
+WORKING_BYTES = 12 * BLOCK_VALUES  # the float32 working copies that takes, at most
+
+
+class CompressedKVCache(KVCache):
+    compressed = True
+    clock = None
+
+    def __init__(self, k, v, pos, score, head_dim: int, length: int = 0):
+        super().__init__(k, v, pos, score, length)
+        self.capacity, self.head_dim = k.shape[0], head_dim
+
+    @classmethod
+    def allocate(cls, tiers, batch, kv_heads, head_dim, capacity, with_score: bool, tier: str = "gpu", dtype=None):
+        shape = (capacity, batch, kv_heads, packed_width(head_dim))
+        pos, score = cls.allocate_state(tiers, batch, kv_heads, capacity, with_score, tier)
+        cache = cls(tiers.alloc(tier, shape, torch.uint8), tiers.alloc(tier, shape, torch.uint8), pos, score, head_dim)
+        cache.clock = tiers  # counts the time spent dequantizing
+        return cache
+
+    def slots_per_block(self) -> int:
+        _, b, kv_heads, _ = self.k.shape
+        return max(1, BLOCK_VALUES // (b * kv_heads * self.head_dim))
+
+    def store_first(self, k, v):
+        step = self.slots_per_block()
+        for start in range(0, k.shape[2], step):
+            stop = min(start + step, k.shape[2])
+            for src, dst in ((k, self.k), (v, self.v)):
+                dst[start:stop] = quantize(src[:, :, start:stop], check=False).permute(2, 0, 1, 3)
+
+    def store_at(self, seq, head, slots, k, v):
+        self.k[slots, seq, head] = quantize(k, check=False)
+        self.v[slots, seq, head] = quantize(v, check=False)
+
+    def blocks(self, which: str, dtype: torch.dtype):
+        """(start, stop, values [b, kv_heads, stop - start, head_dim]) over the filled slots of K or V."""
+        groups = self.k if which == "k" else self.v
+        _, b, kv_heads, _ = groups.shape
+        step = self.slots_per_block()
+        for start in range(0, self.length, step):
+            stop = min(start + step, self.length)
+            began = time.perf_counter()
+            values = torch.empty(b, kv_heads, stop - start, self.head_dim, dtype=dtype, device=groups.device)
+            dequantize(groups[start:stop], self.head_dim, values.permute(2, 0, 1, 3))
+            if self.clock is not None:
+                self.clock.count_dequant(time.perf_counter() - began)
+            yield start, stop, values
