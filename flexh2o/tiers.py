@@ -3,9 +3,10 @@
 A tensor is placed by rows of its first dimension: some rows on the gpu tier, some in CPU memory,
 the rest on disk, so each tier gets the share of bytes the policy asks for. Loading assembles the
 rows into a reusable compute buffer; with overlap on, that work runs on the I/O threads and the
-caller gets a `Pending` to wait on. A compressed tensor (quant.py) is placed, and moved, as its
-uint8 groups, and dequantized into a compute buffer at the end of its load. Where the compute device is the CPU, the gpu and cpu tiers
-are the same memory: a tensor held whole by either is used in place, never copied.
+caller gets a `Pending` to wait on. Where the compute device is the CPU, the gpu and cpu tiers
+are the same memory: a tensor held whole by either is used in place, never copied. A compressed
+tensor (quant.py) is placed, and moved, as its uint8 groups, and dequantized into a compute buffer
+at the end of every load.
 """
 
 import time

@@ -18,6 +18,16 @@ BLOCK_VALUES = 1 << 20  # values of K or V dequantized (or quantized) at once
 WORKING_BYTES = 12 * BLOCK_VALUES  # the float32 working copies that takes, at most
 
 
+def quantize_slot_major(src: torch.Tensor, dst: torch.Tensor):
+    """dst[:s] <- the groups of src [b, kv_heads, s, d], slot-major ([s, b, kv_heads, width]), a
+    block of BLOCK_VALUES at a time so that quantize's float32 copies stay small."""
+    b, kv_heads, s, d = src.shape
+    step = max(1, BLOCK_VALUES // (b * kv_heads * d))
+    for start in range(0, s, step):
+        stop = min(start + step, s)
+        dst[start:stop] = quantize(src[:, :, start:stop], check=False).permute(2, 0, 1, 3)
+
+
 class CompressedKVCache(KVCache):
     compressed = True
     clock = None
@@ -39,11 +49,8 @@ class CompressedKVCache(KVCache):
         return max(1, BLOCK_VALUES // (b * kv_heads * self.head_dim))
 
     def store_first(self, k, v):
-        step = self.slots_per_block()
-        for start in range(0, k.shape[2], step):
-            stop = min(start + step, k.shape[2])
-            for src, dst in ((k, self.k), (v, self.v)):
-                dst[start:stop] = quantize(src[:, :, start:stop], check=False).permute(2, 0, 1, 3)
+        quantize_slot_major(k, self.k)
+        quantize_slot_major(v, self.v)
 
     def store_at(self, seq, head, slots, k, v):
         self.k[slots, seq, head] = quantize(k, check=False)

@@ -27,7 +27,7 @@ from ..machine import cpu_compute_dtype
 from ..tiers import TIERS, Pending
 from ..quant import packed_width, quantize
 from .cache import KVCache, slot_grid
-from .compressed import BLOCK_VALUES, CompressedKVCache
+from .compressed import CompressedKVCache, quantize_slot_major
 
 IN_FLIGHT = 3  # sets of compute buffers per loaded part: computing, loading, storing
 
@@ -191,15 +191,11 @@ class CacheHome:
         if not self.compressed:
             return None
         slots = buf.written
-        if isinstance(slots, str):  # the prompt: every slot in use, quantized a block of slots at a time
-            length = buf.length
-            shape = (length, buf.k.shape[0], self.shape[0], self.width)
+        if isinstance(slots, str):  # the prompt: every slot in use
+            shape = (buf.length, buf.k.shape[0], self.shape[0], self.width)
             out = tuple(torch.empty(shape, dtype=torch.uint8, device=buf.k.device) for _ in "kv")
-            step = max(1, BLOCK_VALUES // (buf.k.shape[0] * self.shape[0] * self.shape[1]))
-            for start in range(0, length, step):
-                stop = min(start + step, length)
-                for src, dst in zip((buf.k, buf.v), out):
-                    dst[start:stop] = quantize(src[:, :, start:stop], check=False).permute(2, 0, 1, 3)
+            for src, dst in zip((buf.k, buf.v), out):
+                quantize_slot_major(src[:, :, :buf.length], dst)
             return out
         seq, head = slot_grid(slots)
         return tuple(quantize(t[seq, head, slots], check=False) for t in (buf.k, buf.v))
