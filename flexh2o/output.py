@@ -90,3 +90,18 @@ def write_json_atomic(path: str, data: dict):
 
 def json_text(data: dict) -> str:
     return json.dumps(data, indent=2) + "\n"
+
+
+def write_results(out: str, result: dict, markdown) -> None:
+    """A benchmark's OUT.json and OUT.md (markdown(result)), each written atomically; prints the markdown."""
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    write_json_atomic(out + ".json", result)
+    text = markdown(result)
+    write_text_atomic(out + ".md", text)
+    print(text)
+
+
+def rewrite_markdown(out: str, markdown) -> None:
+    """OUT.md again from an existing OUT.json (after a change to the markdown alone)."""
+    with open(out + ".json", encoding="utf-8") as f:
+        write_text_atomic(out + ".md", markdown(json.load(f)))
