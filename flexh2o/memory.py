@@ -72,10 +72,14 @@ def layer_bytes(layers, dtype_bytes: int, policy) -> list[int]:
 def weight_need(layers, dtype_bytes: int, policy, device) -> dict:
     """The weights' shares per tier, plus their compute copies on the gpu tier."""
     need = {"gpu": 0, "cpu": 0, "disk": 0}
-    for b in layer_bytes(layers, dtype_bytes, policy):
-        need["gpu"] += b * policy.w_gpu_percent / 100
-        need["cpu"] += b * policy.w_cpu_percent / 100
-        need["disk"] += b * policy.disk_percent("w") / 100
+    kinds = {}  # layers with the same weight shapes are split alike
+    for layer in layers:
+        kind = tuple(shape for _, shape in layer.weight_specs())
+        if kind not in kinds:  # whole rows per tier, as placed (not the percentages themselves)
+            kinds[kind] = [(tier, rows[tier] * rb) for _, _, rb, rows in split_as_placed(layer, dtype_bytes, policy)
+                           for tier in need]
+        for tier, nbytes in kinds[kind]:
+            need[tier] += nbytes
     need["gpu"] += compute_copy_bytes(layers, dtype_bytes, policy, device)
     if device.type == "cuda":  # disk reads go through pinned staging blocks (cuda_io.py)
         need["cpu"] += (IO_THREADS + 1) * largest_disk_segment(layers, dtype_bytes, policy)
@@ -165,8 +169,8 @@ def run_need(spec, policy, dtype_bytes: int, prompt_len: int, gen_len: int, devi
     need["gpu"] += io_threads * sum(n * k_bytes for n in set(moved))
     if on_cuda and (rows["cpu"] or rows["disk"]):
         need["cpu"] += (io_threads + 1) * max(rows["cpu"], rows["disk"]) * k_bytes  # pinned staging blocks
-    if policy.compress_cache:  # a loaded part's prompt K and V groups; the working copies of one block
-        need["gpu"] += loaded * 2 * k_bytes * prompt_len // capacity + WORKING_BYTES
+    if policy.compress_cache:  # loaded parts' K and V groups on their way home; the working copies of one block
+        need["gpu"] += IN_FLIGHT * loaded * 2 * k_bytes + WORKING_BYTES
     hidden = spec.hidden_bytes(b, prompt_len, dtype_bytes)
     # The prompt's attention works in blocks (fused kernels, or PROBS_CHUNK_BYTES of probabilities).
     attention = min(b * spec.num_heads * prompt_len * prompt_len * 4, PROBS_CHUNK_BYTES)

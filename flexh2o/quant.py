@@ -51,11 +51,17 @@ def check_quantizable(x: torch.Tensor):
 
 
 def _round_float16(x: torch.Tensor, up: bool) -> torch.Tensor:
-    """x (float32) as float16, rounded towards +inf (up) or -inf (down) instead of to nearest."""
+    """x (float32) as float16, rounded towards +inf (up) or -inf (down) instead of to nearest.
+    The neighbour is found on the bits (float16's order is its sign-magnitude bits' order), not with
+    torch.nextafter, which lacks float16 on CUDA in older torch releases."""
     y = x.to(torch.float16)
     wrong = y.float() < x if up else y.float() > x
-    toward = torch.full_like(y, float("inf") if up else float("-inf"))
-    return torch.where(wrong, torch.nextafter(y, toward), y)
+    bits = y.view(torch.int16)
+    away_from_zero = (y > 0) if up else (y < 0)  # one step further from zero: magnitude bits + 1
+    step = torch.where(away_from_zero, 1, -1).to(torch.int16)
+    smallest = torch.tensor(1 if up else -32767, dtype=torch.int16, device=x.device)  # +-2^-24, bits 0x0001 / 0x8001
+    neighbour = torch.where(y == 0, smallest, bits + step).view(torch.float16)
+    return torch.where(wrong, neighbour, y)
 
 
 def quantize(x: torch.Tensor, check: bool = True) -> torch.Tensor:
@@ -89,7 +95,11 @@ def dequantize(packed: torch.Tensor, n: int, out: torch.Tensor | None = None,
                          f"({g * GROUP_BYTES} bytes)")
     per_row = packed[0].numel() // GROUP_BYTES * GROUP if packed.dim() > 1 and len(packed) else 0
     if out is not None and per_row and len(packed) * per_row > BLOCK_VALUES:
-        step = max(1, BLOCK_VALUES // per_row)
+        step = BLOCK_VALUES // per_row
+        if step == 0:  # one row alone is over the block: each row in blocks of its own
+            for row, row_out in zip(packed, out):
+                dequantize(row, n, row_out)
+            return out
         for start in range(0, len(packed), step):
             dequantize(packed[start: start + step], n, out[start: start + step])
         return out
@@ -97,7 +107,8 @@ def dequantize(packed: torch.Tensor, n: int, out: torch.Tensor | None = None,
     pairs = record[..., :GROUP // 2]
     scale = record[..., GROUP // 2: GROUP // 2 + 2].view(torch.float16).float().unsqueeze(-1)
     low = record[..., GROUP // 2 + 2:].view(torch.float16).float().unsqueeze(-1)
-    direct = out is not None and n == g * GROUP and out.stride(-1) == 1
+    # Straight into `out` where that is exact: float32 (a narrower out would round twice).
+    direct = out is not None and n == g * GROUP and out.stride(-1) == 1 and out.dtype == torch.float32
     target = out if direct else torch.empty(*packed.shape[:-1], g * GROUP, device=packed.device)
     # In place in the target, one pass each: on a CPU the fused or gathering alternatives were slower.
     values = target.view(*target.shape[:-1], g, 2, GROUP // 2)

@@ -173,12 +173,27 @@ def test_compressed_slots_change_in_place_one_per_sequence_and_head(head_dim_64,
                 assert rows in ([], [slots[b, h].item()]), (rows, slots[b, h])
 
 
-@pytest.mark.parametrize("w_gpu,w_cpu", [(0, 0), (0, 100), (30, 30)])
-def test_the_preflight_counts_every_buffer_of_groups(head_dim_64, tmp_path, w_gpu, w_cpu):
-    """Weights alone compressed, off the compute device: what is tracked there stays within the projection."""
-    policy = Policy(2, 1, w_gpu, w_cpu, compress_weight=True)
+@pytest.mark.parametrize("compress", [True, False])
+@pytest.mark.parametrize("w_gpu,w_cpu", [(0, 0), (0, 100), (30, 30), (30, 40)])
+def test_the_preflight_counts_every_buffer_of_groups_and_whole_rows(head_dim_64, tmp_path, w_gpu, w_cpu, compress):
+    """Weights alone compressed (or not), split over tiers: what is tracked on each tier stays within
+    the projection (every buffer of groups; each tier's share in the whole rows it gets)."""
+    policy = Policy(2, 1, w_gpu, w_cpu, compress_weight=compress)
     ids, mask = padded_batch(2, 8, pads=[0, 1], seed=4)
     with Engine.from_pretrained(head_dim_64, policy=policy, device="cpu", dtype=torch.float32,
                                 offload_dir=str(tmp_path)) as engine:
         engine.generate(ids, mask, max_new_tokens=3, eos_token_id=None)
-        assert engine.tiers.peak["gpu"] <= engine.projected["gpu"]
+        for tier in ("gpu", "cpu", "disk"):
+            assert engine.tiers.peak[tier] <= engine.projected[tier], tier
+
+
+@pytest.mark.parametrize("cache", ["gpu", "cpu", "disk", "mixed"])
+@pytest.mark.parametrize("kv", [{"hh_ratio": 0.7}, {"kv_policy": "local", "hh_ratio": 0.2, "recent_ratio": 0.9}])
+def test_a_budget_larger_than_the_prompt_attends_over_empty_slots_as_zeros(tiny_models, tmp_path, monkeypatch, cache, kv):
+    """capacity > prompt_len: slots no token has filled yet count as in use, with probability 0;
+    their groups must read as zeros (fresh memory could read as NaN, and 0 x NaN is NaN)."""
+    directory, _ = tiny_models["wide"]
+    policy = Policy(BATCH, 1, 100, 0, *TIERS[cache], compress_cache=True, **kv)
+    out = run(directory, policy, tmp_path)
+    assert all(torch.isfinite(s).all() for s in out.scores)
+    assert_same(out, reference(directory, policy, tmp_path, monkeypatch))

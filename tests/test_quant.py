@@ -124,6 +124,27 @@ def test_large_tensors_dequantize_in_blocks_to_the_same_values(monkeypatch):
     assert torch.equal(dequantize(quantize(x), 256, out), whole)
 
 
+def test_a_row_larger_than_a_block_dequantizes_row_by_row(monkeypatch):
+    import flexh2o.quant as quant
+    x = torch.randn(3, 5, 4, 64)
+    whole = dequantize(quantize(x), 64)
+    monkeypatch.setattr(quant, "BLOCK_VALUES", 300)  # one leading row holds 1280 values
+    out = torch.empty(3, 5, 4, 64)
+    assert torch.equal(dequantize(quantize(x), 64, out), whole)
+
+
+def test_rounding_to_float16_down_and_up_matches_nextafter():
+    from flexh2o.quant import _round_float16
+    x = torch.cat([torch.randn(50000) * 10, torch.randn(50000) * 1e-6,
+                   torch.tensor([0.0, -0.0, 65504.0, -65504.0, 1e-9, -1e-9, 3.0, -3.0, 6e-8, -6e-8])])
+    for up in (True, False):
+        y = x.half()
+        wrong = y.float() < x if up else y.float() > x
+        toward = torch.full_like(y, float("inf") if up else float("-inf"))
+        assert torch.equal(_round_float16(x, up).float(), torch.where(wrong, torch.nextafter(y, toward), y).float())
+        assert ((_round_float16(x, up).float() >= x) if up else (_round_float16(x, up).float() <= x)).all()
+
+
 def test_a_packed_row_of_the_wrong_width_is_refused():
     with pytest.raises(ValueError, match="does not hold"):
         dequantize(torch.zeros(2, 36, dtype=torch.uint8), 100)

@@ -40,7 +40,10 @@ class CompressedKVCache(KVCache):
     def allocate(cls, tiers, batch, kv_heads, head_dim, capacity, with_score: bool, tier: str = "gpu", dtype=None):
         shape = (capacity, batch, kv_heads, packed_width(head_dim))
         pos, score = cls.allocate_state(tiers, batch, kv_heads, capacity, with_score, tier)
-        cache = cls(tiers.alloc(tier, shape, torch.uint8), tiers.alloc(tier, shape, torch.uint8), pos, score, head_dim)
+        # Zeroed: all-zero groups are zeros (a policy may count slots no token has filled yet as in
+        # use, and attention multiplies their V by probability 0; garbage could be NaN there).
+        k, v = (tiers.alloc(tier, shape, torch.uint8, zero=True) for _ in "kv")
+        cache = cls(k, v, pos, score, head_dim)
         cache.clock = tiers  # counts the time spent dequantizing
         return cache
 
