@@ -3,9 +3,9 @@
 A tensor [..., n] is quantized along its last dimension in groups of GROUP values (the last group
 padded by repeating the final value). Each group is stored as one self-contained record of
 GROUP_BYTES bytes: GROUP / 2 bytes of 4-bit codes (two per byte: the group's first half in the
-low nibbles, its second half in the high ones), then its scale and its minimum as float16. So a compressed tensor is a plain uint8
-tensor [..., packed_width(n)]: 36 bytes per 64 values, 4.5 bits per value, and any slice of its
-leading dimensions is a compressed tensor of those rows.
+low nibbles, its second half in the high ones), then its scale and its minimum as float16. So a
+compressed tensor is a plain uint8 tensor [..., packed_width(n)]: 36 bytes per 64 values, 4.5
+bits per value, and any slice of its leading dimensions is a compressed tensor of those rows.
 
 A value x becomes code round((x - minimum) / scale), 0..15, and comes back as minimum + code * scale.
 The stored minimum is rounded down and the scale up to float16, so every value of a group lies

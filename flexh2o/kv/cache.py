@@ -83,3 +83,8 @@ class KVCache:
         # Indexed assignment: on a CPU, scatter_ along the slot dimension is about 100x slower.
         self.k[seq, head, slots] = k
         self.v[seq, head, slots] = v
+
+    def blocks(self, which: str, dtype: torch.dtype):
+        """(start, stop, K or V [b, kv_heads, stop - start, d]) covering the slots attention reads:
+        here all of them at once (a compressed cache dequantizes its filled ones block by block)."""
+        yield 0, self.capacity, self.k if which == "k" else self.v

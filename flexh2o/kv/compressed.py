@@ -18,18 +18,22 @@ BLOCK_VALUES = 1 << 20  # values of K or V dequantized (or quantized) at once
 WORKING_BYTES = 12 * BLOCK_VALUES  # the float32 working copies that takes, at most
 
 
+def slots_per_block(b: int, kv_heads: int, head_dim: int) -> int:
+    """Slots of K or V [b, kv_heads, slots, head_dim] that make up one block of BLOCK_VALUES."""
+    return max(1, BLOCK_VALUES // (b * kv_heads * head_dim))
+
+
 def quantize_slot_major(src: torch.Tensor, dst: torch.Tensor):
     """dst[:s] <- the groups of src [b, kv_heads, s, d], slot-major ([s, b, kv_heads, width]), a
-    block of BLOCK_VALUES at a time so that quantize's float32 copies stay small."""
+    block at a time so that quantize's float32 copies stay small."""
     b, kv_heads, s, d = src.shape
-    step = max(1, BLOCK_VALUES // (b * kv_heads * d))
+    step = slots_per_block(b, kv_heads, d)
     for start in range(0, s, step):
         stop = min(start + step, s)
         dst[start:stop] = quantize(src[:, :, start:stop], check=False).permute(2, 0, 1, 3)
 
 
 class CompressedKVCache(KVCache):
-    compressed = True
     clock = None
 
     def __init__(self, k, v, pos, score, head_dim: int, length: int = 0):
@@ -47,10 +51,6 @@ class CompressedKVCache(KVCache):
         cache.clock = tiers  # counts the time spent dequantizing
         return cache
 
-    def slots_per_block(self) -> int:
-        _, b, kv_heads, _ = self.k.shape
-        return max(1, BLOCK_VALUES // (b * kv_heads * self.head_dim))
-
     def store_first(self, k, v):
         quantize_slot_major(k, self.k)
         quantize_slot_major(v, self.v)
@@ -63,7 +63,7 @@ class CompressedKVCache(KVCache):
         """(start, stop, values [b, kv_heads, stop - start, head_dim]) over the filled slots of K or V."""
         groups = self.k if which == "k" else self.v
         _, b, kv_heads, _ = groups.shape
-        step = self.slots_per_block()
+        step = slots_per_block(b, kv_heads, self.head_dim)
         for start in range(0, self.length, step):
             stop = min(start + step, self.length)
             began = time.perf_counter()

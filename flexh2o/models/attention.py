@@ -49,23 +49,14 @@ def decode_attention(q, cache, k_new, v_new, scale: float):
     logits = torch.empty(b, kv_heads, heads // kv_heads, capacity + 1, dtype=torch.float32, device=q.device)
     # K times q rather than q times K transposed: on a CPU the former streams K's rows in order and
     # ran 1.7x faster (float32, AVX2); on a GPU both are the same kernel.
-    for start, stop, k in key_blocks(cache, "k", q.dtype):
+    for start, stop, k in cache.blocks("k", q.dtype):
         logits[..., start:stop] = torch.matmul(k, qg.transpose(-1, -2)).transpose(-1, -2)
     logits[..., -1:] = torch.matmul(qg, k_new.transpose(-1, -2))
     logits[..., :-1].masked_fill_(cache.pos.unsqueeze(2) < 0, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     p = probs.to(q.dtype)
     out = p[..., -1:] * v_new.view(b, kv_heads, 1, d)
-    for start, stop, v in key_blocks(cache, "v", q.dtype):
+    for start, stop, v in cache.blocks("v", q.dtype):
         out += torch.matmul(p[..., start:stop], v)
     return out.view(b, heads, 1, d), logits.view(b, heads, 1, -1), probs.view(b, heads, 1, -1)
 
-
-def key_blocks(cache, which: str, dtype):
-    """(start, stop, K or V [b, kv_heads, slots, d]) covering the cache: the whole tensor at once, or,
-    for a compressed cache, its filled slots dequantized a block at a time (its other slots are
-    empty: masked out above, so they never contribute)."""
-    if getattr(cache, "compressed", False):
-        yield from cache.blocks(which, dtype)
-    else:
-        yield 0, cache.capacity, cache.k if which == "k" else cache.v
