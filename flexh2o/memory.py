@@ -72,18 +72,26 @@ def layer_bytes(layers, dtype_bytes: int, policy) -> list[int]:
 def weight_need(layers, dtype_bytes: int, policy, device) -> dict:
     """The weights' shares per tier, plus their compute copies on the gpu tier."""
     need = {"gpu": 0, "cpu": 0, "disk": 0}
-    kinds = {}  # layers with the same weight shapes are split alike
-    for layer in layers:
-        kind = tuple(shape for _, shape in layer.weight_specs())
-        if kind not in kinds:  # whole rows per tier, as placed (not the percentages themselves)
-            kinds[kind] = [(tier, rows[tier] * rb) for _, _, rb, rows in split_as_placed(layer, dtype_bytes, policy)
-                           for tier in need]
-        for tier, nbytes in kinds[kind]:
-            need[tier] += nbytes
+    for placed in per_layer(layers, lambda layer: split_as_placed(layer, dtype_bytes, policy)):
+        for _, _, rb, rows in placed:  # whole rows per tier, as placed (not the percentages themselves)
+            for tier in need:
+                need[tier] += rows[tier] * rb
     need["gpu"] += compute_copy_bytes(layers, dtype_bytes, policy, device)
     if device.type == "cuda":  # disk reads go through pinned staging blocks (cuda_io.py)
         need["cpu"] += (IO_THREADS + 1) * largest_disk_segment(layers, dtype_bytes, policy)
     return need
+
+
+def per_layer(layers, fn) -> list:
+    """fn(layer) for every layer, computed once per kind: layers with the same weight shapes are alike."""
+    kinds = {}
+    out = []
+    for layer in layers:
+        kind = tuple(shape for _, shape in layer.weight_specs())
+        if kind not in kinds:
+            kinds[kind] = fn(layer)
+        out.append(kinds[kind])
+    return out
 
 
 def split_as_placed(layer, dtype_bytes: int, policy):
@@ -96,15 +104,8 @@ def split_as_placed(layer, dtype_bytes: int, policy):
 
 def largest_disk_segment(layers, dtype_bytes: int, policy) -> int:
     """Bytes of the largest run of rows any weight keeps on disk."""
-    largest, seen = 0, set()
-    for layer in layers:
-        kind = tuple(shape for _, shape in layer.weight_specs())
-        if kind in seen:
-            continue
-        seen.add(kind)
-        for _, _, rb, rows in split_as_placed(layer, dtype_bytes, policy):
-            largest = max(largest, rows["disk"] * rb)
-    return largest
+    placed = per_layer(layers, lambda layer: split_as_placed(layer, dtype_bytes, policy))
+    return max(rows["disk"] * rb for tensors in placed for _, _, rb, rows in tensors)
 
 
 def buffered(layer, dtype_bytes: int, policy, device) -> Counter:
@@ -127,16 +128,10 @@ def compute_copy_bytes(layers, dtype_bytes: int, policy, device) -> int:
     layer computing and the next one loading (cyclically: the last layer and the first) hold one
     each, so a shape needs as many buffers as those two layers ever hold together. A buffer of
     groups goes back as soon as it is dequantized: one per I/O thread is made (tiers.py)."""
-    kinds = {}  # layers with the same weight shapes are split alike
-    per_layer = []
-    for layer in layers:
-        kind = tuple(shape for _, shape in layer.weight_specs())
-        if kind not in kinds:
-            kinds[kind] = buffered(layer, dtype_bytes, policy, device)
-        per_layer.append(kinds[kind])
+    counts = per_layer(layers, lambda layer: buffered(layer, dtype_bytes, policy, device))
     most = Counter()
     for j in range(len(layers)):
-        for key, count in (per_layer[j] + per_layer[(j + 1) % len(layers)]).items():
+        for key, count in (counts[j] + counts[(j + 1) % len(layers)]).items():
             most[key] = max(most[key], count if key[0][0] == "values" else IO_THREADS)
     return sum(nbytes * count for (_, nbytes), count in most.items())
 
