@@ -20,7 +20,7 @@ GROUP = 64
 LEVELS = 15                 # codes 0..15
 GROUP_BYTES = GROUP // 2 + 4  # the codes, then the float16 scale and minimum
 FLOAT16_MAX = 65504.0
-BLOCK_VALUES = 1 << 22  # values dequantized at once into an `out`: bounds the temporaries
+BLOCK_VALUES = 1 << 22  # values quantized, or dequantized into an `out`, at once: bounds the temporaries
 
 
 def groups(n: int) -> int:
@@ -70,6 +70,10 @@ def quantize(x: torch.Tensor, check: bool = True) -> torch.Tensor:
     such a group comes back as inf or NaN, never as finite garbage."""
     if check:
         check_quantizable(x)
+    if _over_a_block(x, x[0].numel() if x.dim() > 1 else 0):
+        out = torch.empty(packed_shape(x.shape), dtype=torch.uint8, device=x.device)
+        _by_row_blocks(x, out, x[0].numel(), lambda block, dst: dst.copy_(quantize(block, check=False)))
+        return out
     n = x.shape[-1]
     g = groups(n)
     x = x.float()
@@ -93,15 +97,9 @@ def dequantize(packed: torch.Tensor, n: int, out: torch.Tensor | None = None,
     if packed.shape[-1] != g * GROUP_BYTES:
         raise ValueError(f"a packed row of {packed.shape[-1]} bytes does not hold {n} values "
                          f"({g * GROUP_BYTES} bytes)")
-    per_row = packed[0].numel() // GROUP_BYTES * GROUP if packed.dim() > 1 and len(packed) else 0
-    if out is not None and per_row and len(packed) * per_row > BLOCK_VALUES:
-        step = BLOCK_VALUES // per_row
-        if step == 0:  # one row alone is over the block: each row in blocks of its own
-            for row, row_out in zip(packed, out):
-                dequantize(row, n, row_out)
-            return out
-        for start in range(0, len(packed), step):
-            dequantize(packed[start: start + step], n, out[start: start + step])
+    per_row = packed[0].numel() // GROUP_BYTES * GROUP if packed.dim() > 1 else 0  # values
+    if out is not None and _over_a_block(packed, per_row):
+        _by_row_blocks(packed, out, per_row, lambda block, dst: dequantize(block, n, dst))
         return out
     record = packed.contiguous().view(*packed.shape[:-1], g, GROUP_BYTES)
     pairs = record[..., :GROUP // 2]
@@ -120,6 +118,22 @@ def dequantize(packed: torch.Tensor, n: int, out: torch.Tensor | None = None,
         return target[..., :n].to(dtype)
     out.copy_(target[..., :n])
     return out
+
+
+def _over_a_block(t: torch.Tensor, values_per_row: int) -> bool:
+    return t.dim() > 1 and len(t) * values_per_row > BLOCK_VALUES
+
+
+def _by_row_blocks(src: torch.Tensor, dst: torch.Tensor, values_per_row: int, fn):
+    """fn(src block, dst block) over blocks of leading rows of at most BLOCK_VALUES values; row by
+    row where one row alone holds more (fn then blocks that row the same way)."""
+    step = BLOCK_VALUES // values_per_row
+    if step == 0:
+        for row, row_dst in zip(src, dst):
+            fn(row, row_dst)
+        return
+    for start in range(0, len(src), step):
+        fn(src[start: start + step], dst[start: start + step])
 
 
 def compressible(shape) -> bool:

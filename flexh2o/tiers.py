@@ -97,9 +97,8 @@ class Tiers(Buffers):
         as 4-bit groups when compressed (ValueError if it holds inf, NaN or values beyond float16)."""
         tensor = tensor.to(self.dtype)
         decoded = tuple(tensor.shape) if compressed else None
-        if compressed:  # in blocks of rows, so that its float32 working copies stay small
-            rows_at_once = max(1, (64 << 20) // max(1, tensor[0].numel() * 4))
-            tensor = torch.cat([quantize(block) for block in tensor.split(rows_at_once)])
+        if compressed:
+            tensor = quantize(tensor)
         segments, start = [], 0
         for tier in TIERS:
             n = rows.get(tier, 0)

@@ -127,10 +127,13 @@ def test_large_tensors_dequantize_in_blocks_to_the_same_values(monkeypatch):
 def test_a_row_larger_than_a_block_dequantizes_row_by_row(monkeypatch):
     import flexh2o.quant as quant
     x = torch.randn(3, 5, 4, 64)
-    whole = dequantize(quantize(x), 64)
+    packed, whole, odd = quantize(x), dequantize(quantize(x), 64), quantize(x[..., :50])
     monkeypatch.setattr(quant, "BLOCK_VALUES", 300)  # one leading row holds 1280 values
     out = torch.empty(3, 5, 4, 64)
-    assert torch.equal(dequantize(quantize(x), 64, out), whole)
+    assert torch.equal(dequantize(packed, 64, out), whole)
+    assert torch.equal(quantize(x), packed)  # quantized in blocks (row by row here) to the same bytes
+    monkeypatch.setattr(quant, "BLOCK_VALUES", 3000)  # two leading rows at a time
+    assert torch.equal(quantize(x), packed) and torch.equal(quantize(x[..., :50]), odd)
 
 
 def test_rounding_to_float16_down_and_up_matches_nextafter():
