@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # This machine's disk holds the CPU build of torch 2.13.0; override on a CUDA box if needed.
 TORCH_SPEC ?= torch==2.13.0
-ARGS ?=
+ARGS ?= --max-batch 8
 
 # The GPU machine has torch with CUDA and every dependency installed and no network: gpu-check
 # runs there with its own python3, from the checkout, without a virtual environment.

@@ -54,13 +54,18 @@ def capacities(device: torch.device, offload_dir: str | None, gpu_mem=None, cpu_
             "given": given}
 
 
+_PREPARED = {}  # (layer class, weight shapes) -> the shapes prepare() makes of them
+
+
 def stored_shapes(layer, dtype_bytes: int, policy) -> list[tuple]:
     """(shape, compressed, bytes of a row as stored) of each tensor a layer places (after prepare)."""
-    tensors = layer.prepare([torch.empty(shape, device="meta") for _, shape in layer.weight_specs()])
+    key = type(layer), tuple(shape for _, shape in layer.weight_specs())
+    if key not in _PREPARED:
+        _PREPARED[key] = [tuple(t.shape) for t in layer.prepare([torch.empty(s, device="meta") for s in key[1]])]
     out = []
-    for t in tensors:
-        compressed = policy.compress_weight and compressible(t.shape)
-        out.append((tuple(t.shape), compressed, stored_row_bytes(t.shape, dtype_bytes, compressed)))
+    for shape in _PREPARED[key]:
+        compressed = policy.compress_weight and compressible(shape)
+        out.append((shape, compressed, stored_row_bytes(shape, dtype_bytes, compressed)))
     return out
 
 

@@ -34,7 +34,7 @@ def peak_memory(engine) -> dict:
     }
 
 
-def build_report(engine, stats, policy, sample_text=None) -> dict:
+def build_report(engine, stats, policy, sample_text=None, predicted=None) -> dict:
     """Every figure of a run; peaks are tracked allocations per tier (the gpu tier is the compute
     device, which is the CPU itself on a machine without CUDA)."""
     spec, dtype_bytes = engine.spec, torch.empty(0, dtype=engine.tiers.dtype).element_size()
@@ -65,6 +65,7 @@ def build_report(engine, stats, policy, sample_text=None) -> dict:
         "total_latency_s": total,
         "total_throughput": batch * steps / total,
         "dequant_seconds": sum(stats.step_dequant_seconds or []),  # summed over I/O threads
+        "predicted": None if predicted is None else predicted.to_dict(),  # the cost model, local profile
         "sample": sample_text,
         "machine": describe_machine(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -100,6 +101,12 @@ def format_report(r: dict) -> str:
         f"decode latency: {r['decode_latency_s']:.3f} s\tdecode throughput: {r['decode_throughput']:.3f} token/s",
         f"total latency: {r['total_latency_s']:.3f} s\ttotal throughput: {r['total_throughput']:.3f} token/s",
     ]
+    if r.get("predicted"):
+        q = r["predicted"]
+        lines.append(f"predicted (cost model, local profile): prefill {q['prefill_throughput']:.3f}, decode "
+                     f"{q['decode_throughput']:.3f}, total {q['total_throughput']:.3f} token/s; measured / predicted "
+                     f"total {r['total_throughput'] / q['total_throughput']:.2f}; bottleneck: prefill "
+                     f"{q['bottleneck']['prefill']}, decode {q['bottleneck']['decode']}")
     if r["disk_io"]:
         d = r["disk_io"]
         lines.append(f"disk: page cache {d['page_cache']}; read {d['bytes_read'] / GB:.3f} GB, "

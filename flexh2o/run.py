@@ -13,7 +13,7 @@ import torch
 
 from .disk import OffloadError, check_offload_dir
 from .engine import Engine, default_device, default_dtype, parse_device, parse_dtype
-from .errors import UsageError
+from .errors import OneLineErrorParser, UsageError
 from .memory import capacities, parse_size
 from .placement import WeightNeeds, describe as describe_placement, fits, fitted_placement, no_fit_error
 from .models import resolve_model
@@ -23,12 +23,8 @@ from .sampling import check_sampling, check_seed
 from .output import check_output_file, json_text, write_json_atomic
 from .report import build_report, format_report
 from .signals import run_stoppable
-
-
-class OneLineErrorParser(argparse.ArgumentParser):
-    def error(self, message):
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
+from .planning import DEFAULT_GPU_BATCH_SIZE, cached_local_profile, check_planning_flags, local_profile, \
+    planned_policy, predict
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,8 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="deterministic dummy weights (the default for a preset --model without --path)")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--gen-len", type=int, default=32)
-    p.add_argument("--gpu-batch-size", type=int, default=4)
-    p.add_argument("--num-gpu-batches", type=int, default=1)
+    p.add_argument("--gpu-batch-size", type=int, default=None,
+                   help="sequences per gpu-batch (default: planned, with the placement, by the cost model)")
+    p.add_argument("--num-gpu-batches", type=int, default=None, help="gpu-batches per block (default: planned, else 1)")
+    p.add_argument("--max-batch", type=int, default=None, metavar="N",
+                   help="when planning: the largest batch (sequences) to consider")
+    p.add_argument("--allow-compression", action="store_true",
+                   help="when planning: let the plan store weights and/or cache as 4-bit groups")
     p.add_argument("--percent", type=float, nargs=6, default=None,
                    metavar=("W_GPU", "W_CPU", "CACHE_GPU", "CACHE_CPU", "ACT_GPU", "ACT_CPU"),
                    help="FlexGen's six placement percentages; the rest of each kind goes to disk")
@@ -124,8 +125,11 @@ def run(args) -> int:
     check_positive(args)
     check_sampling(args.temperature, args.top_k, args.top_p)
     check_seed(args.seed)
+    planning = args.gpu_batch_size is None and placement_flag(args) is None
+    check_planning_flags(args, planning)
     w_gpu, w_cpu, c_gpu, c_cpu, a_gpu, a_cpu = policy_percents(args)
-    policy = Policy(args.gpu_batch_size, args.num_gpu_batches, w_gpu, w_cpu, c_gpu, c_cpu, a_gpu, a_cpu,
+    policy = Policy(args.gpu_batch_size or DEFAULT_GPU_BATCH_SIZE, args.num_gpu_batches or 1,
+                    w_gpu, w_cpu, c_gpu, c_cpu, a_gpu, a_cpu,
                     overlap=args.overlap, cpu_cache_compute=args.cpu_cache_compute, kv_policy=args.kv_policy,
                     hh_ratio=args.hh_ratio, recent_ratio=args.recent_ratio,
                     compress_weight=args.compress_weight, compress_cache=args.compress_cache)
@@ -137,8 +141,16 @@ def run(args) -> int:
     if args.prompt_len + args.gen_len > spec.max_positions:
         raise UsageError("--prompt-len/--gen-len", f"prompt_len + gen_len = {args.prompt_len + args.gen_len} "
                          f"exceeds the {spec.max_positions} positions of {spec.name}")
-    if placement_flag(args) is None:
+    dtype_name = str(dtype or default_dtype(device)).removeprefix("torch.")
+    profile = None
+    if planning:
+        offload_dir = args.offload_dir or default_offload_dir()
+        profile = local_profile(device, offload_dir)
+        policy = planned_policy(args, policy, spec, dtype_name, caps, profile, offload_dir)
+    elif placement_flag(args) is None:
         policy = fit_default_placement(args, policy, spec, device, dtype, caps)
+    if profile is None:
+        profile = cached_local_profile(device)
     if args.offload_dir is not None or any(policy.disk_percent(kind) > 0 for kind in ("w", "cache", "act")):
         args.offload_dir = args.offload_dir or default_offload_dir()
         check_offload_dir(args.offload_dir)
@@ -153,8 +165,9 @@ def run(args) -> int:
                                     seed=args.seed, bypass_page_cache=args.no_page_cache,
                                     prompt_len=args.prompt_len, gen_len=args.gen_len,
                                     placement_flag=placement_flag(args) or "--weights/--cache/--act", **caps)
+    predicted = None if profile is None else predict(spec, policy, args.prompt_len, args.gen_len, profile, dtype_name)
     try:
-        return generate_and_report(args, engine, policy, tokens, tokenizer, dummy)
+        return generate_and_report(args, engine, policy, tokens, tokenizer, dummy, predicted)
     finally:
         engine.close()
 
@@ -186,7 +199,7 @@ def batch_prompts(args, spec, batch: int, tokens):
     return synthetic_prompts(batch, args.prompt_len, spec.vocab_size, args.seed)
 
 
-def generate_and_report(args, engine, policy, tokens, tokenizer, dummy) -> int:
+def generate_and_report(args, engine, policy, tokens, tokenizer, dummy, predicted=None) -> int:
     input_ids, mask = batch_prompts(args, engine.spec, policy.batch_size, tokens)
     if dummy and not args.dummy:
         print(f"note: no --path given for {engine.spec.name}: using dummy weights", file=sys.stderr)
@@ -196,7 +209,7 @@ def generate_and_report(args, engine, policy, tokens, tokenizer, dummy) -> int:
     sample = None
     if tokenizer is not None and not dummy:
         sample = tokenizer.decode(ids[0, args.prompt_len:], skip_special_tokens=True)
-    report = build_report(engine, engine.last_stats, policy, sample)
+    report = build_report(engine, engine.last_stats, policy, sample, predicted)
     print(format_report(report), flush=True)
     return save_json(args.json_out, report) if args.json_out else 0
 

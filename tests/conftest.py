@@ -1,3 +1,4 @@
+import json
 import os
 
 import pytest
@@ -76,3 +77,31 @@ def model_with_tokenizer(tiny_models, tmp_path):
     PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
                             unk_token="<unk>").save_pretrained(tmp_path)
     return tmp_path
+
+
+# A fixed CPU profile (close to what this project's 2-core machines measure): runs the tests plan
+# or predict read it from a private cache, never the developer's, and never measure the machine.
+TEST_CPU_PROFILE = {
+    "name": "local", "source": "fixed test profile (tests/conftest.py)", "device": "cpu", "dtype": "float32",
+    "gpu_mem": 16 << 30, "cpu_mem": 16 << 30, "disk_mem": 64 << 30,
+    "matmul_flops": {"float32": {"1": 7e9, "16": 22e9, "64": 44e9, "256": 60e9, "4096": 67e9},
+                     "bfloat16": {"1": 10e9, "256": 11e9}},
+    "attention_flops": {"float32": 60e9, "bfloat16": 3e9}, "device_bandwidth": 15e9, "cpu_attention_bandwidth": 15e9,
+    "h2d": 0.0, "d2h": 0.0, "h2d_pageable": 0.0, "d2h_pageable": 0.0, "memcpy": 9e9, "disk_read": 1.2e9,
+    "disk_write": 0.56e9, "dequant": 0.7e9, "layer_overhead": 0.0003,
+}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def test_cache_home(tmp_path_factory):
+    """XDG_CACHE_HOME of the whole session (subprocesses inherit it), holding TEST_CPU_PROFILE."""
+    home = tmp_path_factory.mktemp("cache_home")
+    (home / "flexh2o" / "hardware").mkdir(parents=True)
+    (home / "flexh2o" / "hardware" / "local.json").write_text(json.dumps(TEST_CPU_PROFILE))
+    before = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(home)
+    yield home
+    if before is None:
+        os.environ.pop("XDG_CACHE_HOME")
+    else:
+        os.environ["XDG_CACHE_HOME"] = before

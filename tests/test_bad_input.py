@@ -19,7 +19,7 @@ from flexh2o.models import resolve_model
 from flexh2o.run import main
 from test_weights import greedy
 
-SMALL = ["--prompt-len", "8", "--gen-len", "2"]
+SMALL = ["--prompt-len", "8", "--gen-len", "2", "--gpu-batch-size", "4"]
 
 FLAGS = [
     (["--weights", "gpu=100,gpu=0"], "--weights", "gpu is given twice"),
@@ -239,3 +239,18 @@ def test_weights_read_from_the_model_directory_name_model_even_with_a_path(tiny_
     directory = model_with_bin(tiny_models, tmp_path / "m", 7)
     argv = SMALL + ["--model", directory, "--path", str(tmp_path), "--gpu-batch-size", "1"]
     assert_refused(argv, "--model", "holds an object of type 'int'", capsys)
+
+
+PLANNING = [
+    (["--max-batch", "0"], "--max-batch", "positive integer"),
+    (["--max-batch", "4", "--gpu-batch-size", "2"], "--max-batch", "applies only to a planned run"),
+    (["--allow-compression", "--weights", "gpu=100"], "--allow-compression", "applies only to a planned run"),
+    (["--gpu-mem", "1KB", "--cpu-mem", "1KB", "--disk-mem", "1KB"], "--gpu-mem/--cpu-mem/--disk-mem",
+     "no batch size or placement of opt-125m with 8+2 tokens fits this machine"),
+]
+
+
+@pytest.mark.parametrize("argv,flag,text", PLANNING, ids=[f"{f[1]}:{f[2]}" for f in PLANNING])
+def test_bad_planning_flags(argv, flag, text, capsys):
+    """A run without --gpu-batch-size or placement flags is planned (the fixed test profile)."""
+    assert_refused(["--prompt-len", "8", "--gen-len", "2"] + argv, flag, text, capsys)

@@ -76,7 +76,7 @@ def test_bad_input_from_a_subprocess_is_one_line_without_traceback():
 def test_unwritable_offload_dir(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    code = main(["--prompt-len", "8", "--gen-len", "2", "--offload-dir", str(blocker / "sub")])
+    code = main(["--prompt-len", "8", "--gen-len", "2", "--gpu-batch-size", "4", "--offload-dir", str(blocker / "sub")])
     assert code == 2
     assert "--offload-dir: cannot write to" in capsys.readouterr().err
 

@@ -9,7 +9,7 @@ from flexh2o import disk
 from flexh2o.disk import DiskStore
 from flexh2o.run import main
 
-RUN = ["--prompt-len", "8", "--gen-len", "2", "--dtype", "float32"]
+RUN = ["--prompt-len", "8", "--gen-len", "2", "--dtype", "float32", "--gpu-batch-size", "4"]
 
 
 def test_nothing_on_disk_creates_no_offload_dir(tiny_models, tmp_path):

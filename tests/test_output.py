@@ -13,7 +13,7 @@ from flexh2o import output
 from flexh2o.output import write_json_atomic
 from flexh2o.run import main
 
-RUN = ["--prompt-len", "8", "--gen-len", "2", "--dtype", "float32"]
+RUN = ["--prompt-len", "8", "--gen-len", "2", "--dtype", "float32", "--gpu-batch-size", "4"]
 
 
 def fifo(path):

@@ -1,0 +1,1 @@
+"""Policy optimizer: hardware profiles, the cost model and the search."""

@@ -1,0 +1,298 @@
+"""The cost model: how long a run takes, from the model, the policy and a hardware profile.
+
+It follows the zig-zag schedule (schedule.py). A token step walks the layers; while layer j
+computes its gpu-batches, the weights of layer j+1 load and the cache of layer j moves in and out
+(one layer's I/O hides behind the other's compute). So a layer's stage takes, with overlap, the
+longest of its compute and of each I/O channel's busy time, and without overlap their sum:
+
+- compute: the matrix products at the rate the profile measured for their rows, attention (the
+  prompt's products; decode reading K and V at the device's bandwidth), 4-bit dequantization, a
+  fixed cost per (layer, gpu-batch) call, and, where the CPU computes, the memory copies the I/O
+  threads make (they take the same cores);
+- h2d / d2h: copies between CPU memory and the GPU (pinned), weights, cache and parked hidden states;
+- disk: reads and writes of the offload files, without the page cache.
+
+Bytes are counted as the engine places and moves them (tiers.split_rows, kv.home.batch_split, the
+stored width of compressed rows), and the KV policy's budget sets the slots each step reads. Decode
+steps differ only in how many slots they read; long generations are summed over a sample of them.
+
+Every term is written with + and maximum only, so the search (search.py) evaluates thousands of
+placements at once by passing numpy arrays where a single prediction passes numbers.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..kv import POLICIES, budget, slot_bytes
+from ..kv.home import batch_split, cpu_attention_dtype
+from ..memory import DTYPE_OF, split_as_placed
+from .hardware import HardwareProfile
+
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+PROBS_PASSES = 4        # the prompt's attention probabilities are written and read about this often
+DECODE_SAMPLES = 16     # decode steps evaluated when there are more; each stands for its share of steps
+BOTTLENECKS = ("compute", "weight I/O", "cache I/O", "activation I/O", "disk")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    prefill_seconds: float
+    decode_seconds: float
+    batch_size: int
+    prompt_len: int
+    gen_len: int
+    bottleneck: dict        # phase -> what bounds it: one of BOTTLENECKS
+    breakdown: dict         # phase -> bottleneck -> seconds of stages it bounds
+
+    @property
+    def total_seconds(self) -> float:
+        return self.prefill_seconds + self.decode_seconds
+
+    @property
+    def prefill_throughput(self) -> float:  # the report's definitions (report.py)
+        return self.batch_size * self.prompt_len / self.prefill_seconds
+
+    @property
+    def decode_throughput(self) -> float:
+        return self.batch_size * (self.gen_len - 1) / max(self.decode_seconds, 1e-12)
+
+    @property
+    def total_throughput(self) -> float:
+        return self.batch_size * self.gen_len / self.total_seconds
+
+    def to_dict(self) -> dict:
+        return {"prefill_latency_s": self.prefill_seconds, "decode_latency_s": self.decode_seconds,
+                "total_latency_s": self.total_seconds, "prefill_throughput": self.prefill_throughput,
+                "decode_throughput": self.decode_throughput, "total_throughput": self.total_throughput,
+                "bottleneck": self.bottleneck, "breakdown": self.breakdown}
+
+
+@dataclass(frozen=True)
+class Step:
+    """One token step: the prompt step, or a decode step reading `length` cached slots; `weight`:
+    how many decode steps it stands for."""
+    prefill: bool
+    length: int
+    weight: float
+
+
+class Channels(dict):
+    """Seconds per resource (compute, h2d, d2h, disk), each split by what it serves."""
+
+    def add(self, channel: str, what: str, seconds):
+        key = (channel, what)
+        self[key] = self.get(key, 0.0) + seconds
+        return self
+
+    def merged(self, other: "Channels") -> "Channels":
+        out = Channels(self)
+        for (channel, what), seconds in other.items():
+            out.add(channel, what, seconds)
+        return out
+
+    def busy(self, channel: str):
+        return sum((s for (c, _), s in self.items() if c == channel), 0.0)
+
+
+
+CHANNELS = ("compute", "h2d", "d2h", "disk")
+
+
+def stage_time(stage: Channels, overlap: bool):
+    """Seconds of one stage: its busiest channel with overlap, else every channel in turn."""
+    busy = [stage.busy(c) for c in CHANNELS]
+    if not overlap:
+        return sum(busy)
+    out = busy[0]
+    for b in busy[1:]:
+        out = np.maximum(out, b)
+    return out
+
+
+def stage_bound(stage: Channels, overlap: bool) -> str:
+    """What bounds a stage: the disk, or what the busiest other channel serves most."""
+    if overlap:
+        channel = max(CHANNELS, key=stage.busy)
+        if channel == "disk":
+            return "disk"
+        parts = {what: s for (c, what), s in stage.items() if c == channel}
+    else:
+        parts = {}
+        for (channel, what), s in stage.items():
+            key = "disk" if channel == "disk" else what
+            parts[key] = parts.get(key, 0.0) + s
+    return max(parts, key=parts.get) if parts else "compute"
+
+
+class CostModel:
+    """Predictions for one model, prompt and generation length on one profile (dtype: the run's,
+    by default the profile's)."""
+
+    def __init__(self, spec, prompt_len: int, gen_len: int, profile: HardwareProfile, dtype: str | None = None):
+        self.spec, self.prompt_len, self.gen_len, self.hw = spec, prompt_len, gen_len, profile
+        self.dtype = dtype or profile.dtype
+        self.dtype_bytes = DTYPE_BYTES[self.dtype]
+        self.on_cuda = profile.device == "cuda"
+        self.layers = spec.build_layers()
+        self.kinds = [type(layer).__name__ for layer in self.layers]
+        # The 2-D weights each layer multiplies by, as (out, in).
+        self.matrices = [[shape for _, shape in layer.weight_specs() if len(shape) == 2] for layer in self.layers]
+        self.stages = self._distinct_stages()
+
+    def _distinct_stages(self) -> list[tuple[int, int]]:
+        """(j, count): the stages of a token step that differ, as layer j's compute and cache beside
+        layer j+1's weight load (alike layers make alike stages), and how often each occurs."""
+        n, seen = len(self.layers), {}
+        for j in range(n):
+            key = (self.kinds[j], tuple(shape for _, shape in self.layers[(j + 1) % n].weight_specs()), j == n - 1)
+            first, count = seen.get(key, (j, 0))
+            seen[key] = (first, count + 1)
+        return sorted(seen.values())
+
+    # -- the steps ----------------------------------------------------------------------------
+    def steps(self, samples: int = DECODE_SAMPLES) -> list[Step]:
+        """The prompt step and the decode steps (or `samples` of them, each the middle of an equal
+        run of steps and weighted by its length), with the slots each reads."""
+        count = self.gen_len - 1
+        if count <= samples:
+            decode = [Step(False, i, 1.0) for i in range(1, self.gen_len)]
+        else:
+            width = count / samples
+            decode = [Step(False, 1 + int((s + 0.5) * width), width) for s in range(samples)]
+        return [Step(True, 0, 1.0)] + decode
+
+    def cache_length(self, policy, i: int) -> int:
+        """Slots in use when decode step i (1-based) starts: the prompt's within the budget, one more per step."""
+        capacity, _ = budget(policy, self.prompt_len, self.gen_len)
+        return min(capacity, self.prompt_len + i - 1)
+
+    # -- weights --------------------------------------------------------------------------------
+    def weight_io(self, policy) -> list[Channels]:
+        """Per layer: what its weights cost to reach the compute device, once per token step."""
+        memo, out = {}, []
+        for layer in self.layers:
+            key = tuple(shape for _, shape in layer.weight_specs())
+            if key not in memo:
+                memo[key] = self._layer_weight_io(layer, policy)
+            out.append(memo[key])
+        return out
+
+    def _layer_weight_io(self, layer, policy) -> Channels:
+        hw, ch = self.hw, Channels()
+        for shape, compressed, row_bytes, rows in split_as_placed(layer, self.dtype_bytes, policy):
+            whole = [tier for tier, n in rows.items() if n == shape[0]]
+            in_place = bool(whole) and (whole[0] == "gpu" or (whole[0] == "cpu" and not self.on_cuda))
+            if compressed:  # dequantized into a buffer at every load, wherever its groups are
+                ch.add("compute", "weight I/O", int(np.prod(shape)) / hw.dequant)
+            if in_place:
+                continue
+            moved = {tier: n * row_bytes for tier, n in rows.items()}
+            if moved["disk"]:
+                ch.add("disk", "weight I/O", moved["disk"] / hw.disk_read)
+            if self.on_cuda:
+                ch.add("h2d", "weight I/O", (moved["cpu"] + moved["disk"]) / hw.h2d)
+            else:  # an I/O thread assembles the buffer in memory, on the cores that compute
+                ch.add("compute", "weight I/O", sum(moved.values()) / hw.memcpy)
+        return ch
+
+    # -- cache and attention ----------------------------------------------------------------------
+    def cache_stage(self, policy, step: Step, rows: dict | None = None) -> Channels:
+        """One attention layer's cache traffic and attention arithmetic in a step, all gpu-batches.
+        rows: sequences of a gpu-batch per tier (default: the policy's split); every term is linear
+        in them, so the search passes arrays of splits to score them all at once."""
+        if rows is None:
+            rows = batch_split(policy.gpu_batch_size, policy.cache_gpu_percent, policy.cache_cpu_percent)
+        return self._cache_io(policy, step, rows).merged(self._attention(policy, step, rows))
+
+    def _cache_io(self, policy, step: Step, rows: dict) -> Channels:
+        hw, spec, nb = self.hw, self.spec, policy.num_gpu_batches
+        capacity, _ = budget(policy, self.prompt_len, self.gen_len)
+        slot = 2 * spec.num_kv_heads * slot_bytes(spec, policy, self.dtype_bytes)  # K and V of a slot, as stored
+        values = 2 * spec.num_kv_heads * spec.head_dim
+        state = spec.num_kv_heads * capacity * (8 if POLICIES[policy.kv_policy].accumulates else 4)
+        read, written = (0, min(capacity, self.prompt_len)) if step.prefill else (self.cache_length(policy, step.length), 1)
+        ch = Channels()
+        ch.add("disk", "cache I/O", nb * rows["disk"] * slot * (read / hw.disk_read + written / hw.disk_write))
+        if self.on_cuda:
+            moved = rows["disk"] + (0 if policy.cpu_cache_compute else rows["cpu"])
+            home = rows["disk"] + rows["cpu"] if step.prefill else moved  # the prompt's cache is made on the GPU
+            ch.add("h2d", "cache I/O", nb * moved * (read * slot + state) / hw.h2d)
+            ch.add("d2h", "cache I/O", nb * home * written * slot / hw.d2h)
+        else:  # a block read from disk is copied into its compute buffer; positions and scores come in
+            ch.add("compute", "cache I/O", nb * rows["disk"] * (read * values * self.dtype_bytes + state) / hw.memcpy)
+        if policy.compress_cache and not step.prefill:  # every slot read is dequantized, in place or loaded
+            ch.add("compute", "cache I/O", nb * policy.gpu_batch_size * read * values / hw.dequant)
+        return ch
+
+    def _attention(self, policy, step: Step, rows: dict) -> Channels:
+        b, nb, spec, hw = policy.gpu_batch_size, policy.num_gpu_batches, self.spec, self.hw
+        if step.prefill:
+            s = self.prompt_len
+            products = 4 * b * spec.num_heads * s * s * spec.head_dim
+            probs = b * spec.num_heads * s * s * 4 * PROBS_PASSES
+            seconds = products / hw.attention_flops[self.dtype] + probs / hw.device_bandwidth
+            return Channels().add("compute", "compute", nb * seconds)
+        attended = self.cache_length(policy, step.length) + 1
+        kv = 2 * spec.num_kv_heads * spec.head_dim * attended  # values of one sequence's K and V
+        scores = spec.num_heads * attended * 4 * (3 if POLICIES[policy.kv_policy].uses_attention else 1)
+        on_cpu = rows["cpu"] if self.on_cuda and policy.cpu_cache_compute else 0
+        wide = cpu_attention_dtype(DTYPE_OF[self.dtype_bytes]).itemsize
+        seconds = ((b - on_cpu) * (kv * self.dtype_bytes + scores) / hw.device_bandwidth
+                   + on_cpu * (kv * wide + scores) / hw.cpu_attention_bandwidth)
+        return Channels().add("compute", "compute", nb * seconds)
+
+    # -- the rest of a layer ------------------------------------------------------------------------
+    def act_io(self, policy, step: Step) -> Channels:
+        """Hidden states parked in CPU memory between layers (CUDA, --act cpu=100, several gpu-batches)."""
+        ch = Channels()
+        if self.on_cuda and policy.act_gpu_percent < 100 and policy.num_gpu_batches > 1:
+            seq = self.prompt_len if step.prefill else 1
+            nbytes = policy.num_gpu_batches * self.spec.hidden_bytes(policy.gpu_batch_size, seq, self.dtype_bytes)
+            ch.add("d2h", "activation I/O", nbytes / self.hw.d2h).add("h2d", "activation I/O", nbytes / self.hw.h2d)
+        return ch
+
+    def compute(self, policy, step: Step, j: int) -> Channels:
+        """Layer j's matrix products for every gpu-batch of the step, and the fixed cost of each call."""
+        b, spec, hw = policy.gpu_batch_size, self.spec, self.hw
+        rows = b * (self.prompt_len if step.prefill else 1)
+        matrices = self.matrices[j]
+        if self.kinds[j] == "InputEmbed":  # a lookup, then (opt-350m) a projection
+            matrices = [m for m in matrices if m[0] == spec.hidden_size and m[1] == spec.embed_dim != spec.hidden_size]
+        elif self.kinds[j] == "OutputEmbed":
+            rows = b  # only the last position predicts
+        flops = sum(2 * rows * out_dim * in_dim for out_dim, in_dim in matrices)
+        seconds = (flops / hw.matmul_rate(rows, self.dtype) if flops else 0.0) + hw.layer_overhead
+        return Channels().add("compute", "compute", policy.num_gpu_batches * seconds)
+
+    # -- putting them together --------------------------------------------------------------------
+    def stage(self, policy, step: Step, j: int, weights: list[Channels], cache: Channels) -> Channels:
+        """Layer j's stage: its compute (and cache, for attention) beside layer j+1's weight load."""
+        n = len(self.layers)
+        out = self.compute(policy, step, j).merged(weights[(j + 1) % n])
+        if self.kinds[j] == "SelfAttention":
+            out = out.merged(cache)
+        if j < n - 1:
+            out = out.merged(self.act_io(policy, step))
+        return out
+
+    def predict(self, policy) -> Prediction:
+        weights = self.weight_io(policy)
+        seconds = {"prefill": 0.0, "decode": 0.0}
+        breakdown = {"prefill": {}, "decode": {}}
+        for step in self.steps():
+            phase = "prefill" if step.prefill else "decode"
+            cache = self.cache_stage(policy, step)
+            for j, count in self.stages:
+                stage = self.stage(policy, step, j, weights, cache)
+                t = float(stage_time(stage, policy.overlap)) * count * step.weight
+                seconds[phase] += t
+                bound = stage_bound(stage, policy.overlap)
+                breakdown[phase][bound] = breakdown[phase].get(bound, 0.0) + t
+        bottleneck = {phase: max(parts, key=parts.get) if parts else "compute" for phase, parts in breakdown.items()}
+        return Prediction(seconds["prefill"], seconds["decode"], policy.batch_size, self.prompt_len, self.gen_len,
+                          bottleneck, breakdown)
+
+
+def predict(spec, policy, prompt_len: int, gen_len: int, profile: HardwareProfile, dtype: str | None = None):
+    return CostModel(spec, prompt_len, gen_len, profile, dtype).predict(policy)

@@ -1,0 +1,111 @@
+"""Hardware profiles: the speeds and memory sizes the cost model predicts a run from.
+
+A profile is one small JSON file. The machine classes ship in configs/hardware/ (t4, a100-40g,
+h100-80g), each naming its source; `local` is measured on the machine at hand by
+`python -m flexh2o.profile` and cached in $XDG_CACHE_HOME/flexh2o/hardware/local.json.
+
+Every speed is in bytes/s, FLOP/s or values/s, every size in bytes, every time in seconds.
+"""
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, fields
+
+from ..errors import UsageError
+from ..output import write_json_atomic
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                          "configs", "hardware")
+LOCAL = "local"
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    source: str
+    device: str                  # what computes: "cuda" or "cpu" (then the gpu and cpu tiers are one RAM)
+    dtype: str                   # the dtype runs use on it (float16 on CUDA; bfloat16 or float32 on a CPU)
+    gpu_mem: int                 # bytes each tier holds
+    cpu_mem: int
+    disk_mem: int
+    # FLOP/s of [rows, K] @ [K, N] products by rows ("1", "16", ... as JSON keys), per dtype; between
+    # the rows measured the cost model interpolates in log(rows), past them it holds the end value.
+    matmul_flops: dict
+    attention_flops: dict        # per dtype: the prompt's attention products (Q K^T, P V), FLOP/s
+    device_bandwidth: float      # bytes/s decode attention reads K and V at on the compute device
+    cpu_attention_bandwidth: float  # the same on the CPU (--cpu-cache-compute)
+    h2d: float                   # pinned host-to-device copies (0 where the CPU computes)
+    d2h: float
+    h2d_pageable: float
+    d2h_pageable: float
+    memcpy: float                # CPU memory to CPU memory, bytes copied per second
+    disk_read: float             # the offload disk, bypassing the page cache
+    disk_write: float
+    dequant: float               # 4-bit group values dequantized per second on the compute device
+    layer_overhead: float        # seconds per (layer, gpu-batch) call beyond its arithmetic and I/O
+
+    def matmul_rate(self, rows: float, dtype: str | None = None) -> float:
+        """FLOP/s of a matrix product with `rows` rows, interpolated in log(rows)."""
+        table = sorted((int(r), f) for r, f in self.matmul_flops[dtype or self.dtype].items())
+        if rows <= table[0][0]:
+            return table[0][1] * rows / table[0][0]  # below the table: bound by reading the matrix
+        for (r0, f0), (r1, f1) in zip(table, table[1:]):
+            if rows <= r1:
+                t = math.log(rows / r0) / math.log(r1 / r0)
+                return f0 + t * (f1 - f0)
+        return table[-1][1]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def from_dict(data: dict, where: str) -> HardwareProfile:
+    names = {f.name for f in fields(HardwareProfile)}
+    missing = sorted(names - set(data))
+    if missing:
+        raise UsageError("--hardware", f"{where} lacks {', '.join(missing)}")
+    return HardwareProfile(**{k: data[k] for k in names})
+
+
+def local_cache_path() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "flexh2o", "hardware", "local.json")
+
+
+def shipped() -> list[str]:
+    """The profile names in configs/hardware/."""
+    if not os.path.isdir(CONFIG_DIR):
+        return []
+    return sorted(f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith(".json"))
+
+
+def read_profile(path: str) -> HardwareProfile:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UsageError("--hardware", f"cannot read {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise UsageError("--hardware", f"{path} holds no JSON object")
+    return from_dict(data, path)
+
+
+def load_profile(name: str) -> HardwareProfile | None:
+    """A shipped profile by name, a JSON file by path, or the cached local one (None: not measured yet)."""
+    if name == LOCAL:
+        path = local_cache_path()
+        return read_profile(path) if os.path.exists(path) else None
+    if name.endswith(".json") or os.sep in name:
+        return read_profile(name)
+    if name not in shipped():
+        raise UsageError("--hardware", f"unknown profile {name!r}; accepted: {', '.join(shipped() + [LOCAL])} "
+                         "or a path to a profile JSON")
+    return read_profile(os.path.join(CONFIG_DIR, f"{name}.json"))
+
+
+def save_local(profile: HardwareProfile) -> str:
+    path = local_cache_path()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    write_json_atomic(path, profile.to_dict())
+    return path

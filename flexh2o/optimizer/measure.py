@@ -1,0 +1,415 @@
+"""Measures the machine at hand into a HardwareProfile (run by python -m flexh2o.profile).
+
+Each figure comes from one small function. A timing is the median of a few timed runs after a
+warm-up run, synchronized on CUDA; a call shorter than MIN_TIMING is repeated within one run.
+Sizes come from a short trial wherever a dtype may be slow: bfloat16 products on a CPU without
+native bfloat16 ran ~300x slower than float32 (0.2 against 68 GFLOP/s on an AVX2 EPYC), so a size
+that takes float32 a tenth of a second would take bfloat16 half a minute.
+"""
+
+import datetime
+import itertools
+import os
+import queue
+import shutil
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from ..disk import ALIGN, MEMORY, DiskStore, existing_ancestor
+from ..engine import Engine, default_dtype
+from ..kv.home import cpu_attention_dtype
+from ..machine import cpu_model
+from ..memory import capacities
+from ..models.opt import OPTSpec
+from ..policy import Policy
+from ..quant import dequantize, quantize
+from ..tiers import Tiers
+from ..weights import DummyWeights
+from .hardware import LOCAL, HardwareProfile
+
+MATMUL_ROWS = (1, 4, 16, 64, 256, 1024, 4096)
+MIN_MATMUL_ROWS = 3   # row counts measured even for the slowest dtype
+MIN_TIMING = 0.02     # seconds; a shorter call is repeated within one timed run
+HEAD_DIM = 64
+DECODE_ROWS = 32      # (sequence, head) pairs of the decode attention measurement
+DISK_THREADS = 2      # as many as the engine's I/O threads
+DISK_REPEATS = 5      # files written and read at most (each sized for disk_seconds)
+DEQUANT_WIDTH = 4096
+TINY_OPT = OPTSpec(name="tiny", num_layers=2, hidden_size=64, num_heads=4, ffn_dim=256, vocab_size=1000,
+                   max_positions=128)
+TINY_PROMPT, TINY_NEW_TOKENS = 8, 17
+BUSY_SHARE = 0.15     # of the CPU taken by other processes while measuring: the figures are suspect
+
+
+def print_to_stderr(line: str):
+    print(line, file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    matmul_k: int
+    matmul_n: int
+    attention_seq: int
+    kv_bytes: int          # K and V together, read by one decode attention call
+    copy_bytes: int        # one CPU memcpy or host-device copy
+    disk_bytes: int        # the largest file written and read
+    disk_chunk: int        # bytes per read or write call
+    dequant_rows: int      # of DEQUANT_WIDTH values
+    trial_target: float    # seconds of one call that a trial sizes a measurement for
+    max_call: float        # seconds past which the matmul table stops (once it has MIN_MATMUL_ROWS)
+    disk_seconds: float    # seconds a file write is sized for
+    timing_budget: float   # seconds the timed runs of one measurement may take together
+    repeats: int           # timed runs at most
+    stream_bytes: int      # weights the matmul table cycles through
+
+
+CPU_SIZES = Sizes(matmul_k=1024, matmul_n=4096, attention_seq=512, kv_bytes=256 << 20, copy_bytes=256 << 20,
+                  disk_bytes=512 << 20, disk_chunk=64 << 20, dequant_rows=1024, trial_target=0.4, max_call=0.75,
+                  disk_seconds=1.0, timing_budget=2.0, repeats=7, stream_bytes=256 << 20)
+CUDA_SIZES = Sizes(matmul_k=8192, matmul_n=8192, attention_seq=2048, kv_bytes=2 << 30, copy_bytes=512 << 20,
+                   disk_bytes=512 << 20, disk_chunk=64 << 20, dequant_rows=4096, trial_target=0.4, max_call=0.75,
+                   disk_seconds=1.0, timing_budget=2.0, repeats=7, stream_bytes=1 << 30)
+QUICK_CPU_SIZES = Sizes(matmul_k=256, matmul_n=1024, attention_seq=128, kv_bytes=8 << 20, copy_bytes=8 << 20,
+                        disk_bytes=8 << 20, disk_chunk=2 << 20, dequant_rows=64, trial_target=0.02, max_call=0.04,
+                        disk_seconds=0.05, timing_budget=0.1, repeats=3, stream_bytes=8 << 20)
+QUICK_CUDA_SIZES = Sizes(matmul_k=2048, matmul_n=2048, attention_seq=512, kv_bytes=64 << 20, copy_bytes=64 << 20,
+                         disk_bytes=8 << 20, disk_chunk=2 << 20, dequant_rows=512, trial_target=0.02, max_call=0.04,
+                         disk_seconds=0.05, timing_budget=0.1, repeats=3, stream_bytes=64 << 20)
+
+
+def sizes_for(device: torch.device, quick: bool) -> Sizes:
+    if device.type == "cuda":
+        return QUICK_CUDA_SIZES if quick else CUDA_SIZES
+    return QUICK_CPU_SIZES if quick else CPU_SIZES
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# -- timing ------------------------------------------------------------------------------------
+
+def synchronizer(device: torch.device):
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def timed(fn, sync, calls: int = 1) -> float:
+    """Seconds per call over `calls` calls in a row."""
+    sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / calls
+
+
+def trial_seconds(fn, sync) -> float:
+    """One call after a warm-up call: enough to size a measurement."""
+    timed(fn, sync)
+    return timed(fn, sync)
+
+
+def seconds_per_call(fn, sync, sizes: Sizes) -> float:
+    """The median seconds of a call after a warm-up call, over as many timed runs (1 to sizes.repeats)
+    as fit sizes.timing_budget."""
+    first = trial_seconds(fn, sync)
+    calls = max(1, int(MIN_TIMING / max(first, 1e-9)))
+    runs = max(1, min(sizes.repeats, int(sizes.timing_budget / (first * calls))))
+    times = [first] if calls == 1 else []
+    times += [timed(fn, sync, calls) for _ in range(runs - len(times))]
+    return statistics.median(times)
+
+
+def scaled_size(trial_size: int, trial: float, target: float, largest: int) -> int:
+    """The size a call of `target` seconds covers at the rate a trial of `trial_size` ran, within [1, largest]."""
+    return max(1, min(largest, int(trial_size * target / max(trial, 1e-9))))
+
+
+def random_tensor(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=device).uniform_(-1, 1)
+
+
+def affordable_bytes(nbytes: int, device: torch.device) -> int:
+    """nbytes, or a quarter of the memory free on `device` where that is less."""
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
+    return max(1 << 20, min(nbytes, free // 4))
+
+
+# -- compute -----------------------------------------------------------------------------------
+
+def matmul_table(device: torch.device, dtype: torch.dtype, sizes: Sizes, sync) -> dict:
+    """FLOP/s of [rows, K] @ [K, N] by rows. A slow dtype stops once the next row count, at the
+    rate of the last, would take longer than sizes.max_call."""
+    k, n = sizes.matmul_k, sizes.matmul_n
+    # A decode step streams every weight once, so consecutive products use different matrices, as
+    # many as cover sizes.stream_bytes (well past the caches): one matrix used again and again
+    # stayed in the CPU's cache and looked 3x faster at few rows than the engine's products ran.
+    copies = max(1, -(-sizes.stream_bytes // (k * n * dtype.itemsize)))
+    weights = [random_tensor((n, k), dtype, device) for _ in range(copies)]
+    table, rate = {}, None
+    for rows in MATMUL_ROWS:
+        flop = 2 * rows * k * n
+        if len(table) >= MIN_MATMUL_ROWS and flop / rate > sizes.max_call:
+            break
+        x = random_tensor((rows, k), dtype, device)
+        turn = itertools.cycle(weights)
+        rate = flop / seconds_per_call(lambda: torch.nn.functional.linear(x, next(turn)), sync, sizes)
+        table[str(rows)] = rate
+    return table
+
+
+def prompt_products(heads: int, seq: int, dtype: torch.dtype, device: torch.device):
+    """A call of the prompt's two attention products, Q K^T and P V, over `heads` (sequence, head) pairs."""
+    q, k, v = (random_tensor((heads, seq, HEAD_DIM), dtype, device) for _ in range(3))
+    probs = random_tensor((heads, seq, seq), dtype, device).softmax(-1)
+    scores = torch.empty(heads, seq, seq, dtype=dtype, device=device)
+    out = torch.empty(heads, seq, HEAD_DIM, dtype=dtype, device=device)
+    return lambda: (torch.bmm(q, k.transpose(1, 2), out=scores), torch.bmm(probs, v, out=out))
+
+
+def attention_rate(device: torch.device, dtype: torch.dtype, sizes: Sizes, sync) -> float:
+    """FLOP/s of the prompt's attention products; the head count comes from a one-head trial."""
+    seq = sizes.attention_seq
+    most_heads = max(1, min(256, (1 << 30) // (2 * seq * seq * dtype.itemsize)))  # scores and P within 1 GB
+    trial = trial_seconds(prompt_products(1, seq, dtype, device), sync)
+    heads = scaled_size(1, trial, sizes.trial_target, most_heads)
+    seconds = seconds_per_call(prompt_products(heads, seq, dtype, device), sync, sizes)
+    return heads * 2 * (2 * seq * seq * HEAD_DIM) / seconds
+
+
+def decode_step(slots: int, dtype: torch.dtype, device: torch.device):
+    """A call of one decode step's attention over `slots` cached tokens of DECODE_ROWS (sequence, head) pairs."""
+    k, v = (random_tensor((DECODE_ROWS, slots, HEAD_DIM), dtype, device) for _ in range(2))
+    q = random_tensor((DECODE_ROWS, 1, HEAD_DIM), dtype, device)
+
+    def step():
+        # K q^T, as models/attention.py computes it: on a CPU that streams K's rows in order
+        logits = torch.matmul(k, q.transpose(1, 2)).transpose(1, 2).float()
+        return torch.matmul(torch.softmax(logits, -1).to(dtype), v)
+    return step
+
+
+def decode_bandwidth(device: torch.device, dtype: torch.dtype, sizes: Sizes, sync) -> float:
+    """Bytes/s of K and V that decode attention reads; the slot count comes from a trial on 1/16 of them."""
+    slot_bytes = 2 * DECODE_ROWS * HEAD_DIM * dtype.itemsize
+    most_slots = max(16, affordable_bytes(sizes.kv_bytes, device) // slot_bytes)
+    trial_slots = most_slots // 16
+    trial = trial_seconds(decode_step(trial_slots, dtype, device), sync)
+    slots = max(trial_slots, scaled_size(trial_slots, trial, sizes.trial_target, most_slots))
+    return slots * slot_bytes / seconds_per_call(decode_step(slots, dtype, device), sync, sizes)
+
+
+def dequant_rate(device: torch.device, dtype: torch.dtype, sizes: Sizes, sync) -> float:
+    """Values/s that flexh2o.quant.dequantize turns from 4-bit groups into `dtype` on `device`."""
+    rows = sizes.dequant_rows
+    packed = quantize(random_tensor((rows, DEQUANT_WIDTH), torch.float32, device), check=False)
+    out = torch.empty(rows, DEQUANT_WIDTH, dtype=dtype, device=device)
+    return rows * DEQUANT_WIDTH / seconds_per_call(lambda: dequantize(packed, DEQUANT_WIDTH, out=out), sync, sizes)
+
+
+# -- memory ------------------------------------------------------------------------------------
+
+def memcpy_rate(sizes: Sizes) -> float:
+    """Bytes/s of a CPU tensor's copy_ into another (each byte counted once)."""
+    nbytes = affordable_bytes(sizes.copy_bytes, torch.device("cpu"))
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    return nbytes / seconds_per_call(lambda: dst.copy_(src), lambda: None, sizes)
+
+
+def cuda_copy_rates(device: torch.device, sizes: Sizes, sync) -> dict:
+    """Bytes/s of host-device copies, from and to pinned and pageable host memory."""
+    nbytes = affordable_bytes(sizes.copy_bytes, device)
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    rates = {}
+    for suffix, pinned in (("", True), ("_pageable", False)):
+        host = torch.ones(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        rates["h2d" + suffix] = nbytes / seconds_per_call(lambda: gpu.copy_(host, non_blocking=pinned), sync, sizes)
+        rates["d2h" + suffix] = nbytes / seconds_per_call(lambda: host.copy_(gpu, non_blocking=pinned), sync, sizes)
+    return rates
+
+
+# -- disk --------------------------------------------------------------------------------------
+
+def write_file(store: DiskStore, pool, data: torch.Tensor, chunks: int):
+    """A new file of `chunks` copies of data, written by the pool's threads and synced; (file, seconds)."""
+    f = store.create(chunks * data.numel())
+    start = time.perf_counter()
+    list(pool.map(lambda offset: store.write(f, offset, data), range(0, f.nbytes, data.numel())))
+    os.fdatasync(f.fd)
+    return f, time.perf_counter() - start
+
+
+def read_file(store: DiskStore, pool, f, buffers: queue.Queue, chunk: int) -> float:
+    """Seconds to read the whole file in chunks (each into a free one of `buffers`), by the pool's threads."""
+    def read_chunk(offset):
+        out = buffers.get()
+        try:
+            store.read(f, offset, out)
+        finally:
+            buffers.put(out)
+    start = time.perf_counter()
+    list(pool.map(read_chunk, range(0, f.nbytes, chunk)))
+    return time.perf_counter() - start
+
+
+def disk_chunk_and_size(store: DiskStore, sizes: Sizes) -> tuple[int, int]:
+    """The chunk and the largest file, shrunk where the disk has less than four files' worth free."""
+    largest = min(sizes.disk_bytes, shutil.disk_usage(store.dir).free // 4)
+    chunk = min(sizes.disk_chunk, largest // (2 * DISK_THREADS) // ALIGN * ALIGN)
+    return max(ALIGN, chunk), largest
+
+
+def disk_rates(offload_dir: str, sizes: Sizes, log) -> tuple[float, float]:
+    """(read, write) bytes/s of the engine's disk store with the page cache bypassed, DISK_THREADS
+    threads reading or writing chunks at once. The file size comes from a trial of one chunk per thread."""
+    store = DiskStore(offload_dir, bypass_page_cache=True)
+    try:
+        if store.page_cache == MEMORY:
+            log(f"note: {offload_dir} is on tmpfs: the disk figures measure memory")
+        chunk, largest = disk_chunk_and_size(store, sizes)
+        data = torch.randint(0, 256, (chunk,), dtype=torch.uint8)
+        buffers = queue.Queue()
+        for _ in range(DISK_THREADS):
+            buffers.put(torch.zeros(chunk, dtype=torch.uint8))
+        with ThreadPoolExecutor(DISK_THREADS, thread_name_prefix="flexh2o-profile-io") as pool:
+            f, trial = write_file(store, pool, data, DISK_THREADS)  # also the warm-up
+            read_file(store, pool, f, buffers, chunk)
+            store.remove(f)
+            chunks = scaled_size(DISK_THREADS, trial, sizes.disk_seconds, max(1, largest // chunk))
+            reads, writes = [], []
+            for _ in range(min(sizes.repeats, DISK_REPEATS)):
+                f, seconds = write_file(store, pool, data, chunks)
+                writes.append(seconds)
+                reads.append(read_file(store, pool, f, buffers, chunk))
+                store.remove(f)
+        nbytes = chunks * chunk
+        return nbytes / statistics.median(reads), nbytes / statistics.median(writes)
+    finally:
+        store.close()
+
+
+# -- the engine --------------------------------------------------------------------------------
+
+def tiny_engine(device: torch.device, dtype: torch.dtype) -> Engine:
+    """TINY_OPT with dummy weights, everything on the compute device (Engine.from_pretrained takes
+    a preset name or a checkpoint directory, not a spec)."""
+    policy = Policy(gpu_batch_size=1)
+    source = DummyWeights(seed=0)
+    layers = TINY_OPT.build_layers()
+    tiers = Tiers(device, dtype, overlap=policy.overlap)
+    try:
+        for layer in layers:
+            layer.init_weight(source, tiers, policy)
+    except BaseException:
+        tiers.close()
+        raise
+    return Engine(TINY_OPT, layers, policy, tiers, source.describe(), capacities(device, None))
+
+
+def layer_overhead(device: torch.device, dtype: torch.dtype, sizes: Sizes) -> float:
+    """Seconds per (layer, gpu-batch) call of the tiny OPT's decode steps, whose arithmetic is negligible."""
+    engine = tiny_engine(device, dtype)
+    ids = torch.randint(3, TINY_OPT.vocab_size, (1, TINY_PROMPT))
+
+    def per_layer_call():
+        engine.generate(ids, max_new_tokens=TINY_NEW_TOKENS, eos_token_id=None)
+        stats = engine.last_stats
+        return stats.decode_seconds / ((stats.steps_done - 1) * len(engine.layers))
+    try:
+        per_layer_call()  # warm-up
+        return statistics.median([per_layer_call() for _ in range(sizes.repeats)])
+    finally:
+        engine.close()
+
+
+# -- the profile -------------------------------------------------------------------------------
+
+def machine_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (host: {cpu_model()})"
+    return cpu_model()
+
+
+def source_line(device: torch.device, quick: bool) -> str:
+    line = f"measured by python -m flexh2o.profile on {machine_name(device)}, {datetime.date.today().isoformat()}"
+    return line + (" with --quick (small sizes: rough figures)" if quick else "")
+
+
+def matmul_dtypes(device: torch.device) -> tuple:
+    return (torch.float16, torch.bfloat16) if device.type == "cuda" else (torch.float32, torch.bfloat16)
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """(CPU seconds every process has run, CPU seconds this one has run) since boot or start."""
+    system, own = psutil.cpu_times(), psutil.Process().cpu_times()
+    guests = getattr(system, "guest", 0.0) + getattr(system, "guest_nice", 0.0)  # already counted in user, nice
+    idle = system.idle + getattr(system, "iowait", 0.0)
+    return sum(system) - guests - idle, own.user + own.system
+
+
+def warn_if_others_were_busy(start_wall: float, start_cpu: tuple[float, float], log):
+    """torch's threads wait on each other when another process takes a core: figures measured meanwhile
+    came out up to 30x low (the engine's per-layer overhead most of all)."""
+    (all_now, own_now), (all_then, own_then) = cpu_seconds(), start_cpu
+    others = (all_now - all_then - (own_now - own_then)) / ((time.perf_counter() - start_wall) * psutil.cpu_count())
+    if others > BUSY_SHARE:
+        log(f"note: other processes kept {others:.0%} of the CPU busy while measuring: the figures may come out "
+            "low; measure again (--force) when the machine is quiet")
+
+
+def logged(log, what: str, fn, *args):
+    start = time.perf_counter()
+    value = fn(*args)
+    log(f"profile: {what} measured in {time.perf_counter() - start:.1f} s")
+    return value
+
+
+def measure(device: torch.device, offload_dir: str, quick: bool = False, log=print_to_stderr) -> HardwareProfile:
+    """Measures this machine with `device` computing and disk files in `offload_dir`. quick: small
+    sizes, a few seconds in all, rough figures (for tests)."""
+    device = torch.device(device)
+    start_wall, start_cpu = time.perf_counter(), cpu_seconds()
+    with torch.no_grad():
+        profile = _measure(device, offload_dir, quick, log)
+    warn_if_others_were_busy(start_wall, start_cpu, log)
+    return profile
+
+
+def _measure(device: torch.device, offload_dir: str, quick: bool, log) -> HardwareProfile:
+    cpu = torch.device("cpu")
+    dtype = default_dtype(device)
+    sizes, host_sizes = sizes_for(device, quick), sizes_for(cpu, quick)
+    sync = synchronizer(device)
+    ram = psutil.virtual_memory().total
+    disk_free = shutil.disk_usage(existing_ancestor(offload_dir)).free  # before the trial files take any
+    matmul = {dtype_name(d): logged(log, f"matmul {dtype_name(d)}", matmul_table, device, d, sizes, sync)
+              for d in matmul_dtypes(device)}
+    attention = {dtype_name(d): logged(log, f"attention {dtype_name(d)}", attention_rate, device, d, sizes, sync)
+                 for d in matmul_dtypes(device)}
+    bandwidth = logged(log, "decode attention", decode_bandwidth, device, dtype, sizes, sync)
+    if device.type == "cuda":
+        cpu_bandwidth = logged(log, "decode attention on the CPU", decode_bandwidth, cpu,
+                               cpu_attention_dtype(dtype), host_sizes, lambda: None)
+        copies = logged(log, "host-device copies", cuda_copy_rates, device, sizes, sync)
+        gpu_mem = torch.cuda.get_device_properties(device).total_memory
+    else:
+        cpu_bandwidth = bandwidth
+        copies = dict.fromkeys(("h2d", "d2h", "h2d_pageable", "d2h_pageable"), 0.0)
+        gpu_mem = ram
+    disk_read, disk_write = logged(log, "disk", disk_rates, offload_dir, host_sizes, log)
+    return HardwareProfile(
+        name=LOCAL, source=source_line(device, quick), device=device.type, dtype=dtype_name(dtype),
+        gpu_mem=gpu_mem, cpu_mem=ram, disk_mem=disk_free, matmul_flops=matmul, attention_flops=attention,
+        device_bandwidth=bandwidth, cpu_attention_bandwidth=cpu_bandwidth, **copies,
+        memcpy=logged(log, "memcpy", memcpy_rate, host_sizes), disk_read=disk_read, disk_write=disk_write,
+        dequant=logged(log, "dequantize", dequant_rate, device, dtype, sizes, sync),
+        layer_overhead=logged(log, "layer overhead", layer_overhead, device, dtype, sizes))

@@ -1,0 +1,110 @@
+"""Command line: python -m flexh2o.plan --model opt-30b --hardware t4 --prompt-len 512 --gen-len 32
+
+Picks the batch size, placement and switches with the best predicted throughput for a job on a
+hardware profile, and prints the flexh2o.run flags that reproduce it (JSON with --json-out).
+"""
+
+import argparse
+import sys
+import time
+
+from .errors import OneLineErrorParser, UsageError
+from .memory import parse_size
+from .models import resolve_model
+from .optimizer.hardware import LOCAL, load_profile, shipped
+from .optimizer.planner import describe_caps, describe_prediction, plan_capacities, plan_job, run_flags
+from .output import check_output_file
+from .policy import KV_POLICIES, Policy
+from .run import check_positive, default_offload_dir, save_json
+from .signals import run_stoppable
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineErrorParser(prog="python -m flexh2o.plan", description=__doc__.split("\n\n")[1].strip())
+    p.add_argument("--model", default="opt-125m", help="as for flexh2o.run")
+    p.add_argument("--hardware", default=LOCAL,
+                   help=f"profile: {', '.join(shipped() + [LOCAL])} (measured here, profiling first if needed) "
+                        "or a path to a profile JSON")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--gen-len", type=int, default=32)
+    p.add_argument("--kv-policy", choices=KV_POLICIES, default=None)
+    p.add_argument("--hh-ratio", type=float, default=None, metavar="R")
+    p.add_argument("--recent-ratio", type=float, default=None, metavar="R")
+    p.add_argument("--allow-compression", action="store_true",
+                   help="let the plan store weights and/or cache as 4-bit groups")
+    p.add_argument("--no-overlap", dest="overlap", action="store_false", help="plan for I/O not overlapped")
+    p.add_argument("--max-batch", type=int, default=None, help="largest batch (sequences) to consider")
+    p.add_argument("--batch", type=int, default=None, help="plan for exactly this many sequences")
+    p.add_argument("--dtype", default=None, help="the run's dtype (default: the profile's)")
+    for tier in ("gpu", "cpu", "disk"):
+        p.add_argument(f"--{tier}-mem", metavar="SIZE", help=f"cap on the {tier} tier (default: the profile's)")
+    p.add_argument("--offload-dir", default=None, help="where the local profile's disk is measured and found free")
+    p.add_argument("--json-out", help="write the plan (policy, predicted throughput) as JSON here")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return plan(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def load_or_measure(name: str, offload_dir: str, device: str | None = None):
+    profile = load_profile(name)
+    if profile is None:  # the local profile, not measured yet
+        from .profile import ensure_local_profile
+        print("note: no local hardware profile yet: measuring this machine first (python -m flexh2o.profile)",
+              file=sys.stderr)
+        profile = ensure_local_profile(device, offload_dir)
+    return profile
+
+
+def plan(args) -> int:
+    check_positive(args)
+    for flag in ("max_batch", "batch"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')}", f"must be a positive integer, got {getattr(args, flag)}")
+    if args.dtype is not None and args.dtype not in ("float16", "bfloat16", "float32"):
+        raise UsageError("--dtype", f"expected float16, bfloat16 or float32, got {args.dtype!r}")
+    base = Policy(kv_policy=args.kv_policy, hh_ratio=args.hh_ratio, recent_ratio=args.recent_ratio, overlap=args.overlap)
+    spec, _ = resolve_model(args.model)
+    if args.prompt_len + args.gen_len > spec.max_positions:
+        raise UsageError("--prompt-len/--gen-len", f"prompt_len + gen_len = {args.prompt_len + args.gen_len} "
+                         f"exceeds the {spec.max_positions} positions of {spec.name}")
+    if args.json_out:
+        check_output_file("--json-out", args.json_out)
+    offload_dir = args.offload_dir or default_offload_dir()
+    profile = load_or_measure(args.hardware, offload_dir)
+    caps = plan_capacities(profile, offload_dir, *(parse_size(getattr(args, f"{t}_mem"), f"--{t}-mem")
+                                                   if getattr(args, f"{t}_mem") is not None else None
+                                                   for t in ("gpu", "cpu", "disk")))
+    start = time.perf_counter()
+    found = plan_job(spec, args.prompt_len, args.gen_len, profile, base, caps, dtype=args.dtype,
+                     allow_compression=args.allow_compression, max_batch=args.max_batch, total_batch=args.batch)
+    seconds = time.perf_counter() - start
+    if found is None:
+        raise UsageError("/".join(f"--{t}-mem" for t in caps["given"]) or "--model",
+                         f"no policy of {spec.name} with {args.prompt_len}+{args.gen_len} tokens fits {profile.name} "
+                         f"({describe_caps(caps)})")
+    command = " ".join(["python -m flexh2o.run", f"--model {args.model}", f"--prompt-len {args.prompt_len}",
+                        f"--gen-len {args.gen_len}"] + run_flags(found.policy)
+                       + [f"--{t}-mem {getattr(args, f'{t}_mem')}" for t in caps["given"]])
+    print(f"plan for {spec.name} on {profile.name} ({describe_caps(caps)}), {args.prompt_len} + {args.gen_len} "
+          f"tokens, batch {found.policy.batch_size} ({found.policy.gpu_batch_size} x {found.policy.num_gpu_batches})")
+    print(command)
+    print("\n".join(describe_prediction(found.predicted)))
+    print(f"searched {found.candidates:,} policies in {seconds:.1f} s")
+    if args.json_out:
+        return save_json(args.json_out, {
+            "model": spec.name, "hardware": profile.name, "hardware_source": profile.source,
+            "prompt_len": args.prompt_len, "gen_len": args.gen_len, "capacities": {t: caps[t] for t in ("gpu", "cpu", "disk")},
+            "policy": found.policy.to_dict(), "predicted": found.predicted.to_dict(), "command": command,
+            "searched": found.candidates, "search_seconds": seconds})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_stoppable(main))

@@ -1,0 +1,66 @@
+"""How flexh2o.run plans a job it is given no batch size or placement for, and predicts any job.
+
+Planning uses the local hardware profile (measured first if none is cached for this device) and
+the capacities the engine's pre-flight will see; the plan is announced in one `note:` line with
+the flags that reproduce it.
+"""
+
+import sys
+
+from .errors import UsageError
+from .optimizer.cost_model import predict as cost_model_predict
+from .optimizer.hardware import LOCAL, load_profile, local_cache_path
+from .optimizer.planner import describe_caps, plan_capacities, run_flags
+from .optimizer.search import NUM_GPU_BATCHES, search
+from .prompts import read_lines
+
+DEFAULT_GPU_BATCH_SIZE = 4  # with --gpu-batch-size absent but a placement given
+PLANNING_FLAGS = ("--max-batch", "--allow-compression")
+
+
+def check_planning_flags(args, planning: bool):
+    for flag in PLANNING_FLAGS:
+        if getattr(args, flag[2:].replace("-", "_")) not in (None, False) and not planning:
+            raise UsageError(flag, "applies only to a planned run: leave out --gpu-batch-size and the placement "
+                             "flags (--weights/--cache/--act/--percent)")
+    for flag in ("gpu_batch_size", "num_gpu_batches", "max_batch"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UsageError(f"--{flag.replace('_', '-')}", f"must be a positive integer, got {value}")
+
+
+def local_profile(device, offload_dir: str):
+    from .profile import ensure_local_profile  # measuring pulls in the engine
+    return ensure_local_profile(device, offload_dir)
+
+
+def cached_local_profile(device):
+    """The cached local profile of this kind of device, or None (a run that is told its policy does
+    not measure the machine just to predict it)."""
+    try:
+        profile = load_profile(LOCAL)
+    except UsageError:
+        return None
+    return profile if profile is not None and profile.device == device.type else None
+
+
+def planned_policy(args, policy, spec, dtype: str, caps: dict, profile, offload_dir: str):
+    """The policy the cost model predicts fastest for this run, within what the pre-flight admits."""
+    limits = plan_capacities(profile, offload_dir, caps.get("gpu_mem"), caps.get("cpu_mem"), caps.get("disk_mem"))
+    total = len(read_lines(args.prompts_file)) if args.prompts_file else None
+    plan = search(spec, args.prompt_len, args.gen_len, profile, limits, policy, dtype=dtype,
+                  allow_compression=args.allow_compression, max_batch=args.max_batch, total_batch=total,
+                  num_gpu_batches=NUM_GPU_BATCHES if args.num_gpu_batches is None else (args.num_gpu_batches,))
+    if plan is None:
+        raise UsageError("/".join(f"--{t}-mem" for t in limits["given"]) or "--model",
+                         f"no batch size or placement of {spec.name} with {args.prompt_len}+{args.gen_len} tokens "
+                         f"fits this machine ({describe_caps(limits)} free)")
+    p = plan.predicted
+    print(f"note: planned with the local hardware profile ({local_cache_path()}): {' '.join(run_flags(plan.policy))} "
+          f"(predicted total {p.total_throughput:.3f} token/s, decode bound by {p.bottleneck['decode']}); give "
+          "--gpu-batch-size or --weights/--cache/--act to choose", file=sys.stderr)
+    return plan.policy
+
+
+def predict(spec, policy, prompt_len: int, gen_len: int, profile, dtype: str):
+    return cost_model_predict(spec, policy, prompt_len, gen_len, profile, dtype)

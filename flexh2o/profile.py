@@ -1,0 +1,163 @@
+"""Command line: python -m flexh2o.profile [--device cpu|cuda] [--offload-dir D] [--force] [--quick] [--json-out F]
+
+Measures the machine at hand into the hardware profile `local`, the speeds the cost model predicts
+runs from: matrix products, attention, memory and disk bandwidths, the engine's per-layer overhead.
+It is cached in $XDG_CACHE_HOME/flexh2o/hardware/local.json; later calls print the cached profile
+unless --force measures again.
+"""
+
+import argparse
+import os
+import sys
+import tempfile
+
+import torch
+
+from .disk import OffloadError, check_offload_dir
+from .engine import default_device, parse_device
+from .errors import OneLineErrorParser, UsageError
+from .optimizer.hardware import LOCAL, HardwareProfile, load_profile, local_cache_path, save_local
+from .optimizer.measure import measure, print_to_stderr
+from .output import check_output_file, write_json_atomic
+from .signals import run_stoppable
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineErrorParser(prog="python -m flexh2o.profile", description=__doc__.split("\n\n")[1].strip())
+    p.add_argument("--device", default=None, help="the device that computes: cuda when available, else cpu")
+    p.add_argument("--offload-dir", default=None,
+                   help="directory whose disk is measured (default: $TMPDIR/flexh2o_offload); its files are removed")
+    p.add_argument("--force", action="store_true", help="measure again even if a profile is cached")
+    p.add_argument("--quick", action="store_true", help="small sizes: a few seconds, rough figures (for tests)")
+    p.add_argument("--json-out", help="write the profile's JSON here too")
+    return p
+
+
+def default_offload_dir() -> str:
+    return os.path.join(tempfile.gettempdir(), "flexh2o_offload")
+
+
+# -- the cache ---------------------------------------------------------------------------------
+
+def cached_profile(device: torch.device, log) -> HardwareProfile | None:
+    """The cached local profile if it was measured with this kind of device; None otherwise."""
+    try:
+        profile = load_profile(LOCAL)
+    except UsageError as e:
+        log(f"note: the cached profile is unreadable ({e.message}): measuring again")
+        return None
+    if profile is not None and profile.device != device.type:
+        log(f"note: the cached profile was measured on {profile.device}, not {device.type}: measuring again")
+        return None
+    return profile
+
+
+def measure_here(device: torch.device, offload_dir: str, quick: bool, log) -> HardwareProfile:
+    log(f"measuring this machine with {device.type} computing ({'a few seconds' if quick else 'about a minute'})")
+    return measure(device, offload_dir, quick=quick, log=log)
+
+
+def ensure_local_profile(device, offload_dir: str, log=print_to_stderr) -> HardwareProfile:
+    """The cached local profile, or one measured now (and cached) when there is none for this device."""
+    device = torch.device(device)
+    profile = cached_profile(device, log)
+    if profile is None:
+        profile = measure_here(device, offload_dir, False, log)
+        save_local(profile)
+    return profile
+
+
+# -- the table ---------------------------------------------------------------------------------
+
+def flops(rate: float) -> str:
+    return f"{rate / 1e12:.2f} TFLOP/s" if rate >= 1e12 else f"{rate / 1e9:.2f} GFLOP/s"
+
+
+def bandwidth(rate: float) -> str:
+    return f"{rate / 1e9:.2f} GB/s"
+
+
+def gigabytes(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.1f} GB"
+
+
+def profile_rows(p: HardwareProfile) -> list[tuple[str, str]]:
+    rows = [("source", p.source), ("device, dtype", f"{p.device}, {p.dtype}"),
+            ("memory", f"gpu {gigabytes(p.gpu_mem)}, cpu {gigabytes(p.cpu_mem)}, disk {gigabytes(p.disk_mem)} free")]
+    for dtype, table in p.matmul_flops.items():
+        rows += [(f"matmul {dtype}, {count} rows", flops(rate)) for count, rate in table.items()]
+    rows += [(f"prompt attention {dtype}", flops(rate)) for dtype, rate in p.attention_flops.items()]
+    rows += [("decode attention reads", bandwidth(p.device_bandwidth)),
+             ("decode attention on the CPU", bandwidth(p.cpu_attention_bandwidth))]
+    if p.device == "cuda":
+        rows += [("host to device, pinned", bandwidth(p.h2d)), ("device to host, pinned", bandwidth(p.d2h)),
+                 ("host to device, pageable", bandwidth(p.h2d_pageable)),
+                 ("device to host, pageable", bandwidth(p.d2h_pageable))]
+    return rows + [("memcpy", bandwidth(p.memcpy)), ("disk read", bandwidth(p.disk_read)),
+                   ("disk write", bandwidth(p.disk_write)), ("dequantize", f"{p.dequant / 1e9:.3f} G values/s"),
+                   ("layer overhead", f"{p.layer_overhead * 1e3:.3f} ms per layer call")]
+
+
+def format_profile(profile: HardwareProfile) -> str:
+    rows = profile_rows(profile)
+    width = max(len(label) for label, _ in rows)
+    return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+# -- the command -------------------------------------------------------------------------------
+
+def check_args(args):
+    for flag in ("device", "offload_dir", "json_out"):
+        value = getattr(args, flag)
+        if value is not None and not value.strip():
+            raise UsageError(f"--{flag.replace('_', '-')}", "is empty; give a value or leave the flag out")
+    args.device = parse_device(args.device or default_device())
+    args.offload_dir = args.offload_dir or default_offload_dir()
+    check_offload_dir(args.offload_dir)
+    if args.json_out:
+        check_output_file("--json-out", args.json_out)
+
+
+def run(args) -> int:
+    check_args(args)
+    profile = None if args.force else cached_profile(args.device, print_to_stderr)
+    if profile is not None:
+        print(format_profile(profile))
+        print(f"cached at {local_cache_path()} (use --force to measure again)")
+        return write_json(args.json_out, profile)
+    profile = measure_here(args.device, args.offload_dir, args.quick, print_to_stderr)
+    print(format_profile(profile))
+    try:
+        print(f"saved to {save_local(profile)}")
+    except OSError as e:
+        print(f"error: cannot save the profile to {local_cache_path()}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    return write_json(args.json_out, profile)
+
+
+def write_json(path: str | None, profile: HardwareProfile) -> int:
+    if path is None:
+        return 0
+    try:
+        write_json_atomic(path, profile.to_dict())
+        return 0
+    except OSError as e:
+        print(f"error: --json-out: cannot write {path}: {e.strerror or e}", file=sys.stderr)
+        return 1
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OffloadError as e:
+        print(f"error: --offload-dir: {e.strerror}; the measurement stopped and its files were removed",
+              file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(run_stoppable(main))

@@ -1,0 +1,125 @@
+"""The hardware profiler: a quick measurement on the CPU, and the CLI's cache, --force and bad input."""
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import fields, replace
+
+import psutil
+import pytest
+import torch
+
+import flexh2o.profile
+from flexh2o.optimizer.hardware import HardwareProfile, from_dict, load_profile, local_cache_path
+from flexh2o.optimizer.measure import measure
+from conftest import REPO
+
+CUDA_COPIES = ("h2d", "d2h", "h2d_pageable", "d2h_pageable")
+SPEEDS = ("device_bandwidth", "cpu_attention_bandwidth", "memcpy", "disk_read", "disk_write", "dequant",
+          "layer_overhead")
+
+
+@pytest.fixture(scope="module")
+def quick_profile(tmp_path_factory):
+    offload_dir = tmp_path_factory.mktemp("profile") / "offload"
+    lines = []
+    profile = measure(torch.device("cpu"), str(offload_dir), quick=True, log=lines.append)
+    return profile, offload_dir, lines
+
+
+def test_quick_cpu_profile_has_every_figure(quick_profile):
+    profile, _, lines = quick_profile
+    assert isinstance(profile, HardwareProfile)
+    assert (profile.name, profile.device, profile.dtype) == ("local", "cpu", "float32")
+    assert profile.source.startswith("measured by python -m flexh2o.profile on ")
+    for name in SPEEDS:
+        assert getattr(profile, name) > 0, name
+    for name in CUDA_COPIES:
+        assert getattr(profile, name) == 0.0, name
+    assert profile.cpu_attention_bandwidth == profile.device_bandwidth  # the same measurement on a CPU
+    assert profile.gpu_mem == profile.cpu_mem == psutil.virtual_memory().total
+    assert profile.disk_mem > 0
+    assert any("matmul float32" in line for line in lines)
+
+
+def test_quick_cpu_profile_has_matmul_and_attention_tables(quick_profile):
+    profile = quick_profile[0]
+    assert set(profile.matmul_flops) == set(profile.attention_flops) == {"float32", "bfloat16"}
+    for dtype, table in profile.matmul_flops.items():
+        assert len(table) >= 3 and "1" in table, dtype
+        assert all(rate > 0 for rate in table.values()), dtype
+        assert profile.matmul_rate(2, dtype) > 0
+    assert all(rate > 0 for rate in profile.attention_flops.values())
+
+
+def test_profile_round_trips_through_json(quick_profile):
+    profile = quick_profile[0]
+    again = from_dict(json.loads(json.dumps(profile.to_dict())), "test")
+    assert again == profile
+    assert {f.name for f in fields(HardwareProfile)} == set(profile.to_dict())
+
+
+def test_measuring_leaves_no_files_in_the_offload_dir(quick_profile):
+    offload_dir = quick_profile[1]
+    assert not offload_dir.exists() or not any(offload_dir.iterdir())
+
+
+@pytest.fixture
+def cache_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path
+
+
+def test_cli_measures_then_reuses_the_cache_until_forced(cache_home, quick_profile, monkeypatch, capsys):
+    offload = ["--device", "cpu", "--offload-dir", str(cache_home / "offload")]
+    assert flexh2o.profile.main([*offload, "--quick"]) == 0
+    path = local_cache_path()
+    assert path.startswith(str(cache_home)) and os.path.isfile(path)
+    measured = load_profile("local")
+    assert measured.device == "cpu" and "--quick" in measured.source
+    assert f"saved to {path}" in capsys.readouterr().out
+
+    def must_not_measure(*args, **kwargs):
+        raise AssertionError("measured although a profile is cached")
+    monkeypatch.setattr(flexh2o.profile, "measure", must_not_measure)
+    json_out = cache_home / "profile.json"
+    assert flexh2o.profile.main([*offload, "--json-out", str(json_out)]) == 0
+    out = capsys.readouterr().out
+    assert f"cached at {path} (use --force to measure again)" in out and "GFLOP/s" in out
+    assert json.loads(json_out.read_text()) == measured.to_dict()
+
+    forced = replace(quick_profile[0], source="measured again")
+    calls = []
+    monkeypatch.setattr(flexh2o.profile, "measure", lambda *args, **kwargs: calls.append(args) or forced)
+    assert flexh2o.profile.main([*offload, "--force"]) == 0
+    assert len(calls) == 1 and load_profile("local") == forced
+
+
+def test_ensure_local_profile_measures_only_without_a_cache(cache_home, quick_profile, monkeypatch):
+    calls = []
+    monkeypatch.setattr(flexh2o.profile, "measure", lambda *args, **kwargs: calls.append(args) or quick_profile[0])
+    offload_dir = str(cache_home / "offload")
+    assert flexh2o.profile.ensure_local_profile("cpu", offload_dir, log=lambda line: None) == quick_profile[0]
+    assert flexh2o.profile.ensure_local_profile("cpu", offload_dir, log=lambda line: None) == quick_profile[0]
+    assert len(calls) == 1 and os.path.isfile(local_cache_path())
+
+
+@pytest.mark.parametrize("args, flag", [(["--device", "tpu"], "--device"), (["--device", ""], "--device"),
+                                         (["--offload-dir", "{file}/below"], "--offload-dir"),
+                                         (["--json-out", "{tmp}"], "--json-out")])
+def test_bad_input_is_one_line_and_exit_code_2(cache_home, monkeypatch, capsys, args, flag):
+    (cache_home / "file").write_text("")
+    args = [a.format(file=cache_home / "file", tmp=cache_home) for a in args]
+    monkeypatch.setattr(flexh2o.profile, "measure", lambda *a, **k: pytest.fail("measured despite bad input"))
+    assert flexh2o.profile.main(["--device", "cpu", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {flag}: ") and err.count("\n") == 1, err
+
+
+def test_bad_device_from_a_subprocess_has_no_traceback(cache_home):
+    r = subprocess.run([sys.executable, "-m", "flexh2o.profile", "--device", "tpu"], cwd=REPO, capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "XDG_CACHE_HOME": str(cache_home)})
+    assert r.returncode == 2
+    assert r.stderr.startswith("error: --device: ") and r.stderr.count("\n") == 1, r.stderr
+    assert not os.path.exists(local_cache_path())
