@@ -12,7 +12,8 @@ from .errors import OneLineErrorParser, UsageError
 from .memory import parse_size
 from .models import resolve_model
 from .optimizer.hardware import LOCAL, load_profile, shipped
-from .optimizer.planner import describe_caps, describe_prediction, plan_capacities, plan_job, run_flags
+from .optimizer.planner import describe_caps, describe_prediction, plan_capacities, run_flags
+from .optimizer.search import search
 from .output import check_output_file
 from .policy import KV_POLICIES, Policy
 from .run import check_positive, default_offload_dir, save_json
@@ -52,13 +53,13 @@ def main(argv=None) -> int:
         return 2
 
 
-def load_or_measure(name: str, offload_dir: str, device: str | None = None):
+def load_or_measure(name: str, offload_dir: str):
     profile = load_profile(name)
     if profile is None:  # the local profile, not measured yet
         from .profile import ensure_local_profile
         print("note: no local hardware profile yet: measuring this machine first (python -m flexh2o.profile)",
               file=sys.stderr)
-        profile = ensure_local_profile(device, offload_dir)
+        profile = ensure_local_profile(None, offload_dir)
     return profile
 
 
@@ -77,12 +78,15 @@ def plan(args) -> int:
     if args.json_out:
         check_output_file("--json-out", args.json_out)
     offload_dir = args.offload_dir or default_offload_dir()
+    sizes = [parse_size(getattr(args, f"{t}_mem"), f"--{t}-mem") if getattr(args, f"{t}_mem") is not None else None
+             for t in ("gpu", "cpu", "disk")]
     profile = load_or_measure(args.hardware, offload_dir)
-    caps = plan_capacities(profile, offload_dir, *(parse_size(getattr(args, f"{t}_mem"), f"--{t}-mem")
-                                                   if getattr(args, f"{t}_mem") is not None else None
-                                                   for t in ("gpu", "cpu", "disk")))
+    if args.dtype is not None and not profile.knows(args.dtype):
+        raise UsageError("--dtype", f"the {profile.name} profile has no figures for {args.dtype} (it has "
+                         f"{', '.join(sorted(profile.matmul_flops))})")
+    caps = plan_capacities(profile, offload_dir, *sizes)
     start = time.perf_counter()
-    found = plan_job(spec, args.prompt_len, args.gen_len, profile, base, caps, dtype=args.dtype,
+    found = search(spec, args.prompt_len, args.gen_len, profile, caps, base, dtype=args.dtype,
                      allow_compression=args.allow_compression, max_batch=args.max_batch, total_batch=args.batch)
     seconds = time.perf_counter() - start
     if found is None:
@@ -91,7 +95,8 @@ def plan(args) -> int:
                          f"({describe_caps(caps)})")
     command = " ".join(["python -m flexh2o.run", f"--model {args.model}", f"--prompt-len {args.prompt_len}",
                         f"--gen-len {args.gen_len}"] + run_flags(found.policy)
-                       + [f"--{t}-mem {getattr(args, f'{t}_mem')}" for t in caps["given"]])
+                       + [f"--{t}-mem {getattr(args, f'{t}_mem')}" for t in caps["given"]]
+                       + ([f"--dtype {args.dtype}"] if args.dtype else []))
     print(f"plan for {spec.name} on {profile.name} ({describe_caps(caps)}), {args.prompt_len} + {args.gen_len} "
           f"tokens, batch {found.policy.batch_size} ({found.policy.gpu_batch_size} x {found.policy.num_gpu_batches})")
     print(command)

@@ -8,10 +8,9 @@ the flags that reproduce it.
 import sys
 
 from .errors import UsageError
-from .optimizer.cost_model import predict as cost_model_predict
 from .optimizer.hardware import LOCAL, load_profile, local_cache_path
 from .optimizer.planner import describe_caps, plan_capacities, run_flags
-from .optimizer.search import NUM_GPU_BATCHES, search
+from .optimizer.search import search
 from .prompts import read_lines
 
 DEFAULT_GPU_BATCH_SIZE = 4  # with --gpu-batch-size absent but a placement given
@@ -34,23 +33,31 @@ def local_profile(device, offload_dir: str):
     return ensure_local_profile(device, offload_dir)
 
 
-def cached_local_profile(device):
-    """The cached local profile of this kind of device, or None (a run that is told its policy does
-    not measure the machine just to predict it)."""
+def cached_local_profile(device, dtype: str):
+    """The cached local profile of this kind of device, if it knows the run's dtype; else None (a run
+    that is told its policy does not measure the machine just to predict it)."""
     try:
         profile = load_profile(LOCAL)
     except UsageError:
         return None
-    return profile if profile is not None and profile.device == device.type else None
+    return profile if profile is not None and profile.device == device.type and profile.knows(dtype) else None
 
 
 def planned_policy(args, policy, spec, dtype: str, caps: dict, profile, offload_dir: str):
     """The policy the cost model predicts fastest for this run, within what the pre-flight admits."""
+    if not profile.knows(dtype):
+        raise UsageError("--dtype", f"the local profile has no figures for {dtype} (it has "
+                         f"{', '.join(sorted(profile.matmul_flops))}): give --gpu-batch-size and a placement to run it")
     limits = plan_capacities(profile, offload_dir, caps.get("gpu_mem"), caps.get("cpu_mem"), caps.get("disk_mem"))
     total = len(read_lines(args.prompts_file)) if args.prompts_file else None
+    if total is not None and args.max_batch is not None and args.max_batch < total:
+        raise UsageError("--max-batch", f"is {args.max_batch}, below the {total} prompts of --prompts-file")
+    if total is not None and args.num_gpu_batches is not None and total % args.num_gpu_batches:
+        raise UsageError("--num-gpu-batches", f"{args.num_gpu_batches} does not divide the {total} prompts of "
+                         "--prompts-file")
     plan = search(spec, args.prompt_len, args.gen_len, profile, limits, policy, dtype=dtype,
                   allow_compression=args.allow_compression, max_batch=args.max_batch, total_batch=total,
-                  num_gpu_batches=NUM_GPU_BATCHES if args.num_gpu_batches is None else (args.num_gpu_batches,))
+                  num_gpu_batches=None if args.num_gpu_batches is None else (args.num_gpu_batches,))
     if plan is None:
         raise UsageError("/".join(f"--{t}-mem" for t in limits["given"]) or "--model",
                          f"no batch size or placement of {spec.name} with {args.prompt_len}+{args.gen_len} tokens "
@@ -60,7 +67,3 @@ def planned_policy(args, policy, spec, dtype: str, caps: dict, profile, offload_
           f"(predicted total {p.total_throughput:.3f} token/s, decode bound by {p.bottleneck['decode']}); give "
           "--gpu-batch-size or --weights/--cache/--act to choose", file=sys.stderr)
     return plan.policy
-
-
-def predict(spec, policy, prompt_len: int, gen_len: int, profile, dtype: str):
-    return cost_model_predict(spec, policy, prompt_len, gen_len, profile, dtype)

@@ -53,17 +53,20 @@ def cached_profile(device: torch.device, log) -> HardwareProfile | None:
 
 
 def measure_here(device: torch.device, offload_dir: str, quick: bool, log) -> HardwareProfile:
-    log(f"measuring this machine with {device.type} computing ({'a few seconds' if quick else 'about a minute'})")
+    log(f"measuring this machine with {device.type} computing ({'a few seconds' if quick else 'about half a minute'})")
     return measure(device, offload_dir, quick=quick, log=log)
 
 
 def ensure_local_profile(device, offload_dir: str, log=print_to_stderr) -> HardwareProfile:
     """The cached local profile, or one measured now (and cached) when there is none for this device."""
-    device = torch.device(device)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     profile = cached_profile(device, log)
     if profile is None:
         profile = measure_here(device, offload_dir, False, log)
-        save_local(profile)
+        try:
+            save_local(profile)
+        except OSError as e:
+            log(f"note: the profile could not be cached ({e.strerror or e}): it is used for this run only")
     return profile
 
 

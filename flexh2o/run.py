@@ -1,7 +1,8 @@
 """Command line: python -m flexh2o.run --model opt-1.3b --gpu-batch-size 8 ...
 
 Runs one generation job and prints a FlexGen-style throughput report (and JSON with --json-out).
-With no flags it runs a small default: opt-125m, dummy weights, 4 x (512 + 32) tokens.
+With no flags it runs opt-125m on dummy weights, 512 + 32 tokens, its batch and placement planned
+by the cost model on this machine's profile (measured first if none is cached).
 """
 
 import argparse
@@ -23,8 +24,9 @@ from .sampling import check_sampling, check_seed
 from .output import check_output_file, json_text, write_json_atomic
 from .report import build_report, format_report
 from .signals import run_stoppable
+from .optimizer.cost_model import predict
 from .planning import DEFAULT_GPU_BATCH_SIZE, cached_local_profile, check_planning_flags, local_profile, \
-    planned_policy, predict
+    planned_policy
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,6 +143,10 @@ def run(args) -> int:
     if args.prompt_len + args.gen_len > spec.max_positions:
         raise UsageError("--prompt-len/--gen-len", f"prompt_len + gen_len = {args.prompt_len + args.gen_len} "
                          f"exceeds the {spec.max_positions} positions of {spec.name}")
+    if args.json_out:
+        check_output_file("--json-out", args.json_out)
+    if args.offload_dir is not None:
+        check_offload_dir(args.offload_dir)
     dtype_name = str(dtype or default_dtype(device)).removeprefix("torch.")
     profile = None
     if planning:
@@ -150,12 +156,10 @@ def run(args) -> int:
     elif placement_flag(args) is None:
         policy = fit_default_placement(args, policy, spec, device, dtype, caps)
     if profile is None:
-        profile = cached_local_profile(device)
-    if args.offload_dir is not None or any(policy.disk_percent(kind) > 0 for kind in ("w", "cache", "act")):
-        args.offload_dir = args.offload_dir or default_offload_dir()
+        profile = cached_local_profile(device, dtype_name)
+    if args.offload_dir is None and any(policy.disk_percent(kind) > 0 for kind in ("w", "cache", "act")):
+        args.offload_dir = default_offload_dir()
         check_offload_dir(args.offload_dir)
-    if args.json_out:
-        check_output_file("--json-out", args.json_out)
     dummy = args.dummy or weights_dir is None
     tokenizer = None if dummy and not args.prompts_file else load_tokenizer(weights_dir)
     tokens = read_prompts(args.prompts_file, tokenizer, policy.batch_size, args.prompt_len) \
@@ -165,8 +169,9 @@ def run(args) -> int:
                                     seed=args.seed, bypass_page_cache=args.no_page_cache,
                                     prompt_len=args.prompt_len, gen_len=args.gen_len,
                                     placement_flag=placement_flag(args) or "--weights/--cache/--act", **caps)
-    predicted = None if profile is None else predict(spec, policy, args.prompt_len, args.gen_len, profile, dtype_name)
     try:
+        predicted = None if profile is None else predict(spec, policy, args.prompt_len, args.gen_len, profile,
+                                                         dtype_name)
         return generate_and_report(args, engine, policy, tokens, tokenizer, dummy, predicted)
     finally:
         engine.close()

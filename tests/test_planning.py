@@ -5,10 +5,13 @@ import shlex
 
 import pytest
 
+import flexh2o.optimizer.hardware
 import flexh2o.optimizer.measure
 import flexh2o.plan
+import flexh2o.profile
 import flexh2o.run
 from flexh2o.policy import Policy, policy_percents
+from conftest import TEST_CPU_PROFILE
 
 
 def policy_from_flags(command: str) -> Policy:
@@ -92,3 +95,44 @@ def test_a_planned_run_takes_as_many_sequences_as_the_prompts_file(model_with_to
     assert flexh2o.run.main(["--model", str(model_with_tokenizer), "--prompt-len", "8", "--gen-len", "2",
                              "--prompts-file", str(prompts), "--dtype", "float32", "--json-out", str(out)]) == 0
     assert json.loads(out.read_text())["batch_size"] == 3
+
+
+def test_plan_measures_the_machine_when_no_profile_is_cached(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty"))
+    measured = []
+    test_profile = flexh2o.optimizer.hardware.from_dict(TEST_CPU_PROFILE, "test")
+    monkeypatch.setattr(flexh2o.profile, "measure", lambda device, *a, **k: measured.append(device) or test_profile)
+    assert flexh2o.plan.main(["--model", "opt-125m", "--prompt-len", "32", "--gen-len", "4", "--max-batch", "4",
+                              "--offload-dir", str(tmp_path / "off")]) == 0
+    assert [d.type for d in measured] == ["cpu"]
+    assert (tmp_path / "empty" / "flexh2o" / "hardware" / "local.json").exists()
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--hardware", "t4", "--dtype", "float32"], "--dtype"),    # the t4 profile has no float32 figures
+    (["--hardware", "t5"], "--hardware"),
+    (["--batch", "0"], "--batch"),
+    (["--gpu-mem", "lots"], "--gpu-mem"),
+])
+def test_plan_bad_input_is_one_line(argv, flag, capsys, no_measuring):
+    assert flexh2o.plan.main(["--model", "opt-125m", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {flag}: ") and "\n" not in err
+
+
+def test_a_planned_run_in_a_dtype_the_profile_lacks_is_refused(capsys, no_measuring):
+    assert flexh2o.run.main(["--prompt-len", "8", "--gen-len", "2", "--dtype", "float16"]) == 2
+    assert capsys.readouterr().err.startswith("error: --dtype: the local profile has no figures for float16")
+
+
+def test_a_planned_run_keeps_the_gpu_batch_count_it_is_given(model_with_tokenizer, tmp_path, capsys, no_measuring):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("the cat\nthe dog\na mat\nsat on\n")
+    out = tmp_path / "r.json"
+    args = ["--model", str(model_with_tokenizer), "--prompt-len", "8", "--gen-len", "2", "--prompts-file",
+            str(prompts), "--dtype", "float32"]
+    assert flexh2o.run.main(args + ["--num-gpu-batches", "2", "--json-out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert (report["policy"]["gpu_batch_size"], report["policy"]["num_gpu_batches"]) == (2, 2)
+    assert flexh2o.run.main(args + ["--num-gpu-batches", "3"]) == 2
+    assert "--num-gpu-batches: 3 does not divide the 4 prompts" in capsys.readouterr().err

@@ -32,7 +32,6 @@ from .hardware import HardwareProfile
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 PROBS_PASSES = 4        # the prompt's attention probabilities are written and read about this often
 DECODE_SAMPLES = 16     # decode steps evaluated when there are more; each stands for its share of steps
-BOTTLENECKS = ("compute", "weight I/O", "cache I/O", "activation I/O", "disk")
 
 
 @dataclass(frozen=True)
@@ -257,8 +256,9 @@ class CostModel:
         b, spec, hw = policy.gpu_batch_size, self.spec, self.hw
         rows = b * (self.prompt_len if step.prefill else 1)
         matrices = self.matrices[j]
-        if self.kinds[j] == "InputEmbed":  # a lookup, then (opt-350m) a projection
-            matrices = [m for m in matrices if m[0] == spec.hidden_size and m[1] == spec.embed_dim != spec.hidden_size]
+        if self.kinds[j] == "InputEmbed":  # lookups, then (where embed_dim differs: opt-350m) a projection
+            projection = (spec.hidden_size, spec.embed_dim)
+            matrices = [projection] if spec.embed_dim != spec.hidden_size else []
         elif self.kinds[j] == "OutputEmbed":
             rows = b  # only the last position predicts
         flops = sum(2 * rows * out_dim * in_dim for out_dim, in_dim in matrices)

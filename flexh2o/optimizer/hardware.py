@@ -45,6 +45,10 @@ class HardwareProfile:
     dequant: float               # 4-bit group values dequantized per second on the compute device
     layer_overhead: float        # seconds per (layer, gpu-batch) call beyond its arithmetic and I/O
 
+    def knows(self, dtype: str) -> bool:
+        """Whether the profile has matrix-product figures for runs in this dtype."""
+        return dtype in self.matmul_flops and dtype in self.attention_flops
+
     def matmul_rate(self, rows: float, dtype: str | None = None) -> float:
         """FLOP/s of a matrix product with `rows` rows, interpolated in log(rows)."""
         table = sorted((int(r), f) for r, f in self.matmul_flops[dtype or self.dtype].items())

@@ -5,7 +5,7 @@ import torch
 from ..memory import capacities, format_size
 from .cost_model import Prediction
 from .hardware import LOCAL
-from .search import Plan, caps_of, search
+from .search import caps_of
 
 
 def plan_capacities(profile, offload_dir: str | None, gpu_mem=None, cpu_mem=None, disk_mem=None) -> dict:
@@ -14,10 +14,6 @@ def plan_capacities(profile, offload_dir: str | None, gpu_mem=None, cpu_mem=None
     if profile.name == LOCAL:
         return capacities(torch.device(profile.device), offload_dir, gpu_mem, cpu_mem, disk_mem)
     return caps_of(profile, gpu_mem, cpu_mem, disk_mem)
-
-
-def plan_job(spec, prompt_len: int, gen_len: int, profile, base, caps: dict, **options) -> Plan | None:
-    return search(spec, prompt_len, gen_len, profile, caps, base, **options)
 
 
 def share_flag(policy, kind: str, flag: str) -> str:

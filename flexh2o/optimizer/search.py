@@ -41,12 +41,17 @@ def shares(step: float) -> list[tuple[float, float]]:
 
 
 def cache_shares(batch: int, step: float) -> list[tuple[float, float]]:
-    """The cache placements that differ for a gpu-batch: the grid, one per distinct split of sequences."""
-    seen = {}
+    """The cache placements that differ for a gpu-batch: one grid point per distinct split of its
+    sequences, the one nearest the split's own percentages (so a split with sequences on disk is
+    never shown as a placement without disk)."""
+    best = {}
     for g, c in shares(step):
         rows = batch_split(batch, g, c)
-        seen.setdefault((rows["gpu"], rows["cpu"]), (g, c))
-    return list(seen.values())
+        key = (rows["gpu"], rows["cpu"])
+        distance = abs(g - 100 * rows["gpu"] / batch) + abs(c - 100 * rows["cpu"] / batch)
+        if key not in best or distance < best[key][0]:
+            best[key] = (distance, (g, c))
+    return [share for _, share in best.values()]
 
 
 def stacked(channels: list[Channels], shape: tuple) -> Channels:
@@ -115,7 +120,7 @@ class Search:
     def variants(self, policy, allow_compression: bool):
         """The switches tried for a batch shape: activations parked, CPU attention, compression."""
         acts = [(100, 0)] + ([(0, 100)] if self.on_cuda and policy.num_gpu_batches > 1 else [])
-        cpu_attention = [False, True] if self.on_cuda else [False]
+        cpu_attention = [True] if policy.cpu_cache_compute else [False, True] if self.on_cuda else [False]
         weight = [False, True] if allow_compression else [policy.compress_weight]
         cache = [False, True] if allow_compression else [policy.compress_cache]
         for act, ccc, cw, cc in itertools.product(acts, cpu_attention, weight, cache):
@@ -138,15 +143,18 @@ class Search:
 def search(spec, prompt_len: int, gen_len: int, profile, caps: dict, base, dtype: str | None = None,
            allow_compression: bool = False, max_batch: int | None = None, total_batch: int | None = None,
            tolerance: float = 0.02, step: float = 5, gpu_batch_sizes=GPU_BATCH_SIZES,
-           num_gpu_batches=NUM_GPU_BATCHES) -> Plan | None:
+           num_gpu_batches=None) -> Plan | None:
     """The best policy for the job, keeping base's KV policy and overlap (and its compression unless
-    allow_compression); total_batch: only batch shapes of exactly that many sequences (then every
-    divisor is a gpu-batch size tried). None if nothing fits."""
+    allow_compression); num_gpu_batches: the gpu-batch counts tried (default NUM_GPU_BATCHES); total_batch:
+    only batch shapes of exactly that many sequences. None if nothing fits."""
     s = Search(spec, prompt_len, gen_len, profile, caps, dtype, step)
-    if total_batch is not None:
-        gpu_batch_sizes = [b for b in range(1, total_batch + 1) if total_batch % b == 0]
-        num_gpu_batches = sorted({total_batch // b for b in gpu_batch_sizes})
-        max_batch = total_batch
+    if total_batch is not None:  # the gpu-batch counts asked for (any, by default) that divide it
+        counts = range(1, total_batch + 1) if num_gpu_batches is None else num_gpu_batches
+        num_gpu_batches = [nb for nb in counts if total_batch % nb == 0]
+        gpu_batch_sizes = sorted(total_batch // nb for nb in num_gpu_batches)
+        max_batch = total_batch if max_batch is None else min(max_batch, total_batch)
+    elif num_gpu_batches is None:
+        num_gpu_batches = NUM_GPU_BATCHES
     found, scored = [], 0
     for nb in num_gpu_batches:
         any_fit = False
@@ -156,8 +164,9 @@ def search(spec, prompt_len: int, gen_len: int, profile, caps: dict, base, dtype
             if total_batch is not None and b * nb != total_batch:
                 continue
             shape = replace(base, gpu_batch_size=b, num_gpu_batches=nb)
-            results = [r for r in map(s.best_of, s.variants(shape, allow_compression)) if r is not None]
-            scored += len(s.weight_shares) * len(cache_shares(b, step))
+            variants = list(s.variants(shape, allow_compression))
+            results = [r for r in map(s.best_of, variants) if r is not None]
+            scored += len(variants) * len(s.weight_shares) * len(cache_shares(b, step))
             if not results:
                 break  # a larger gpu-batch needs more memory still
             any_fit = True
