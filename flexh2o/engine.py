@@ -52,7 +52,9 @@ def parse_device(device: str) -> torch.device:
 @dataclass
 class GenerateOutput:
     sequences: torch.Tensor
-    scores: list
+    scores: list | None = None
+    forced_logprobs: torch.Tensor | None = None  # [batch, steps] teacher-forced: log p(forced token)
+    greedy: torch.Tensor | None = None            # [batch, steps] teacher-forced: the logits' argmax
 
 
 @dataclass
@@ -148,13 +150,15 @@ class Engine:
                  max_new_tokens: int = 32, do_sample: bool = False, temperature: float = 1.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  eos_token_id: int | None = -1, pad_token_id: int | None = None,
-                 output_scores: bool = False, progress: bool = False):
+                 output_scores: bool = False, progress: bool = False, forced_tokens: torch.Tensor | None = None):
         """Generates for a left-padded batch [gpu_batch_size * num_gpu_batches, prompt_len].
 
         Returns the ids [batch, prompt_len + max_new_tokens] (sequences that hit EOS continue
         with padding), or with output_scores=True a GenerateOutput whose scores hold one
         [batch, vocab] float32 tensor of logits per generated token. eos_token_id=-1 means the
-        model's own; None disables stopping at EOS.
+        model's own; None disables stopping at EOS. forced_tokens [batch, max_new_tokens]: teacher
+        forcing, step i feeds forced_tokens[:, i] next (no EOS stop); the GenerateOutput then holds
+        the log-probability each step's logits gave its forced token, and their greedy choice.
         """
         policy, spec = self.policy, self.spec
         if input_ids.dim() != 2 or input_ids.shape[0] != policy.batch_size:
@@ -175,11 +179,15 @@ class Engine:
                         output_scores, self.tiers.io_threads)
         self.projected = add(self.weight_need, need)
         check_fits(self.projected, self.caps, self.tiers.compute, self.placement_flag)
+        if forced_tokens is not None and tuple(forced_tokens.shape) != (input_ids.shape[0], max_new_tokens):
+            raise UsageError("forced_tokens", f"must be [batch, max_new_tokens] = [{input_ids.shape[0]}, "
+                             f"{max_new_tokens}], got {list(forced_tokens.shape)}")
         sampler = Sampler(do_sample, temperature, top_k, top_p, seed)
-        eos = spec.eos_token_id if eos_token_id == -1 else eos_token_id
+        eos = None if forced_tokens is not None else spec.eos_token_id if eos_token_id == -1 else eos_token_id
         pad = spec.pad_token_id if pad_token_id is None else pad_token_id
         seqs = Sequences(input_ids.cpu().long(), attention_mask.cpu(), max_new_tokens, policy.gpu_batch_size,
-                         sampler, eos, pad, output_scores, self.tiers.compute)
+                         sampler, eos, pad, output_scores, self.tiers.compute,
+                         None if forced_tokens is None else forced_tokens.cpu().long())
         batch_sizes = [policy.gpu_batch_size] * policy.num_gpu_batches
         io_before, read_before = self.tiers.io_seconds, self.tiers.disk.bytes_read if self.tiers.disk else 0
         try:
@@ -199,6 +207,9 @@ class Engine:
                                           sum(times[1:]), schedule.compute_seconds,
                                           self.tiers.io_seconds - io_before, read, schedule.step_allocations,
                                           schedule.step_dequant_seconds)
+        if forced_tokens is not None:
+            return GenerateOutput(seqs.ids, seqs.score_list(steps_done) if output_scores else None,
+                                  seqs.forced_logprobs, seqs.greedy)
         if output_scores:
             return GenerateOutput(seqs.ids, seqs.score_list(steps_done))
         return seqs.ids

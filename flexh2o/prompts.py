@@ -44,18 +44,28 @@ def read_lines(path: str) -> list[str]:
     return [line for line in lines if line.strip()]
 
 
-def read_prompts(path: str, tokenizer, batch: int, prompt_len: int) -> list[list[int]]:
-    """The token ids of one prompt per line; as many prompts as the batch, none over prompt_len."""
+def chat_turn(tokenizer, line: str) -> str:
+    """A prompt as one user turn in the tokenizer's chat template, ready for the assistant's reply."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": line}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def read_prompts(path: str, tokenizer, batch: int, prompt_len: int, chat: bool = False) -> list[list[int]]:
+    """The token ids of one prompt per line; as many prompts as the batch, none over prompt_len.
+    chat: each line goes through the tokenizer's chat template as a user turn."""
     if tokenizer is None:
         raise UsageError("--prompts-file", "needs a tokenizer: give --path (or --model) a directory with "
                          "tokenizer files")
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise UsageError("--chat", "the model's tokenizer has no chat template")
     lines = read_lines(path)
     if len(lines) != batch:
         raise UsageError("--prompts-file", f"{path} has {len(lines)} prompts; the batch "
                          f"(--gpu-batch-size x --num-gpu-batches) is {batch}")
     out = []
     for row, line in enumerate(lines):
-        tokens = tokenizer(line)["input_ids"]
+        tokens = tokenizer(chat_turn(tokenizer, line), add_special_tokens=False)["input_ids"] if chat \
+            else tokenizer(line)["input_ids"]
         if len(tokens) > prompt_len:
             raise UsageError("--prompts-file", f"prompt {row + 1} has {len(tokens)} tokens, over "
                              f"--prompt-len {prompt_len}")

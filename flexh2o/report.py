@@ -34,7 +34,7 @@ def peak_memory(engine) -> dict:
     }
 
 
-def build_report(engine, stats, policy, sample_text=None, predicted=None) -> dict:
+def build_report(engine, stats, policy, sample_text=None, predicted=None, generated=None) -> dict:
     """Every figure of a run; peaks are tracked allocations per tier (the gpu tier is the compute
     device, which is the CPU itself on a machine without CUDA)."""
     spec, dtype_bytes = engine.spec, torch.empty(0, dtype=engine.tiers.dtype).element_size()
@@ -67,6 +67,7 @@ def build_report(engine, stats, policy, sample_text=None, predicted=None) -> dic
         "dequant_seconds": sum(stats.step_dequant_seconds or []),  # summed over I/O threads
         "predicted": None if predicted is None else predicted.to_dict(),  # the cost model, local profile
         "sample": sample_text,
+        "generated": generated,  # with a prompts file: the text each prompt got, EOS respected
         "machine": describe_machine(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
@@ -111,6 +112,8 @@ def format_report(r: dict) -> str:
         d = r["disk_io"]
         lines.append(f"disk: page cache {d['page_cache']}; read {d['bytes_read'] / GB:.3f} GB, "
                      f"written {d['bytes_written'] / GB:.3f} GB")
-    if r.get("sample") is not None:
+    if r.get("generated") is not None:
+        lines += [f"[{n}] {text!r}" for n, text in enumerate(r["generated"], 1)]
+    elif r.get("sample") is not None:
         lines.append(f"sample: {r['sample']!r}")
     return "\n".join(lines)

@@ -83,7 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload-dir", default=None,
                    help="directory for tensors placed on disk (default: $TMPDIR/flexh2o_offload)")
     p.add_argument("--json-out", help="write the report's figures, the policy and the machine as JSON here")
-    p.add_argument("--prompts-file", help="one prompt per line (needs a tokenizer next to the weights)")
+    p.add_argument("--prompts-file", help="one prompt per line (needs a tokenizer next to the weights); the "
+                   "generated text of each is printed")
+    p.add_argument("--chat", action="store_true",
+                   help="with --prompts-file: each prompt as a user turn in the tokenizer's chat template")
     p.add_argument("--verbose", action="store_true", help="progress bars and more detail")
     return p
 
@@ -127,6 +130,8 @@ def run(args) -> int:
     check_positive(args)
     check_sampling(args.temperature, args.top_k, args.top_p)
     check_seed(args.seed)
+    if args.chat and not args.prompts_file:
+        raise UsageError("--chat", "applies to the prompts of --prompts-file: give one")
     planning = args.gpu_batch_size is None and placement_flag(args) is None
     check_planning_flags(args, planning)
     w_gpu, w_cpu, c_gpu, c_cpu, a_gpu, a_cpu = policy_percents(args)
@@ -162,7 +167,7 @@ def run(args) -> int:
         check_offload_dir(args.offload_dir)
     dummy = args.dummy or weights_dir is None
     tokenizer = None if dummy and not args.prompts_file else load_tokenizer(weights_dir)
-    tokens = read_prompts(args.prompts_file, tokenizer, policy.batch_size, args.prompt_len) \
+    tokens = read_prompts(args.prompts_file, tokenizer, policy.batch_size, args.prompt_len, args.chat) \
         if args.prompts_file else None
     engine = Engine.from_pretrained(args.model, policy=policy, device=device, dtype=dtype, dummy=dummy,
                                     path=args.path, offload_dir=args.offload_dir, progress=args.verbose,
@@ -211,10 +216,11 @@ def generate_and_report(args, engine, policy, tokens, tokenizer, dummy, predicte
     ids = engine.generate(input_ids, mask, max_new_tokens=args.gen_len, do_sample=args.do_sample,
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                           eos_token_id=-1 if args.stop_at_eos else None, progress=True)
-    sample = None
+    sample, generated = None, None
     if tokenizer is not None and not dummy:
-        sample = tokenizer.decode(ids[0, args.prompt_len:], skip_special_tokens=True)
-    report = build_report(engine, engine.last_stats, policy, sample, predicted)
+        texts = [tokenizer.decode(row[args.prompt_len:], skip_special_tokens=True) for row in ids]
+        sample, generated = texts[0], texts if tokens is not None else None
+    report = build_report(engine, engine.last_stats, policy, sample, predicted, generated)
     print(format_report(report), flush=True)
     return save_json(args.json_out, report) if args.json_out else 0
 

@@ -1,7 +1,9 @@
 """The batch being generated: token ids, padding, positions, finished flags and scores.
 
 It hands each layer a `Step` (what token step i of gpu-batch k needs) and receives the logits
-of the output layer to choose the next tokens.
+of the output layer to choose the next tokens. Teacher-forced (`forced` [batch, gen_len]), step i
+feeds forced[:, i] next whatever the logits say, and keeps the log-probability the logits gave
+that token and their greedy choice (flexh2o/eval.py scores text with them).
 """
 
 from dataclasses import dataclass
@@ -24,7 +26,7 @@ class Step:
 
 class Sequences:
     def __init__(self, input_ids, attention_mask, gen_len, gpu_batch_size, sampler,
-                 eos_token_id, pad_token_id, keep_scores, device):
+                 eos_token_id, pad_token_id, keep_scores, device, forced=None):
         batch, self.prompt_len = input_ids.shape
         self.gen_len, self.gpu_batch_size = gen_len, gpu_batch_size
         self.sampler, self.eos, self.pad, self.device = sampler, eos_token_id, pad_token_id, device
@@ -35,6 +37,10 @@ class Sequences:
         self.finished = torch.zeros(batch, dtype=torch.bool)
         self.scores = [[None] * (batch // gpu_batch_size) for _ in range(gen_len)] if keep_scores else None
         self._uniforms = None
+        self.forced = forced
+        if forced is not None:
+            self.forced_logprobs = torch.zeros(batch, gen_len, dtype=torch.float64)
+            self.greedy = torch.zeros(batch, gen_len, dtype=torch.long)
 
     def rows(self, k: int) -> slice:
         return slice(k * self.gpu_batch_size, (k + 1) * self.gpu_batch_size)
@@ -66,8 +72,14 @@ class Sequences:
         rows = self.rows(k)
         if self.scores is not None:
             self.scores[i][k] = logits.cpu()
-        u = None if self._uniforms is None else self._uniforms[rows]
-        tokens = self.sampler.pick(logits, u).cpu()
+        if self.forced is not None:
+            tokens = self.forced[rows, i]
+            logprobs = torch.log_softmax(logits.double(), dim=-1).cpu()
+            self.forced_logprobs[rows, i] = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+            self.greedy[rows, i] = logits.argmax(dim=-1).cpu()
+        else:
+            u = None if self._uniforms is None else self._uniforms[rows]
+            tokens = self.sampler.pick(logits, u).cpu()
         finished = self.finished[rows]
         tokens = tokens.masked_fill(finished, self.pad)  # finished sequences emit padding
         if self.eos is not None:

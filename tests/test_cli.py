@@ -62,8 +62,9 @@ def test_prompts_file_with_real_weights_prints_a_sample(model_with_tokenizer, tm
     r = cli("--model", str(model_with_tokenizer), "--prompt-len", "8", "--gen-len", "3", "--gpu-batch-size", "2",
             "--prompts-file", str(prompts), "--json-out", str(out), "--device", "cpu", "--dtype", "float32")
     assert r.returncode == 0, r.stderr
-    assert "sample:" in r.stdout
-    assert isinstance(json.loads(out.read_text())["sample"], str)
+    assert "[1] '" in r.stdout and "[2] '" in r.stdout  # the text each prompt got
+    report = json.loads(out.read_text())
+    assert isinstance(report["sample"], str) and len(report["generated"]) == 2
 
 
 def test_bad_input_from_a_subprocess_is_one_line_without_traceback():
@@ -95,3 +96,23 @@ def test_prompt_longer_than_prompt_len(model_with_tokenizer, tmp_path, capsys):
     assert main(["--model", str(model_with_tokenizer), "--prompt-len", "4", "--gen-len", "2",
                  "--gpu-batch-size", "1", "--prompts-file", str(prompts)]) == 2
     assert "over --prompt-len 4" in capsys.readouterr().err
+
+
+def test_chat_needs_a_prompts_file_and_a_template(model_with_tokenizer, tmp_path, capsys):
+    assert main(["--model", str(model_with_tokenizer), "--prompt-len", "8", "--gen-len", "2", "--chat"]) == 2
+    assert "error: --chat: applies to the prompts of --prompts-file" in capsys.readouterr().err
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("the cat\n")
+    assert main(["--model", str(model_with_tokenizer), "--prompt-len", "8", "--gen-len", "2", "--gpu-batch-size", "1",
+                 "--prompts-file", str(prompts), "--chat"]) == 2
+    assert "error: --chat: the model's tokenizer has no chat template" in capsys.readouterr().err
+
+
+def test_chat_applies_the_template(model_with_tokenizer, tmp_path):
+    from transformers import AutoTokenizer
+    from flexh2o.prompts import read_prompts
+    tok = AutoTokenizer.from_pretrained(model_with_tokenizer)
+    tok.chat_template = "{% for m in messages %}the {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}a{% endif %}"
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("cat sat\n")
+    assert read_prompts(str(prompts), tok, 1, 8, chat=True) == [tok("the cat sat a", add_special_tokens=False)["input_ids"]]

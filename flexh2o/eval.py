@@ -1,0 +1,163 @@
+"""Command line: python -m flexh2o.eval --model M --text FILE --prompt-len 512 --eval-len 128
+
+What a KV policy or compression costs in output quality, on your model and your text:
+teacher-forced perplexity through the engine's real cache, evictions included.
+
+The text is tokenized once; K consecutive windows of prompt_len + eval_len tokens form one batch.
+Each window prefills its first prompt_len tokens, then is fed its next eval_len tokens one decode
+step at a time, and every fed token is scored from the logits of the step before it (the prompt
+step's logits score the first). With --agreement the same windows also run with the full cache
+and no compression, and the report gives how often the greedy choices of the two runs agree.
+"""
+
+import argparse
+import math
+import sys
+import time
+
+import torch
+
+from .engine import Engine, default_device, parse_dtype
+from .errors import OneLineErrorParser, UsageError
+from .models import resolve_model
+from .output import check_output_file
+from .policy import KV_POLICIES, Policy
+from .prompts import load_tokenizer
+from .run import default_offload_dir, save_json
+from .signals import run_stoppable
+
+MAX_TEXT_BYTES = 64 << 20
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineErrorParser(prog="python -m flexh2o.eval", description=__doc__.split("\n\n")[1].strip())
+    p.add_argument("--model", required=True, help="a model directory (or preset with --path) that has a tokenizer")
+    p.add_argument("--path", help="weights directory for a preset --model")
+    p.add_argument("--text", required=True, help="a UTF-8 text file to score")
+    p.add_argument("--prompt-len", type=int, default=512, help="tokens each window prefills")
+    p.add_argument("--eval-len", type=int, default=128, help="tokens each window is fed and scored on")
+    p.add_argument("--windows", type=int, default=4, help="consecutive windows of the text, run as one batch")
+    p.add_argument("--offset", type=int, default=0, help="text tokens skipped before the first window")
+    p.add_argument("--kv-policy", choices=KV_POLICIES, default=None)
+    p.add_argument("--hh-ratio", type=float, default=None, metavar="R")
+    p.add_argument("--recent-ratio", type=float, default=None, metavar="R")
+    p.add_argument("--compress-weight", action="store_true")
+    p.add_argument("--compress-cache", action="store_true")
+    p.add_argument("--num-gpu-batches", type=int, default=1, help="the windows split into this many gpu-batches")
+    p.add_argument("--agreement", action="store_true",
+                   help="also run the full cache uncompressed and report greedy-token agreement with it")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None, help="float32 for exact comparisons (default: the engine's)")
+    p.add_argument("--json-out", help="write ppl, tokens_scored and the settings as JSON here")
+    return p
+
+
+def read_text(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_TEXT_BYTES + 1)
+    except OSError as e:
+        raise UsageError("--text", f"cannot read {path}: {e.strerror}") from None
+    if len(data) > MAX_TEXT_BYTES:
+        raise UsageError("--text", f"{path} is over {MAX_TEXT_BYTES >> 20} MB; give an extract")
+    try:
+        return data.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as e:
+        raise UsageError("--text", f"{path} is not UTF-8 text (byte {e.start})") from None
+
+
+def text_windows(tokens: list[int], windows: int, prompt_len: int, eval_len: int, offset: int = 0) -> torch.Tensor:
+    """[windows, prompt_len + eval_len]: consecutive slices of the text's tokens from `offset`."""
+    width = prompt_len + eval_len
+    need = offset + windows * width
+    if len(tokens) < need:
+        raise UsageError("--text", f"holds {len(tokens)} tokens; {windows} windows of {prompt_len} + {eval_len} "
+                         f"from offset {offset} need {need}: give fewer --windows or shorter lengths")
+    return torch.tensor(tokens[offset:need], dtype=torch.long).view(windows, width)
+
+
+def teacher_forced(engine, windows: torch.Tensor, prompt_len: int):
+    """(log-probabilities [windows, eval_len] of each fed token, the greedy choices [windows, eval_len])."""
+    prompt, fed = windows[:, :prompt_len], windows[:, prompt_len:]
+    out = engine.generate(prompt, torch.ones_like(prompt), max_new_tokens=fed.shape[1], forced_tokens=fed)
+    return out.forced_logprobs, out.greedy
+
+
+def perplexity(logprobs: torch.Tensor) -> float:
+    return math.exp(-logprobs.mean().item())
+
+
+def run_policy(args, policy, windows, prompt_len, eval_len, device, dtype):
+    with Engine.from_pretrained(args.model, policy=policy, device=device, dtype=dtype, path=args.path,
+                                offload_dir=default_offload_dir(), prompt_len=prompt_len, gen_len=eval_len) as engine:
+        return teacher_forced(engine, windows, prompt_len)
+
+
+def evaluate(args) -> dict:
+    for flag in ("prompt_len", "eval_len", "windows", "num_gpu_batches"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')}", f"must be a positive integer, got {getattr(args, flag)}")
+    if args.offset < 0:
+        raise UsageError("--offset", f"must be 0 or more, got {args.offset}")
+    if args.windows % args.num_gpu_batches:
+        raise UsageError("--num-gpu-batches", f"must divide --windows {args.windows}, got {args.num_gpu_batches}")
+    policy = Policy(args.windows // args.num_gpu_batches, args.num_gpu_batches, kv_policy=args.kv_policy,
+                    hh_ratio=args.hh_ratio, recent_ratio=args.recent_ratio, compress_weight=args.compress_weight,
+                    compress_cache=args.compress_cache)
+    spec, weights_dir = resolve_model(args.model, args.path)
+    if args.prompt_len + args.eval_len > spec.max_positions:
+        raise UsageError("--prompt-len/--eval-len", f"{args.prompt_len} + {args.eval_len} exceeds the "
+                         f"{spec.max_positions} positions of {spec.name}")
+    tokenizer = load_tokenizer(weights_dir)
+    if tokenizer is None:
+        raise UsageError("--model", f"{args.model} has no tokenizer files: the text cannot be tokenized")
+    if args.json_out:
+        check_output_file("--json-out", args.json_out)
+    tokens = tokenizer(read_text(args.text), add_special_tokens=False)["input_ids"]
+    windows = text_windows(tokens, args.windows, args.prompt_len, args.eval_len, args.offset)
+    device = args.device or default_device()
+    dtype = parse_dtype(args.dtype) if args.dtype else None
+    start = time.perf_counter()
+    logprobs, greedy = run_policy(args, policy, windows, args.prompt_len, args.eval_len, device, dtype)
+    result = {"model": spec.name, "text": args.text, "text_tokens": len(tokens), "prompt_len": args.prompt_len,
+              "eval_len": args.eval_len, "windows": args.windows, "offset": args.offset, "policy": policy.to_dict(),
+              "dtype": args.dtype, "ppl": perplexity(logprobs), "tokens_scored": logprobs.numel(),
+              "mean_nll": -logprobs.mean().item()}
+    if args.agreement:
+        full = Policy(policy.gpu_batch_size, policy.num_gpu_batches)
+        full_logprobs, full_greedy = run_policy(args, full, windows, args.prompt_len, args.eval_len, device, dtype)
+        result |= {"full_cache_ppl": perplexity(full_logprobs),
+                   "agreement": (greedy == full_greedy).double().mean().item()}
+    result["seconds"] = time.perf_counter() - start
+    return result
+
+
+def describe(r: dict) -> str:
+    p = r["policy"]
+    kv = p["kv_policy"] if p["kv_policy"] == "full" else \
+        f"{p['kv_policy']} (hh_ratio {p['hh_ratio']:g}, recent_ratio {p['recent_ratio'] or p['hh_ratio']:g})"
+    lines = [f"model: {r['model']}\ttext: {r['text']} ({r['text_tokens']} tokens)\t{r['windows']} windows of "
+             f"{r['prompt_len']} + {r['eval_len']} from token {r['offset']}",
+             f"kv cache: {kv}" + (", weights compressed" if p["compress_weight"] else "")
+             + (", cache compressed" if p["compress_cache"] else ""),
+             f"perplexity: {r['ppl']:.4f} over {r['tokens_scored']} tokens (mean NLL {r['mean_nll']:.4f})"]
+    if "agreement" in r:
+        lines.append(f"full cache, uncompressed: perplexity {r['full_cache_ppl']:.4f}; greedy tokens agree "
+                     f"{100 * r['agreement']:.1f}%")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        result = evaluate(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(describe(result), flush=True)
+    return save_json(args.json_out, result) if args.json_out else 0
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    sys.exit(run_stoppable(main))
