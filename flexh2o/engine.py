@@ -183,7 +183,8 @@ class Engine:
             raise UsageError("forced_tokens", f"must be [batch, max_new_tokens] = [{input_ids.shape[0]}, "
                              f"{max_new_tokens}], got {list(forced_tokens.shape)}")
         sampler = Sampler(do_sample, temperature, top_k, top_p, seed)
-        eos = None if forced_tokens is not None else spec.eos_token_id if eos_token_id == -1 else eos_token_id
+        model_eos = getattr(spec, "eos_token_ids", None) or spec.eos_token_id  # Llama 3 lists several
+        eos = None if forced_tokens is not None else model_eos if eos_token_id == -1 else eos_token_id
         pad = spec.pad_token_id if pad_token_id is None else pad_token_id
         seqs = Sequences(input_ids.cpu().long(), attention_mask.cpu(), max_new_tokens, policy.gpu_batch_size,
                          sampler, eos, pad, output_scores, self.tiers.compute,

@@ -174,7 +174,8 @@ def run_need(spec, policy, dtype_bytes: int, prompt_len: int, gen_len: int, devi
     hidden = spec.hidden_bytes(b, prompt_len, dtype_bytes)
     # The prompt's attention works in blocks (fused kernels, or PROBS_CHUNK_BYTES of probabilities).
     attention = min(b * spec.num_heads * prompt_len * prompt_len * 4, PROBS_CHUNK_BYTES)
-    working = b * prompt_len * (3 * spec.hidden_size + spec.ffn_dim) * dtype_bytes + attention + b * spec.vocab_size * 4
+    working = (b * prompt_len * (3 * spec.hidden_size + spec.mlp_working_width) * dtype_bytes + attention
+               + b * spec.vocab_size * 4)
     if POLICIES[policy.kv_policy].uses_attention:  # the observed prompt attention reshapes q, k, v: copies
         working += hidden
     need["gpu"] += working + nb * b * prompt_len * prompt_len  # every gpu-batch's prompt mask (bool) exists at once

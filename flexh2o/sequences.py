@@ -82,8 +82,8 @@ class Sequences:
             tokens = self.sampler.pick(logits, u).cpu()
         finished = self.finished[rows]
         tokens = tokens.masked_fill(finished, self.pad)  # finished sequences emit padding
-        if self.eos is not None:
-            self.finished[rows] = finished | (tokens == self.eos)
+        if self.eos is not None:  # one id, or several (any of them ends a sequence)
+            self.finished[rows] = finished | torch.isin(tokens, torch.tensor(self.eos).view(-1))
         self.ids[rows, self.prompt_len + i] = tokens
         return tokens.unsqueeze(1).to(self.device)
 

@@ -34,6 +34,11 @@ def canonical_name(name: str) -> str:
     return name.removeprefix("model.")
 
 
+def is_norm(name: str) -> bool:
+    """A normalization's weight or bias: OPT's `*layer_norm.*`, Llama's `*layernorm.weight` and `norm.weight`."""
+    return "layer_norm" in name or "layernorm" in name or name == "norm.weight"
+
+
 class CheckpointWeights:
     """safetensors shards, or `.bin` shards read with torch.load(weights_only=True) (see load_bin)."""
 
@@ -112,7 +117,7 @@ class CheckpointWeights:
 class DummyWeights:
     """Deterministic weights of any size, made without reading files (for benchmarks).
 
-    Layer norms get weight 1 and bias 0; every other tensor is a window, at an offset derived
+    Norms get weight 1 and bias 0; every other tensor is a window, at an offset derived
     from its name, into one shared block of normal(0, 0.02) numbers, so that a 175B model is as
     quick to make as copying its bytes.
     """
@@ -127,7 +132,7 @@ class DummyWeights:
         pass
 
     def get(self, name: str, shape) -> torch.Tensor:
-        if "layer_norm" in name:
+        if is_norm(name):
             return torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)
         numel = 1
         for d in shape:

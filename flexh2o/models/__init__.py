@@ -4,9 +4,12 @@ import json
 import os
 
 from ..errors import UsageError
-from .opt import PRESETS, same_shape, spec_from_hf_config
+from . import llama, opt
 
-SUPPORTED_TYPES = ("opt",)
+FAMILIES = {"opt": opt, "llama": llama, "mistral": llama, "qwen2": llama}  # config.json's model_type -> module
+SUPPORTED_TYPES = tuple(FAMILIES)
+PRESETS = {**opt.PRESETS, **llama.PRESETS}
+ORGANIZATIONS = ("facebook/", "huggingfacetb/", "meta-llama/")  # a preset may be named as its HF repository
 
 
 def read_hf_config(directory: str, flag: str) -> dict:
@@ -26,19 +29,35 @@ def spec_from_directory(directory: str, name: str, flag: str):
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_TYPES:
         raise UsageError(flag, f"{directory} holds a {model_type!r} model; supported: {', '.join(SUPPORTED_TYPES)}")
-    return spec_from_hf_config(config, name, flag)
+    return FAMILIES[model_type].spec_from_hf_config(config, name, flag)
+
+
+def same_shape(a, b) -> bool:
+    """Whether two specs make the same weights (names and shapes): a checkpoint of one fits the other."""
+    def weights(spec):
+        return [s for layer in spec.build_layers() for s in layer.weight_specs()]
+    return a.family == b.family and weights(a) == weights(b)
+
+
+def preset_name(model: str) -> str:
+    name = model.lower()
+    for org in ORGANIZATIONS:
+        name = name.removeprefix(org)
+    return name
 
 
 def resolve_model(model: str, path: str | None = None):
-    """(spec, weights directory or None) for a preset name, `facebook/<preset>`, or a local HF directory."""
+    """(spec, weights directory or None) for a preset name (or its HF repository, e.g.
+    facebook/opt-1.3b), or a local HF directory."""
     if path is not None and not os.path.isdir(path):
         raise UsageError("--path", f"weights directory {path} does not exist")
     if os.path.isfile(os.path.join(model, "config.json")):
         return spec_from_directory(model, os.path.basename(os.path.normpath(model)), "--model"), model
-    name = model.lower().removeprefix("facebook/")
+    name = preset_name(model)
     if name not in PRESETS:
         raise UsageError("--model", f"unknown model {model!r}; accepted: {', '.join(PRESETS)} "
-                         "(optionally as facebook/<name>) or a directory holding an HF config.json")
+                         "(optionally as their HF repository, e.g. facebook/opt-1.3b) "
+                         "or a directory holding an HF config.json")
     spec = PRESETS[name]
     if path is not None and os.path.isfile(os.path.join(path, "config.json")):
         found = spec_from_directory(path, name, "--path")

@@ -14,16 +14,25 @@ PROBS_CHUNK_BYTES = 64 << 20  # bound on the prompt's logits + probabilities hel
 
 
 def prompt_attention(q, k, v, mask, scale: float) -> torch.Tensor:
-    """q, k, v [b, heads, s, d]; mask bool [b, 1, s, s] (True = may attend), None for plain causal."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
+    """q [b, heads, s, d], k and v [b, kv_heads, s, d]; mask bool [b, 1, s, s] (True = may attend),
+    None for plain causal."""
+    grouped = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, **grouped)
+
+
+def repeat_kv_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """[b, kv_heads, s, d] -> [b, heads, s, d]: each KV head repeated for the query heads of its group."""
+    b, kv_heads, s, d = t.shape
+    return t[:, :, None].expand(b, kv_heads, heads // kv_heads, s, d).reshape(b, heads, s, d)
 
 
 def prompt_attention_observed(q, k, v, mask, real, scale: float, contribution):
-    """Prompt attention that also returns contribution(logits, probs, real_rows) per key:
-    [b, heads, s]. real bool [b, s] marks real (non-padding) query rows."""
+    """Prompt attention that also returns contribution(logits, probs, real_rows) per key and query
+    head: [b, heads, s]. real bool [b, s] marks real (non-padding) query rows. k and v may have
+    fewer (KV) heads than q."""
     b, heads, s, d = q.shape
     rows = b * heads
-    qf, kf, vf = (t.reshape(rows, s, d) for t in (q, k, v))
+    qf, kf, vf = (repeat_kv_heads(t, heads).reshape(rows, s, d) for t in (q, k, v))
     causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril_() if mask is None else None
     out = torch.empty_like(qf)
     seen = torch.empty(rows, s, dtype=torch.float32, device=q.device)

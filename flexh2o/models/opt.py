@@ -1,8 +1,9 @@
 """OPT: the published model shapes and the spec that builds flexh2o's own OPT layers."""
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ..errors import UsageError
+from .hf_config import is_int, positive_ints, token_id
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,11 @@ class OPTSpec:
     def hidden_bytes(self, batch: int, seq_len: int, dtype_bytes: int) -> int:
         return batch * seq_len * self.hidden_size * dtype_bytes
 
+    @property
+    def mlp_working_width(self) -> int:
+        """Values per token the MLP holds at its peak beside its input: fc1's output."""
+        return self.ffn_dim
+
 
 def _preset(name, layers, hidden, heads, **kw):
     return OPTSpec(name=name, num_layers=layers, hidden_size=hidden, num_heads=heads,
@@ -80,34 +86,21 @@ PRESETS = {s.name: s for s in [
 
 POSITIVE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "ffn_dim", "vocab_size",
                    "max_position_embeddings")
-LARGEST = 1 << 24  # far above any real model's field (OPT-175B: 96 layers, 12288 hidden, 50272 vocab)
 TOKEN_FIELDS = {"pad_token_id": 1, "bos_token_id": 2, "eos_token_id": 2}
-
-
-def is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def checked_fields(config: dict, refuse) -> dict:
     """The shape fields of an OPT config.json, each a positive integer, and its special token ids."""
-    for field in POSITIVE_FIELDS:
-        if field not in config:
-            refuse(f"config.json lacks {field}")
-        if not is_int(config[field]) or config[field] < 1:
-            refuse(f"config.json's {field} must be a positive integer, got {config[field]!r}")
-        if config[field] > LARGEST:  # a hand-edited 10**9 layers would hang building them
-            refuse(f"config.json's {field} is {config[field]}, over {LARGEST}")
+    shape = positive_ints(config, POSITIVE_FIELDS, refuse)
     proj = config.get("word_embed_proj_dim")
     proj = config["hidden_size"] if proj is None else proj  # None: as HF's OPTConfig, the hidden size
     if not is_int(proj) or proj < 1:
         refuse(f"config.json's word_embed_proj_dim must be a positive integer, got {proj!r}")
     tokens = {}
     for field, default in TOKEN_FIELDS.items():
-        value = config.get(field, default)
-        tokens[field] = default if value is None else value
-        if not is_int(tokens[field]) or not 0 <= tokens[field] < config["vocab_size"]:
-            refuse(f"config.json's {field} must be a token id below vocab_size, got {value!r}")
-    return {**{f: config[f] for f in POSITIVE_FIELDS}, "word_embed_proj_dim": proj, **tokens}
+        value = config.get(field)
+        tokens[field] = token_id(default if value is None else value, field, shape["vocab_size"], refuse)
+    return {**shape, "word_embed_proj_dim": proj, **tokens}
 
 
 def spec_from_hf_config(config: dict, name: str, flag: str = "--model") -> OPTSpec:
@@ -140,8 +133,3 @@ def spec_from_hf_config(config: dict, name: str, flag: str = "--model") -> OPTSp
         bos_token_id=c["bos_token_id"],
         eos_token_id=c["eos_token_id"],
     )
-
-
-def same_shape(a: OPTSpec, b: OPTSpec) -> bool:
-    return replace(a, name="", pad_token_id=0, bos_token_id=0, eos_token_id=0) == \
-        replace(b, name="", pad_token_id=0, bos_token_id=0, eos_token_id=0)

@@ -1,0 +1,106 @@
+"""Self-attention over the KV cache, the part every model family shares.
+
+A family's attention layer computes its queries, keys and values (with whatever positional
+treatment it has: OPT's is in the input embedding, Llama's rotary phase is applied to q and k
+here) and hands them to `attend`. Everything about the cache lives in this base class: the
+per-gpu-batch cache homes (kv/home.py) and their loads and stores, the split of a step into the
+prompt's attention and a decode step's, the KV policy's view of the attention probabilities, and,
+under cpu_cache_compute, the decode attention over a CPU-held part run on the CPU.
+
+Grouped-query attention: q has spec.num_heads heads, k and v spec.num_kv_heads; query heads
+[g * group, (g + 1) * group) share KV head g, as in Hugging Face models.
+"""
+
+import torch
+
+from ..kv.eviction import per_kv_head
+from ..kv.home import CacheHome, batch_split
+from .attention import decode_attention, prompt_attention, prompt_attention_observed
+from .layer import Layer
+
+
+class CachedAttention(Layer):
+    """Base of an attention layer: subclasses define weight_specs, prepare and forward, which
+    calls attend(q, k, v, step)."""
+
+    def __init__(self, spec):
+        self.spec = spec
+        self.homes = []
+        self.loading = []
+
+    # -- the cache of each gpu-batch ------------------------------------------------------------
+    def init_cache(self, batch_sizes, kv, policy):
+        """kv: this layer's KV policy object (flexh2o.kv), which fixes the capacity."""
+        s = self.spec
+        self.kv = kv
+        self.homes = [CacheHome(self.tiers, b, s.num_kv_heads, s.head_dim, kv.capacity, kv.accumulates,
+                                batch_split(b, policy.cache_gpu_percent, policy.cache_cpu_percent),
+                                policy.cpu_cache_compute, policy.compress_cache) for b in batch_sizes]
+        self.loading = [None] * len(batch_sizes)
+
+    def free_cache(self):
+        for home in self.homes:
+            home.close()
+        self.homes, self.loading = [], []
+
+    def load_cache(self, i, k):
+        self.loading[k] = self.homes[k].load(prefill=i == 0)
+
+    def wait_inputs(self, k):
+        super().wait_inputs(k)
+        self.loading[k].wait()
+
+    def store_cache(self, i, k):
+        self.homes[k].store(self.loading[k].wait())
+        self.loading[k] = None
+
+    # -- attention -------------------------------------------------------------------------------
+    def attend(self, q, k, v, step) -> torch.Tensor:
+        """q [b, heads, n, d], k and v [b, kv_heads, n, d] (positions already applied) -> the
+        attention output [b, n, heads * d]; the KV policy then takes the new K/V into the cache."""
+        scale = self.spec.head_dim ** -0.5
+        parts = self.loading[step.k].wait()  # [(rows, KVCache)]: sequences whose cache lives in one place
+        if step.prefill:
+            out = self._prompt(q, k, v, scale, step, parts)
+        else:
+            out = self._decode_parts(q, k, v, scale, step, parts)
+        b, heads, n, d = out.shape
+        return out.transpose(1, 2).reshape(b, n, heads * d)
+
+    def _decode_parts(self, q, k, v, scale, step, parts):
+        """One new token per sequence, against each part of the cache where it lives."""
+        # A part the CPU attends over (cpu_cache_compute): its q and new K/V start towards the
+        # CPU first, so that copy and the CPU's attention overlap the device's own parts.
+        on_cpu = {n: self.tiers.start_host_copy([t[rows] for t in (q, k, v, step.positions)], cache.k.dtype)
+                  for n, (rows, cache) in enumerate(parts) if cache.k.device != q.device}
+        outs = [None if n in on_cpu else self._decode(q[rows], k[rows], v[rows], step.positions[rows], cache,
+                                                      scale, step)
+                for n, (rows, cache) in enumerate(parts)]
+        for n, copied in on_cpu.items():
+            outs[n] = self._decode(*copied.wait(), parts[n][1], scale, step).to(q.device, q.dtype)
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _decode(self, q, k_new, v_new, positions, cache, scale, step):
+        """One new token per sequence against `cache`; the KV policy then stores it."""
+        o, logits, probs = decode_attention(q, cache, k_new, v_new, scale)
+        self.kv.decode(cache, k_new, v_new, positions, logits, probs, step)
+        return o
+
+    def _prompt(self, q, k, v, scale, step, parts):
+        """The prompt's attention; the KV policy then takes its tokens into the cache."""
+        kv_heads = self.spec.num_kv_heads
+        seen = None
+        if self.kv.uses_attention:
+            out, seen = prompt_attention_observed(
+                q, k, v, step.prompt_mask, step.key_valid, scale,
+                lambda logits, probs, real_rows: self.kv.contribution(logits, probs, real_rows, step))
+            seen = per_kv_head(seen, kv_heads)
+        else:
+            out = prompt_attention(q, k, v, step.prompt_mask, scale)
+        b, _, n, _ = k.shape
+        pos = step.positions.to(torch.int32)[:, None, :].expand(b, kv_heads, n)
+        for rows, cache in parts:
+            dev = cache.k.device
+            self.kv.prompt(cache, k[rows].to(dev), v[rows].to(dev), pos[rows].to(dev),
+                           None if seen is None else seen[rows].to(dev), step)
+        return out
