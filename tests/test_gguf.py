@@ -1,0 +1,243 @@
+"""flexh2o.gguf_reader: SmolLM2-135M's GGUF (Q4_1) against transformers' own GGUF loading, and tiny
+GGUF files written here for what that file lacks (untied head, RoPE scaling, qwen2, F16/Q8_0)."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install -e '.[models]')")
+
+from flexh2o.errors import UsageError  # noqa: E402
+from flexh2o.gguf_reader import read_gguf, tokenizer  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMOL = os.path.join(REPO, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
+needs_smol = pytest.mark.skipif(not os.path.isfile(SMOL), reason=f"{SMOL} is missing: `make setup` downloads it")
+SENTENCE = "Hello world, the quick brown fox jumps over 13 lazy dogs."
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return read_gguf(SMOL)
+
+
+@pytest.fixture(scope="module")
+def transformers_smol(smol):
+    """transformers' parse of the file: config, tokenizer fields and float32 tensors ("model."-prefixed)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    # load_gguf_checkpoint only takes tensor names from this model; a meta one costs no memory.
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.for_model(**smol.config))
+    return load_gguf_checkpoint(SMOL, return_tensors=True, model_to_load=skeleton, torch_dtype=torch.float32)
+
+
+def as_float32(value):
+    """A config value with its floats rounded to float32, as GGUF stores them (1e-05 == 9.999999747e-06)."""
+    if isinstance(value, dict):
+        return {key: as_float32(item) for key, item in value.items()}
+    return float(np.float32(value)) if isinstance(value, float) else value
+
+
+@needs_smol
+def test_config_matches_transformers(smol, transformers_smol):
+    from transformers import AutoConfig
+
+    theirs = AutoConfig.for_model(**transformers_smol["config"]).to_dict()
+    ours = AutoConfig.for_model(**smol.config).to_dict()
+    for key in ("_name_or_path", "_model_name_or_path", "unk_token_id", "architectures"):  # not model fields
+        theirs.pop(key, None)
+        ours.pop(key, None)
+    assert as_float32(ours) == as_float32(theirs)
+    assert smol.config["model_type"] == "llama" and smol.config["tie_word_embeddings"] is True
+    assert smol.config["rope_theta"] == 100000.0 and "rope_scaling" not in smol.config
+
+
+@needs_smol
+def test_every_tensor_matches_transformers(smol, transformers_smol):
+    theirs = transformers_smol["tensors"]
+    assert {f"model.{name}" for name in smol.names()} == set(theirs)
+    for name in smol.names():
+        tensor = smol.tensor(name)
+        assert tensor.dtype == torch.float32 and tuple(tensor.shape) == smol.shape(name)
+        assert torch.equal(tensor, theirs[f"model.{name}"]), name  # q/k rows un-permuted as transformers does
+
+
+@needs_smol
+def test_tokenizer_and_chat_template(transformers_smol):
+    tok = tokenizer(SMOL)
+    ids = tok(SENTENCE)["input_ids"]
+    assert ids[:6] == [19556, 905, 28, 260, 2365, 6354]  # SmolLM2's ids for "Hello world, the quick brown"
+    assert tok.decode(ids) == SENTENCE
+    vocabulary = transformers_smol["tokenizer"]["tokens"]  # the file's own token strings
+    assert "".join(vocabulary[i] for i in ids).replace("\u0120", " ") == SENTENCE  # byte-level BPE: "Ġ" is a space
+    template = transformers_smol["tokenizer_config"]["chat_template"]
+    assert tok.chat_template == template
+    chat = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    assert chat.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert (tok.bos_token_id, tok.eos_token_id) == (1, 2)
+
+
+@pytest.mark.parametrize("content", [b"hello, not a model\n", b"", b"GGUF\x03\x00\x00\x00 cut short"])
+def test_bad_file_is_a_one_line_usage_error(tmp_path, content):
+    path = tmp_path / "x.gguf"
+    path.write_bytes(content)
+    for read in (read_gguf, tokenizer):
+        with pytest.raises(UsageError) as err:
+            read(str(path))
+        assert err.value.flag == "--model" and "\n" not in str(err.value) and str(path) in str(err.value)
+
+
+def test_missing_file_is_a_usage_error(tmp_path):
+    with pytest.raises(UsageError, match="cannot read"):
+        read_gguf(str(tmp_path / "absent.gguf"))
+
+
+# Tiny files written here. Their tensors are made in Hugging Face layout and stored as llama.cpp's
+# converter stores them: q/k rows interleaved per head (for "llama"), dimensions innermost first.
+HIDDEN, HEADS, KV_HEADS, FFN, VOCAB, LAYERS = 128, 2, 1, 96, 64, 2
+HEAD_DIM = HIDDEN // HEADS
+
+
+def llama_cpp_permute(weights, heads):
+    """llama.cpp's convert_hf_to_gguf reordering of q/k rows (per head, pair rows i and i + d/2)."""
+    return weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(
+        weights.shape)
+
+
+def hf_tensors(rng, untied, biases):
+    shapes = {"embed_tokens.weight": (VOCAB, HIDDEN), "norm.weight": (HIDDEN,)}
+    if untied:
+        shapes["lm_head.weight"] = (VOCAB, HIDDEN)
+    for i in range(LAYERS):
+        layer = f"layers.{i}"
+        shapes.update({
+            f"{layer}.input_layernorm.weight": (HIDDEN,), f"{layer}.post_attention_layernorm.weight": (HIDDEN,),
+            f"{layer}.self_attn.q_proj.weight": (HIDDEN, HIDDEN),
+            f"{layer}.self_attn.k_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
+            f"{layer}.self_attn.v_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
+            f"{layer}.self_attn.o_proj.weight": (HIDDEN, HIDDEN),
+            f"{layer}.mlp.gate_proj.weight": (FFN, HIDDEN), f"{layer}.mlp.up_proj.weight": (FFN, HIDDEN),
+            f"{layer}.mlp.down_proj.weight": (HIDDEN, FFN),
+        })
+        if biases:
+            for proj, rows in (("q", HIDDEN), ("k", KV_HEADS * HEAD_DIM), ("v", KV_HEADS * HEAD_DIM)):
+                shapes[f"{layer}.self_attn.{proj}_proj.bias"] = (rows,)
+    return {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+
+
+GGUF_NAMES = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output",
+              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down"}
+
+
+def gguf_name(hf_name):
+    parts = hf_name.split(".")
+    if parts[0] == "layers":
+        return f"blk.{parts[1]}.{GGUF_NAMES['.'.join(parts[2:-1])]}.{parts[-1]}"
+    return f"{GGUF_NAMES[parts[0]]}.{parts[-1]}"
+
+
+def stored(name, weights, arch):
+    """A tensor as the converter stores it: q/k permuted for llama, matrices as Q8_0 or F16."""
+    if arch == "llama" and ".q_proj." in name:
+        weights = llama_cpp_permute(weights, HEADS)
+    elif arch == "llama" and ".k_proj." in name:
+        weights = llama_cpp_permute(weights, KV_HEADS)
+    qtype = gguf.GGMLQuantizationType.F32
+    if weights.ndim == 2:
+        qtype = gguf.GGMLQuantizationType.Q8_0 if "mlp" in name else gguf.GGMLQuantizationType.F16
+    return gguf.quants.quantize(weights, qtype), qtype
+
+
+def write_tiny(path, arch="llama", untied=False, biases=False, rope_freqs=None, scaling=None):
+    """Writes a tiny model; gives the float32 tensors, in Hugging Face layout, that reading should return."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(256)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_freq_base(500000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_bos_token_id(3)
+    writer.add_eos_token_id(4)
+    if scaling:
+        writer.add_rope_scaling_type(scaling[0])
+        writer.add_rope_scaling_factor(scaling[1])
+    expected = {}
+    for name, weights in hf_tensors(np.random.default_rng(0), untied, biases).items():
+        data, qtype = stored(name, weights, arch)
+        writer.add_tensor(gguf_name(name), data, raw_dtype=qtype)
+        expected[name] = gguf.dequantize(gguf.quants.quantize(weights, qtype), qtype).reshape(weights.shape)
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return expected
+
+
+@pytest.mark.parametrize("arch, biases", [("llama", False), ("llama", True), ("qwen2", True)])
+def test_tiny_file_tensors_and_config(tmp_path, arch, biases):
+    expected = write_tiny(tmp_path / "tiny.gguf", arch=arch, untied=True, biases=biases)
+    model = read_gguf(str(tmp_path / "tiny.gguf"))
+    assert sorted(model.names()) == sorted(expected)
+    for name, weights in expected.items():
+        assert model.shape(name) == weights.shape
+        assert torch.equal(model.tensor(name), torch.from_numpy(weights)), name
+    assert model.config == {
+        "model_type": arch, "architectures": ["LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM"],
+        "hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "intermediate_size": FFN, "vocab_size": VOCAB,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 500000.0, "hidden_act": "silu",
+        "attention_bias": biases, "mlp_bias": False, "tie_word_embeddings": False,
+        "bos_token_id": 3, "eos_token_id": 4,
+    }
+
+
+def llama3_divisors(factor, low, high, old_context):
+    """rope_freqs as llama.cpp's converter computes it from Hugging Face's llama3 rope_scaling."""
+    inv_freq = 500000.0 ** -(np.arange(0, HEAD_DIM, 2) / HEAD_DIM)
+    wavelength = 2 * np.pi / inv_freq
+    smooth = (old_context / wavelength - low) / (high - low)
+    divisors = np.where(wavelength > old_context / low, factor, 1 / ((1 - smooth) / factor + smooth))
+    return np.where(wavelength < old_context / high, 1.0, divisors)
+
+
+@pytest.mark.parametrize("factor, high, old_context", [(8.0, 4.0, 8192), (32.0, 4.0, 8192), (16.0, 3.0, 4096)])
+def test_llama3_rope_scaling_from_rope_freqs(tmp_path, factor, high, old_context):
+    write_tiny(tmp_path / "tiny.gguf", rope_freqs=llama3_divisors(factor, 1.0, high, old_context))
+    model = read_gguf(str(tmp_path / "tiny.gguf"))
+    assert model.config["rope_scaling"] == {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+                                            "high_freq_factor": high, "original_max_position_embeddings": old_context}
+    assert "rope_freqs.weight" not in model.names() and model.config["tie_word_embeddings"] is True
+
+
+def test_linear_rope_scaling_and_refusals(tmp_path):
+    write_tiny(tmp_path / "linear.gguf", scaling=(gguf.RopeScalingType.LINEAR, 2.0))
+    assert read_gguf(str(tmp_path / "linear.gguf")).config["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}
+    write_tiny(tmp_path / "yarn.gguf", scaling=(gguf.RopeScalingType.YARN, 4.0))
+    with pytest.raises(UsageError, match="'yarn' RoPE scaling"):
+        read_gguf(str(tmp_path / "yarn.gguf"))
+    write_tiny(tmp_path / "odd.gguf", rope_freqs=np.linspace(1, 3, HEAD_DIM // 2) ** 2)
+    with pytest.raises(UsageError, match="not llama3-style"):
+        read_gguf(str(tmp_path / "odd.gguf"))
+
+
+def test_other_architecture_is_refused(tmp_path):
+    writer = gguf.GGUFWriter(str(tmp_path / "gpt2.gguf"), "gpt2")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UsageError, match="'gpt2' model; supported: llama, qwen2"):
+        read_gguf(str(tmp_path / "gpt2.gguf"))

