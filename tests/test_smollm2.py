@@ -26,15 +26,21 @@ def prompt_ids():
     return torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
 
 
-def test_greedy_tokens_equal_transformers_loading_the_same_gguf(prompt_ids):
+@pytest.fixture(scope="module")
+def engine():
+    with Engine.from_pretrained(GGUF, policy=Policy(1), device="cpu", dtype=torch.float32) as loaded:
+        yield loaded
+
+
+def test_greedy_tokens_equal_transformers_loading_the_same_gguf(prompt_ids, engine):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(os.path.dirname(GGUF), gguf_file=os.path.basename(GGUF),
                                                  dtype=torch.float32).eval()
     with torch.no_grad():
         expected = model.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids), max_new_tokens=NEW_TOKENS,
                                   do_sample=False, output_logits=True, return_dict_in_generate=True)
-    with Engine.from_pretrained(GGUF, policy=Policy(1), device="cpu", dtype=torch.float32) as engine:
-        out = engine.generate(prompt_ids, max_new_tokens=NEW_TOKENS, eos_token_id=None, output_scores=True)
+    engine.use_cache_policy(kv_policy="full", hh_ratio=None, recent_ratio=None)
+    out = engine.generate(prompt_ids, max_new_tokens=NEW_TOKENS, eos_token_id=None, output_scores=True)
     n = prompt_ids.shape[1]
     got = out.sequences[0, n:]
     want = expected.sequences[0, n:]
@@ -43,10 +49,9 @@ def test_greedy_tokens_equal_transformers_loading_the_same_gguf(prompt_ids):
         assert torch.allclose(out.scores[step], logits, atol=1e-3), step
 
 
-def test_h2o_at_a_fifth_of_the_prompt_still_answers(prompt_ids):
+def test_h2o_at_a_fifth_of_the_prompt_still_answers(prompt_ids, engine):
     """Evicting 80% of a real prompt's cache changes the model's output, but it stays text."""
-    tokenizer = load_tokenizer(GGUF)
-    with Engine.from_pretrained(GGUF, policy=Policy(1, hh_ratio=0.1), device="cpu", dtype=torch.float32) as engine:
-        ids = engine.generate(prompt_ids, max_new_tokens=NEW_TOKENS)
-    text = tokenizer.decode(ids[0, prompt_ids.shape[1]:], skip_special_tokens=True)
+    engine.use_cache_policy(kv_policy="h2o", hh_ratio=0.1, recent_ratio=0.1)
+    ids = engine.generate(prompt_ids, max_new_tokens=NEW_TOKENS)
+    text = load_tokenizer(GGUF).decode(ids[0, prompt_ids.shape[1]:], skip_special_tokens=True)
     assert len(text.split()) >= 3
