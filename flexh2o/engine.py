@@ -144,7 +144,8 @@ class Engine:
         """Changes how later generate calls keep their KV cache (CACHE_FIELDS); the weights stay as placed."""
         unknown = set(fields) - set(self.CACHE_FIELDS)
         if unknown:
-            raise ValueError(f"only {', '.join(self.CACHE_FIELDS)} can change on a loaded engine, not {sorted(unknown)}")
+            raise ValueError(f"only {', '.join(self.CACHE_FIELDS)} can change on a loaded engine, "
+                             f"not {sorted(unknown)}")
         self.policy = dataclasses.replace(self.policy, **fields)
 
     def close(self):

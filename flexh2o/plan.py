@@ -70,7 +70,8 @@ def plan(args) -> int:
             raise UsageError(f"--{flag.replace('_', '-')}", f"must be a positive integer, got {getattr(args, flag)}")
     if args.dtype is not None and args.dtype not in ("float16", "bfloat16", "float32"):
         raise UsageError("--dtype", f"expected float16, bfloat16 or float32, got {args.dtype!r}")
-    base = Policy(kv_policy=args.kv_policy, hh_ratio=args.hh_ratio, recent_ratio=args.recent_ratio, overlap=args.overlap)
+    base = Policy(kv_policy=args.kv_policy, hh_ratio=args.hh_ratio, recent_ratio=args.recent_ratio,
+                  overlap=args.overlap)
     spec, _ = resolve_model(args.model)
     if args.prompt_len + args.gen_len > spec.max_positions:
         raise UsageError("--prompt-len/--gen-len", f"prompt_len + gen_len = {args.prompt_len + args.gen_len} "
@@ -105,7 +106,8 @@ def plan(args) -> int:
     if args.json_out:
         return save_json(args.json_out, {
             "model": spec.name, "hardware": profile.name, "hardware_source": profile.source,
-            "prompt_len": args.prompt_len, "gen_len": args.gen_len, "capacities": {t: caps[t] for t in ("gpu", "cpu", "disk")},
+            "prompt_len": args.prompt_len, "gen_len": args.gen_len,
+            "capacities": {t: caps[t] for t in ("gpu", "cpu", "disk")},
             "policy": found.policy.to_dict(), "predicted": found.predicted.to_dict(), "command": command,
             "searched": found.candidates, "search_seconds": seconds})
     return 0

@@ -210,7 +210,10 @@ class CostModel:
         slot = 2 * spec.num_kv_heads * slot_bytes(spec, policy, self.dtype_bytes)  # K and V of a slot, as stored
         values = 2 * spec.num_kv_heads * spec.head_dim
         state = spec.num_kv_heads * capacity * (8 if POLICIES[policy.kv_policy].accumulates else 4)
-        read, written = (0, min(capacity, self.prompt_len)) if step.prefill else (self.cache_length(policy, step.length), 1)
+        if step.prefill:  # slots read and written by each sequence
+            read, written = 0, min(capacity, self.prompt_len)
+        else:
+            read, written = self.cache_length(policy, step.length), 1
         ch = Channels()
         ch.add("disk", "cache I/O", nb * rows["disk"] * slot * (read / hw.disk_read + written / hw.disk_write))
         if self.on_cuda:

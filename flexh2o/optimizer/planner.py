@@ -29,9 +29,9 @@ def run_flags(policy) -> list[str]:
     if policy.kv_policy != "full":
         flags += [f"--kv-policy {policy.kv_policy}", f"--hh-ratio {policy.hh_ratio:g}",
                   f"--recent-ratio {policy.effective_recent_ratio:g}"]
-    flags += [flag for flag, on in (("--no-overlap", not policy.overlap), ("--cpu-cache-compute", policy.cpu_cache_compute),
-                                    ("--compress-weight", policy.compress_weight),
-                                    ("--compress-cache", policy.compress_cache)) if on]
+    switches = (("--no-overlap", not policy.overlap), ("--cpu-cache-compute", policy.cpu_cache_compute),
+                ("--compress-weight", policy.compress_weight), ("--compress-cache", policy.compress_cache))
+    flags += [flag for flag, on in switches if on]
     return flags
 
 
