@@ -22,7 +22,7 @@ from .errors import OneLineErrorParser, UsageError
 from .models import resolve_model
 from .output import check_output_file
 from .policy import KV_POLICIES, Policy
-from .prompts import load_tokenizer
+from .prompts import load_tokenizer, read_utf8
 from .run import default_offload_dir, save_json
 from .signals import run_stoppable
 
@@ -53,17 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def read_text(path: str) -> str:
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_TEXT_BYTES + 1)
-    except OSError as e:
-        raise UsageError("--text", f"cannot read {path}: {e.strerror}") from None
-    if len(data) > MAX_TEXT_BYTES:
-        raise UsageError("--text", f"{path} is over {MAX_TEXT_BYTES >> 20} MB; give an extract")
-    try:
-        return data.decode("utf-8").removeprefix("\ufeff")
-    except UnicodeDecodeError as e:
-        raise UsageError("--text", f"{path} is not UTF-8 text (byte {e.start})") from None
+    return read_utf8(path, "--text", MAX_TEXT_BYTES, "a text to score")
 
 
 def text_windows(tokens: list[int], windows: int, prompt_len: int, eval_len: int, offset: int = 0) -> torch.Tensor:

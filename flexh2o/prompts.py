@@ -30,20 +30,24 @@ def load_tokenizer(directory: str | None):
     return AutoTokenizer.from_pretrained(directory)
 
 
-def read_lines(path: str) -> list[str]:
-    """The non-blank lines of a UTF-8 text file of at most MAX_PROMPTS_BYTES (a leading BOM dropped)."""
+def read_utf8(path: str, flag: str, limit: int, what: str) -> str:
+    """A UTF-8 text file of at most `limit` bytes (a leading BOM dropped), read without reading more."""
     try:
         with open(path, "rb") as f:
-            data = f.read(MAX_PROMPTS_BYTES + 1)
+            data = f.read(limit + 1)
     except OSError as e:
-        raise UsageError("--prompts-file", f"cannot read {path}: {e.strerror}") from None
-    if len(data) > MAX_PROMPTS_BYTES:
-        raise UsageError("--prompts-file", f"{path} is larger than {format_size(MAX_PROMPTS_BYTES)}, the "
-                         "limit for a prompts file")
+        raise UsageError(flag, f"cannot read {path}: {e.strerror}") from None
+    if len(data) > limit:
+        raise UsageError(flag, f"{path} is larger than {format_size(limit)}, the limit for {what}")
     try:
-        text = data.decode("utf-8-sig")
+        return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        raise UsageError("--prompts-file", f"{path} is not UTF-8 text (byte {e.start} cannot be decoded)") from None
+        raise UsageError(flag, f"{path} is not UTF-8 text (byte {e.start} cannot be decoded)") from None
+
+
+def read_lines(path: str) -> list[str]:
+    """The non-blank lines of a UTF-8 text file of at most MAX_PROMPTS_BYTES (a leading BOM dropped)."""
+    text = read_utf8(path, "--prompts-file", MAX_PROMPTS_BYTES, "a prompts file")
     lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
     return [line for line in lines if line.strip()]
 

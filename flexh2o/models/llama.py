@@ -76,10 +76,6 @@ class LlamaSpec:
         lm_head = 0 if self.tie_word_embeddings else v * h
         return self.num_layers * per_layer + v * h + h + lm_head
 
-    def cache_bytes(self, batch: int, seq_len: int, dtype_bytes: int) -> int:
-        """K and V of every layer for `batch` sequences of `seq_len` slots."""
-        return 2 * batch * seq_len * self.num_kv_heads * self.head_dim * self.num_layers * dtype_bytes
-
     def hidden_bytes(self, batch: int, seq_len: int, dtype_bytes: int) -> int:
         return batch * seq_len * self.hidden_size * dtype_bytes
 

@@ -52,10 +52,6 @@ class OPTSpec:
         lm_head = 0 if self.tie_word_embeddings else self.vocab_size * e
         return self.num_layers * per_layer + embed + proj + final_ln + lm_head
 
-    def cache_bytes(self, batch: int, seq_len: int, dtype_bytes: int) -> int:
-        """K and V of every layer for `batch` sequences of `seq_len` slots."""
-        return 2 * batch * seq_len * self.num_kv_heads * self.head_dim * self.num_layers * dtype_bytes
-
     def hidden_bytes(self, batch: int, seq_len: int, dtype_bytes: int) -> int:
         return batch * seq_len * self.hidden_size * dtype_bytes
 
