@@ -6,6 +6,7 @@ is memory-mapped by the gguf package: only the tensor asked for is read and dequ
 tokenizer(path) builds a transformers tokenizer from the same file.
 """
 
+import copy
 import os
 import re
 import struct
@@ -55,6 +56,10 @@ class GGUFModel:
         self._tensors = tensors  # Hugging Face name -> gguf ReaderTensor
         self._permute_qk = permute_qk
 
+    def opened_as(self, path):
+        """The same file under the path it was asked by, with a config of its own to change."""
+        return GGUFModel(path, self._reader, copy.deepcopy(self.config), self._tensors, self._permute_qk)
+
     def names(self):
         """The Hugging Face names of the tensors in the file (no lm_head.weight when it is tied)."""
         return list(self._tensors)
@@ -83,7 +88,26 @@ class GGUFModel:
 
 
 def read_gguf(path) -> GGUFModel:
-    """Opens a GGUF file of a supported architecture; a bad file raises a one-line UsageError."""
+    """Opens a GGUF file of a supported architecture; a bad file raises a one-line UsageError.
+
+    The gguf package parses every metadata field up front (seconds, and over 100 MB of objects for a
+    tokenizer of 50k tokens), and one run asks for the same file several times (its config, its
+    weights): the last file read is kept while it stays the same file on disk.
+    """
+    global _last_read
+    _check_magic(path)
+    stat = os.stat(path)
+    identity = (os.path.abspath(path), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    if _last_read is None or _last_read[0] != identity:
+        _last_read = None  # a failed read leaves nothing behind
+        _last_read = (identity, _parse(path))
+    return _last_read[1].opened_as(path)
+
+
+_last_read = None  # (the file's identity on disk, its GGUFModel)
+
+
+def _parse(path) -> GGUFModel:
     reader = _open_reader(path)
     arch = _string(reader, "general.architecture", path)
     if arch not in ARCHITECTURES:
@@ -128,7 +152,6 @@ def _open_reader(path):
         import gguf
     except ImportError:
         raise UsageError(FLAG, "reading GGUF files needs the gguf package: pip install 'flexh2o[models]'") from None
-    _check_magic(path)
     try:
         return gguf.GGUFReader(path)
     except (ValueError, IndexError, KeyError, TypeError, OSError) as err:

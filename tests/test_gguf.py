@@ -241,3 +241,17 @@ def test_other_architecture_is_refused(tmp_path):
     writer.close()
     with pytest.raises(UsageError, match="'gpt2' model; supported: llama, qwen2"):
         read_gguf(str(tmp_path / "gpt2.gguf"))
+
+
+def test_a_file_is_parsed_once_while_it_stays_the_same(tmp_path, monkeypatch):
+    path = str(tmp_path / "tiny.gguf")
+    write_tiny(path)
+    opened, parse = [], gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *args, **kwargs: opened.append(args) or parse(*args, **kwargs))
+    first = read_gguf(path)
+    first.config["hidden_size"] = -1  # a caller's config is its own
+    second = read_gguf(path)
+    assert len(opened) == 1 and second.config["hidden_size"] == HIDDEN
+    assert torch.equal(first.tensor("layers.0.mlp.up_proj.weight"), second.tensor("layers.0.mlp.up_proj.weight"))
+    write_tiny(path, arch="qwen2", biases=True)  # the same path, another file
+    assert read_gguf(path).config["model_type"] == "qwen2" and len(opened) == 2
