@@ -9,11 +9,13 @@ perplexity (flexh2o/eval.py: --windows consecutive windows, the first --offset t
 skipped past its Gutenberg header) of SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized, float32) with
 the full cache, and with h2o, local, sink, keyformer and tova at budgets of 5%, 10%, 20% and 50%
 of the prompt (split evenly into heavy and recent slots where a policy has both; local keeps the
-newest tokens in the whole budget, sink 4 first tokens and the newest), each with the KV cache
-compressed (4-bit) and not.
+newest tokens in the whole budget, sink 4 first tokens and the newest), each with nothing
+compressed, with the KV cache compressed to 4 bits, and with the weights and the cache both compressed
+(the weights alone compressed run with the full cache only: that isolates what they cost).
 The windows of both texts run as one batch (each sequence keeps and evicts its own cache, so a
-text's figures do not depend on the other's beyond floating-point order; the weights are read
-once per decode step for both). Deterministic: the same command gives the same figures.
+text's figures do not depend on the other's beyond floating-point order, Keyformer's aside: its
+Gumbel noise is drawn for the whole batch, so another batch gets another sample of it; the weights
+are read once per decode step for both). Deterministic: the same command gives the same figures.
 """
 
 import argparse
@@ -40,6 +42,14 @@ LENGTHS = ((512, 128), (256, 512))
 LENGTH_NAMES = [f"{p}+{n}" for p, n in LENGTHS]
 POLICIES = ("h2o", "local", "sink", "keyformer", "tova")
 BUDGETS = (0.05, 0.10, 0.20, 0.50)
+# What is compressed to 4-bit groups: name -> (compress_weight, compress_cache, label in the tables).
+VARIANTS = {
+    "none": (False, False, "16/32-bit"),
+    "cache": (False, True, "4-bit cache"),
+    "weights": (True, False, "4-bit weights"),
+    "weights+cache": (True, True, "4-bit weights + cache"),
+}
+POLICY_VARIANTS = ("none", "cache", "weights+cache")  # the evicting policies' rows; "weights" is the full cache's alone
 
 
 def shakespeare_texts(data_dir: str) -> dict:
@@ -63,14 +73,18 @@ def shakespeare_texts(data_dir: str) -> dict:
     return out
 
 
-def settings():
-    """(label, policy fields) of every run: the full cache, then each policy x budget, compressed or not."""
-    for compress in (False, True):
-        yield "full", dict(compress_cache=compress)
+def settings(compress_weight: bool):
+    """(policy name, variant, cache fields) of every run on an engine whose weights are compressed or not."""
+    for variant, (weights, cache, _) in VARIANTS.items():
+        if weights != compress_weight:
+            continue
+        yield "full", variant, dict(kv_policy="full", hh_ratio=None, recent_ratio=None, compress_cache=cache)
+        if variant not in POLICY_VARIANTS:
+            continue
         for kv in POLICIES:
             for budget in BUDGETS:
                 # capacity = heavy + recent; local and sink fill all of it with their own choice
-                yield kv, dict(kv_policy=kv, hh_ratio=budget / 2, recent_ratio=budget / 2, compress_cache=compress)
+                yield kv, variant, dict(kv_policy=kv, hh_ratio=budget / 2, recent_ratio=budget / 2, compress_cache=cache)
 
 
 def markdown(result: dict) -> str:
@@ -86,15 +100,15 @@ def markdown(result: dict) -> str:
                   "blocks ran; the run was stopped before the rest.", ""]
     for block in result["blocks"]:
         lines += [f"## {block['text']}, {block['prompt_len']} + {block['eval_len']}", "",
-                  f"From `{block.get('command', result['command'])}`, batched with "
+                  f"From `{block['command']}`, batched with "
                   + (", ".join(block.get("batched_with", [])) or "no other text") + ".", "",
-                  f"full cache: perplexity {block['full'][False]:.3f} (cache compressed: {block['full'][True]:.3f})", "",
-                  "| policy | cache | " + " | ".join(f"{b:.0%}" for b in BUDGETS) + " |",
+                  "full cache: perplexity " + "; ".join(f"{VARIANTS[v][2]} {block['full'][v]:.3f}" for v in VARIANTS), "",
+                  "| policy | compressed | " + " | ".join(f"{b:.0%}" for b in BUDGETS) + " |",
                   "|---|---|" + "---|" * len(BUDGETS)]
         for kv in POLICIES:
-            for compress in (False, True):
-                row = [f"{p:.3f}" for p in block["ppl"][kv][compress]]
-                lines.append(f"| {kv} | {'4-bit' if compress else '16/32-bit'} | " + " | ".join(row) + " |")
+            for variant in POLICY_VARIANTS:
+                row = [f"{p:.3f}" for p in block["ppl"][kv][variant]]
+                lines.append(f"| {kv} | {VARIANTS[variant][2]} | " + " | ".join(row) + " |")
         lines.append("")
     lines.append("![perplexity against budget](quality.png)")
     return "\n".join(lines) + "\n"
@@ -109,11 +123,13 @@ def plot(result: dict, path: str):
     rows = -(-len(blocks) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 4 * rows), squeeze=False)
     for ax, block in zip(axes.flat, blocks):
-        for kv in POLICIES:
-            for compress, style in ((False, "-"), (True, ":")):
-                ax.plot([100 * b for b in BUDGETS], block["ppl"][kv][compress], style, marker="o", markersize=3,
-                        label=f"{kv}{' 4-bit' if compress else ''}")
-        ax.axhline(block["full"][False], color="black", linewidth=1, label="full cache")
+        for color, kv in enumerate(POLICIES):
+            for variant, style in zip(POLICY_VARIANTS, ("-", ":", "--")):
+                ax.plot([100 * b for b in BUDGETS], block["ppl"][kv][variant], style, color=f"C{color}", marker="o",
+                        markersize=3, label=kv + ("" if variant == "none" else f", {VARIANTS[variant][2]}"))
+        for variant, style in zip(POLICY_VARIANTS, ("-", ":", "--")):
+            ax.axhline(block["full"][variant], color="black", linestyle=style, linewidth=1,
+                       label="full cache" + ("" if variant == "none" else f", {VARIANTS[variant][2]}"))
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xticks([], minor=True)
@@ -129,17 +145,15 @@ def plot(result: dict, path: str):
 
 
 def earlier_blocks(out: str, args) -> list:
-    """The blocks of OUT.json made with this model, windows and offset (none if it differs or is absent)."""
+    """The blocks of OUT.json made with this model, windows, offset and variants (none if any differs)."""
     try:
         with open(out + ".json", encoding="utf-8") as f:
             old = json.load(f)
     except FileNotFoundError:
         return []
-    if (old.get("model"), old.get("windows"), old.get("offset")) != (args.model, args.windows, args.offset):
+    same = (args.model, args.windows, args.offset, list(VARIANTS), list(BUDGETS))
+    if (old.get("model"), old.get("windows"), old.get("offset"), old.get("variants"), old.get("budgets")) != same:
         return []
-    for block in old["blocks"]:  # JSON turned the False/True keys into strings
-        block["full"] = {key == "true": v for key, v in block["full"].items()}
-        block["ppl"] = {kv: {key == "true": v for key, v in by.items()} for kv, by in block["ppl"].items()}
     return old["blocks"]
 
 
@@ -150,19 +164,23 @@ def measure_length(args, prompt_len: int, eval_len: int, tokens_of: dict, comman
     rows = {n: slice(i * args.windows, (i + 1) * args.windows) for i, n in enumerate(names)}
     blocks = {n: {"text": n, "prompt_len": prompt_len, "eval_len": eval_len, "command": command,
                   "batched_with": [m for m in names if m != n], "full": {},
-                  "ppl": {kv: {False: [], True: []} for kv in POLICIES}} for n in names}
-    with Engine.from_pretrained(args.model, policy=Policy(len(windows)), device="cpu", dtype=torch.float32,
-                                prompt_len=prompt_len, gen_len=eval_len) as engine:
-        for kv, fields in settings():
-            engine.use_cache_policy(**{"kv_policy": "full", "hh_ratio": None, "recent_ratio": None} | fields)
-            logprobs = teacher_forced(engine, windows, prompt_len)[0]
-            for n in names:
-                ppl = perplexity(logprobs[rows[n]])
-                print(f"{n} {prompt_len}+{eval_len}: {fields}: {ppl:.3f}", file=sys.stderr, flush=True)
-                if kv == "full":
-                    blocks[n]["full"][fields["compress_cache"]] = ppl
-                else:
-                    blocks[n]["ppl"][kv][fields["compress_cache"]].append(ppl)
+                  "ppl": {kv: {v: [] for v in POLICY_VARIANTS} for kv in POLICIES}} for n in names}
+    for compress_weight in (False, True):
+        policy = Policy(len(windows), compress_weight=compress_weight)
+        with Engine.from_pretrained(args.model, policy=policy, device="cpu", dtype=torch.float32,
+                                    prompt_len=prompt_len, gen_len=eval_len) as engine:
+            for kv, variant, fields in settings(compress_weight):
+                start = time.perf_counter()
+                engine.use_cache_policy(**fields)
+                logprobs = teacher_forced(engine, windows, prompt_len)[0]
+                for n in names:
+                    ppl = perplexity(logprobs[rows[n]])
+                    print(f"{n} {prompt_len}+{eval_len} {variant}: {fields}: {ppl:.3f} "
+                          f"({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
+                    if kv == "full":
+                        blocks[n]["full"][variant] = ppl
+                    else:
+                        blocks[n]["ppl"][kv][variant].append(ppl)
     return list(blocks.values())
 
 
@@ -194,7 +212,8 @@ def main():
         blocks.sort(key=lambda b: (LENGTHS.index((b["prompt_len"], b["eval_len"])), TEXTS.index(b["text"])))
         # written after every length: a long run leaves what it finished
         result = {"command": command, "model": args.model, "texts": sorted({b["text"] for b in blocks}, key=TEXTS.index),
-                  "windows": args.windows, "offset": args.offset, "budgets": BUDGETS, "blocks": blocks,
+                  "windows": args.windows, "offset": args.offset, "budgets": BUDGETS, "variants": list(VARIANTS),
+                  "blocks": blocks,
                   "complete": len(blocks) == len(LENGTHS) * len(TEXTS),
                   "seconds_this_run": time.perf_counter() - start, "machine": describe_machine()}
         write_results(args.out, result, markdown)
