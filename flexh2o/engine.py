@@ -71,6 +71,8 @@ class GenerationStats:
     disk_bytes_read: int = 0
     step_allocations: list | None = None  # tensors allocated during each token step
     step_dequant_seconds: list | None = None  # dequantizing during each token step, summed over threads
+    step_io_tasks: list | None = None  # I/O tasks queued during each token step
+    step_handoffs: list | None = None  # hand-offs to the I/O threads during each token step
 
 
 def act_tier(policy: Policy) -> str:
@@ -219,7 +221,8 @@ class Engine:
         self.last_stats = GenerationStats(policy.batch_size, prompt_len, max_new_tokens, steps_done, times[0],
                                           sum(times[1:]), schedule.compute_seconds,
                                           self.tiers.io_seconds - io_before, read, schedule.step_allocations,
-                                          schedule.step_dequant_seconds)
+                                          schedule.step_dequant_seconds, schedule.step_io_tasks,
+                                          schedule.step_handoffs)
         if forced_tokens is not None:
             return GenerateOutput(seqs.ids, seqs.score_list(steps_done) if output_scores else None,
                                   seqs.forced_logprobs, seqs.greedy)

@@ -20,8 +20,11 @@ class Schedule:
         tiers.parked_slots = num_gpu_batches
         self.hidden = [None] * num_gpu_batches
         self.step_seconds = []
+        self.step_io_tasks = []  # I/O tasks queued during each token step (none with everything on the device)
+        self.step_handoffs = []  # hand-offs to the I/O threads during each token step
         self.step_allocations = []  # tensors allocated during each token step (none after the first decode step)
         self.step_dequant_seconds = []  # time spent dequantizing during each token step (summed over threads)
+        self.per_step = (self.step_io_tasks, self.step_handoffs, self.step_allocations, self.step_dequant_seconds)
         self.compute_seconds = 0.0  # forward passes only, without waiting for their inputs
 
     def run(self, gen_len: int, progress: bool = False) -> int:
@@ -30,27 +33,37 @@ class Schedule:
         self.gen_len = gen_len
         self.load_weight(0, 0, 0)
         self.load_cache(0, 0, 0)
+        steps_done = gen_len
         for i in tqdm(range(gen_len), desc="generate", unit="tok", disable=not progress, leave=False):
-            start, allocated, dequant = time.perf_counter(), self.tiers.allocations, self.tiers.dequant_seconds
+            start, counts = time.perf_counter(), self.counts()
             self.steps = self.seqs.steps(i, nb)
             for j in range(num_layers):
                 for k in range(nb):
-                    self.load_weight(i, j + 1, k)
-                    self.load_cache(i, j, k + 1)
-                    self.store_hidden(i, j, k - 1)
-                    self.load_hidden(i, j, k + 1)
-                    self.store_cache(i, j, k - 1)
+                    queued = self.tiers.io_tasks
+                    with self.tiers.io_group():  # one hand-off to the I/O threads at most
+                        self.load_weight(i, j + 1, k)
+                        self.load_cache(i, j, k + 1)
+                        self.store_hidden(i, j, k - 1)
+                        self.load_hidden(i, j, k + 1)
+                        self.store_cache(i, j, k - 1)
                     self.compute(i, j, k)
-                    self.sync()
-            self.store_cache(i, num_layers - 1, nb - 1)
-            self.sync()
+                    if self.tiers.io_tasks > queued:  # with nothing queued there is nothing to wait for
+                        self.sync()
             self.step_seconds.append(time.perf_counter() - start)
-            self.step_allocations.append(self.tiers.allocations - allocated)
-            self.step_dequant_seconds.append(self.tiers.dequant_seconds - dequant)
+            for per_step, before, now in zip(self.per_step, counts, self.counts()):
+                per_step.append(now - before)
             if self.seqs.all_finished():
                 self.layers[0].release_weight()  # the next token's first weights may be loading
-                return i + 1
-        return gen_len
+                steps_done = i + 1
+                break
+        self.store_cache(steps_done, 0, -1)  # the last (layer, gpu-batch)'s cache
+        self.sync()
+        return steps_done
+
+    def counts(self) -> tuple:
+        """Running totals kept per token step: I/O tasks, hand-offs, allocations, dequantizing seconds."""
+        t = self.tiers
+        return t.io_tasks, t.handoffs, t.allocations, t.dequant_seconds
 
     def _at(self, i, j, k):
         """(i, j, k) with k or j one step out of range moved to its zig-zag neighbour; None past the ends."""
@@ -75,9 +88,10 @@ class Schedule:
             self.layers[at[1]].load_cache(at[0], at[2])
 
     def store_cache(self, i, j, k):
-        at = self._at(i, j, k)
-        if at and at[0] == i:  # the last (layer, gpu-batch) of a token is stored when that token ends
-            self.layers[at[1]].store_cache(i, at[2])
+        """Stores the cache of (i, j, k); the last (layer, gpu-batch) of a token goes with the next
+        token's first step, or once the run ends."""
+        if at := self._at(i, j, k):
+            self.layers[at[1]].store_cache(at[0], at[2])
 
     def load_hidden(self, i, j, k):
         at = self._at(i, j, k)

@@ -6,7 +6,7 @@ feeds forced[:, i] next whatever the logits say, and keeps the log-probability t
 that token and their greedy choice (flexh2o/eval.py scores text with them).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -22,6 +22,8 @@ class Step:
     key_valid: torch.Tensor | None   # [b, s] real (non-padding) prompt tokens, prefill only
     prompt_mask: torch.Tensor | None  # [b, 1, s, s] who may attend to whom; None: plain causal
     choose_next: Callable[[torch.Tensor], torch.Tensor]
+    padded: bool = False             # some prompt of this gpu-batch has padding (empty slots among the filled)
+    memo: dict = field(default_factory=dict)  # what layers compute once per step and share (rotary phases)
 
 
 class Sequences:
@@ -52,21 +54,22 @@ class Sequences:
     def _step(self, i, k) -> Step:
         rows, dev = self.rows(k), self.device
         choose = lambda logits: self._choose_next(i, k, logits)  # noqa: E731
+        valid = self.prompt_valid[rows]
+        padded = not bool(valid.all())
         if i == 0:
-            valid = self.prompt_valid[rows]
             positions = (valid.long().cumsum(dim=1) * valid - 1)
             mask = None
-            if not valid.all():
+            if padded:
                 s = self.prompt_len
                 causal = torch.ones(s, s, dtype=torch.bool).tril_()
                 # A padding query attends to itself only, so its row stays finite and unused.
                 mask = (causal & valid[:, None, None, :]) | torch.eye(s, dtype=torch.bool)
                 mask = mask.to(dev)
             return Step(i, k, True, self.ids[rows, : self.prompt_len].to(dev), positions.to(dev),
-                        valid.to(dev), mask, choose)
+                        valid.to(dev), mask, choose, padded)
         col = self.prompt_len + i - 1
         positions = (self.real_prompt_len[rows] + i - 1).unsqueeze(1)
-        return Step(i, k, False, self.ids[rows, col: col + 1].to(dev), positions.to(dev), None, None, choose)
+        return Step(i, k, False, self.ids[rows, col: col + 1].to(dev), positions.to(dev), None, None, choose, padded)
 
     def _choose_next(self, i, k, logits):
         rows = self.rows(k)

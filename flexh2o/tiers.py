@@ -10,28 +10,16 @@ at the end of every load.
 """
 
 import time
-from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from .buffers import TIERS, Buffers
+from .io_tasks import IOThreads, Pending
 from .kv.cache import slot_grid
 from .quant import dequantize, quantize
 from .signals import deferred
-
-
-class Pending:
-    """A value that an I/O thread may still be filling; wait() returns it once it is ready."""
-
-    def __init__(self, value, future=None):
-        self.value, self.future = value, future
-
-    def wait(self):
-        if self.future is not None:
-            self.future.result()
-            self.future = None
-        return self.value
 
 
 @dataclass
@@ -81,8 +69,9 @@ class Tiers(Buffers):
     def __init__(self, device, dtype: torch.dtype, disk=None, overlap: bool = True, io_threads: int = 2):
         super().__init__(device, dtype)
         self.disk = disk
-        self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="flexh2o-io") if overlap else None
+        self.io = IOThreads(io_threads) if overlap else None
         self.io_threads = io_threads
+        self.io_tasks = 0  # I/O tasks queued (with overlap off: run inline)
         self.parked_slots = 1  # hidden states parked in CPU memory at once: one per gpu-batch (set by the schedule)
         self.io_seconds = 0.0  # summed over I/O tasks (with overlap off: time the schedule waits for I/O)
         self.dequant_seconds = 0.0  # spent dequantizing, on any thread (on CUDA: queueing the kernels)
@@ -134,10 +123,20 @@ class Tiers(Buffers):
                     fn()
             with self._lock:
                 self.io_seconds += time.perf_counter() - start
-        if self.pool is None:
+        self.io_tasks += 1
+        if self.io is None:
             task()
             return Pending(value)
-        return Pending(value, self.pool.submit(task))
+        return Pending(value, self.io.submit(task))
+
+    def io_group(self):
+        """The I/O tasks queued inside reach the I/O threads as one hand-off (io_tasks.py)."""
+        return self.io.group() if self.io is not None else nullcontext()
+
+    @property
+    def handoffs(self) -> int:
+        """Hand-offs to the I/O threads so far."""
+        return self.io.handoffs if self.io is not None else 0
 
     def load(self, placed: Placed) -> Pending:
         """The compute-device tensor of `placed`: the resident tensor itself, or a filled buffer."""
@@ -290,8 +289,8 @@ class Tiers(Buffers):
             self._close()
 
     def _close(self):
-        if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.io is not None:
+            self.io.close()
         if self.disk is not None:
             self.disk.close()
         self.unpin_all()

@@ -13,6 +13,7 @@ import flexh2o.kv.home
 from flexh2o import Engine, Policy
 from flexh2o.kv import cache_bytes
 from flexh2o.kv.cache import KVCache
+from flexh2o.kv.eviction import FullCache
 from flexh2o.quant import compressible, dequantize, packed_width, quantize, stored_bytes
 from flexh2o.weights import CheckpointWeights
 from conftest import make_tiny_opt, padded_batch
@@ -48,9 +49,13 @@ def reference(directory, policy, tmp_path, monkeypatch):
             m.setattr(CheckpointWeights, "get", lambda self, name, shape: (
                 round_trip(get(self, name, shape).float()) if compressible(shape) else get(self, name, shape)))
         if policy.compress_cache:
-            fill, put = KVCache.fill_prompt, KVCache.put
+            fill, put, append = KVCache.fill_prompt, KVCache.put, KVCache.append
             m.setattr(KVCache, "fill_prompt", lambda self, k, v, *a, **kw: fill(self, round_trip(k), round_trip(v), *a, **kw))
             m.setattr(KVCache, "put", lambda self, slots, k, v, *a, **kw: put(self, slots, round_trip(k), round_trip(v), *a, **kw))
+            m.setattr(KVCache, "append", lambda self, k, v, pos: append(self, round_trip(k), round_trip(v), pos))
+            # A new token is attended as computed, and stored compressed: so it must be stored after
+            # the step attends, not first, as the full cache does when it stores exactly.
+            m.setattr(FullCache, "appends", False)
         plain = Policy(policy.gpu_batch_size, policy.num_gpu_batches, kv_policy=policy.kv_policy,
                        hh_ratio=policy.hh_ratio, recent_ratio=policy.recent_ratio)
         return run(directory, plain, tmp_path)

@@ -19,6 +19,8 @@ def slot_grid(slots):
 
 
 class KVCache:
+    lossless = True  # holds K and V as given (a new token read back from it is the token itself)
+
     def __init__(self, k, v, pos, score=None, length: int = 0):
         self.k, self.v, self.pos, self.score = k, v, pos, score
         self.capacity = k.shape[2]
@@ -71,6 +73,21 @@ class KVCache:
         if self.score is not None:
             self.score[seq, head, slots] = score
         self.written = slots
+
+    def append(self, k, v, pos):
+        """The full cache's new token, k, v [b, kv_heads, 1, d] at position pos [b, 1], into the next
+        free slot, the same one for every (sequence, KV head): plain slice writes, no index tensors."""
+        t = self.length
+        b, kv_heads = k.shape[:2]
+        self.store_slot(t, k[:, :, 0], v[:, :, 0])
+        self.pos[:, :, t] = pos.to(torch.int32)
+        self.written = torch.full((b, kv_heads), t, dtype=torch.long, device=k.device)
+        self.length = t + 1
+
+    def store_slot(self, t: int, k, v):
+        """K and V [b, kv_heads, d] into slot t of every (sequence, KV head)."""
+        self.k[:, :, t] = k
+        self.v[:, :, t] = v
 
     def store_first(self, k, v):
         """K and V [b, kv_heads, s, d] into slots [0, s)."""

@@ -35,6 +35,7 @@ def quantize_slot_major(src: torch.Tensor, dst: torch.Tensor):
 
 class CompressedKVCache(KVCache):
     clock = None
+    lossless = False
 
     def __init__(self, k, v, pos, score, head_dim: int, length: int = 0):
         super().__init__(k, v, pos, score, length)
@@ -54,6 +55,10 @@ class CompressedKVCache(KVCache):
     def store_first(self, k, v):
         quantize_slot_major(k, self.k)
         quantize_slot_major(v, self.v)
+
+    def store_slot(self, t, k, v):
+        self.k[t] = quantize(k, check=False)
+        self.v[t] = quantize(v, check=False)
 
     def store_at(self, seq, head, slots, k, v):
         self.k[slots, seq, head] = quantize(k, check=False)

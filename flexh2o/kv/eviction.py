@@ -45,6 +45,7 @@ class FullCache:
     name = "full"
     accumulates = False     # keeps no per-slot score
     uses_attention = False  # needs no attention probabilities (the prompt may run fused)
+    appends = True          # a new token never evicts: it can be stored before the step attends
 
     def __init__(self, capacity: int, window: int, gen_len: int, seed: int):
         """Every policy takes the same arguments: slots, recent window, tokens to generate, seed."""
@@ -54,16 +55,14 @@ class FullCache:
         cache.fill_prompt(k, v, pos)
 
     def decode(self, cache, k, v, pos, logits, probs, step):
-        t = cache.length
-        b, kv_heads = k.shape[:2]
-        cache.put(torch.full((b, kv_heads), t, dtype=torch.long, device=k.device), k, v, pos)
-        cache.length = t + 1
+        cache.append(k, v, pos)
 
 
 class Evicting(FullCache):
     """Base of the policies that hold a fixed budget: `capacity` slots per sequence and KV head."""
 
     uses_attention = True
+    appends = False
 
     # -- what a policy defines -------------------------------------------------------------
     def contribution(self, logits, probs, real_rows, step):

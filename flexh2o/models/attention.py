@@ -4,7 +4,9 @@ The prompt step uses PyTorch's fused attention unless the policy needs the proba
 it runs in chunks of (sequence, head) rows so the [s, s] probabilities stay within a fixed amount of
 memory. A decode step attends over every slot of the preallocated cache (masking the empty ones:
 the slots are one contiguous block, which on a CPU is several times faster than a strided view
-of the filled part) plus the new token itself, whose K/V the policy then stores.
+of the filled part) plus the new token itself, whose K/V the policy then stores. The full
+cache, which needs no probabilities and never evicts, stores the new token first and attends
+over its filled slots in one fused kernel (`attend_filled`).
 """
 
 import torch
@@ -69,3 +71,15 @@ def decode_attention(q, cache, k_new, v_new, scale: float):
         out += torch.matmul(p[..., start:stop], v)
     return out.view(b, heads, 1, d), logits.view(b, heads, 1, -1), probs.view(b, heads, 1, -1)
 
+
+
+def attend_filled(q, cache, scale: float, padded: bool) -> torch.Tensor:
+    """q [b, heads, 1, d] against slots [0, cache.length) of a full cache that already holds the new
+    token (every (sequence, KV head) filled alike, so one head's positions mask them all): PyTorch's
+    fused attention, 2-3x faster on a CPU than decode_attention's separate kernels. padded: some
+    slots hold prompt padding (position -1), masked out."""
+    n = cache.length
+    mask = (cache.pos[:, :1, None, :n] >= 0) if padded else None
+    grouped = {"enable_gqa": True} if cache.k.shape[1] != q.shape[1] else {}
+    return F.scaled_dot_product_attention(q, cache.k[:, :, :n], cache.v[:, :, :n], attn_mask=mask, scale=scale,
+                                          **grouped)

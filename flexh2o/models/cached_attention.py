@@ -15,7 +15,7 @@ import torch
 
 from ..kv.eviction import per_kv_head
 from ..kv.home import CacheHome, batch_split
-from .attention import decode_attention, prompt_attention, prompt_attention_observed
+from .attention import attend_filled, decode_attention, prompt_attention, prompt_attention_observed
 from .layer import Layer
 
 
@@ -81,7 +81,11 @@ class CachedAttention(Layer):
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _decode(self, q, k_new, v_new, positions, cache, scale, step):
-        """One new token per sequence against `cache`; the KV policy then stores it."""
+        """One new token per sequence against `cache`; the KV policy then stores it (or, for the
+        full cache, first: the token is then attended over from its slot)."""
+        if self.kv.appends and cache.lossless:
+            self.kv.decode(cache, k_new, v_new, positions, None, None, step)
+            return attend_filled(q, cache, scale, step.padded)
         o, logits, probs = decode_attention(q, cache, k_new, v_new, scale)
         self.kv.decode(cache, k_new, v_new, positions, logits, probs, step)
         return o

@@ -17,6 +17,8 @@ from .layer import Layer
 
 def rms_norm(x, weight, eps: float):
     """RMSNorm as transformers computes it: normalized in float32, scaled in the input's dtype."""
+    if x.dtype == torch.float32:  # the same arithmetic as below, in one kernel instead of seven
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype)
@@ -53,14 +55,19 @@ class Rotary:
         self.freqs = inverse_frequencies(spec)
         self.on_device = {}  # device -> freqs there, moved once
 
-    def phases(self, positions, dtype):
-        """positions [b, n] -> cos, sin [b, 1, n, head_dim] in `dtype` (computed in float32)."""
-        device = positions.device
-        if device not in self.on_device:
-            self.on_device[device] = self.freqs.to(device)
-        angles = positions.float()[..., None] * self.on_device[device]
-        angles = torch.cat([angles, angles], dim=-1)[:, None]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+    def phases(self, step, dtype):
+        """cos, sin [b, 1, n, head_dim] in `dtype` (computed in float32) of step.positions [b, n];
+        computed once per step, which every attention layer shares."""
+        key = (id(self), dtype)
+        if key not in step.memo:
+            positions = step.positions
+            device = positions.device
+            if device not in self.on_device:
+                self.on_device[device] = self.freqs.to(device)
+            angles = positions.float()[..., None] * self.on_device[device]
+            angles = torch.cat([angles, angles], dim=-1)[:, None]
+            step.memo[key] = angles.cos().to(dtype), angles.sin().to(dtype)
+        return step.memo[key]
 
 
 def rotate(x, cos, sin):
@@ -121,11 +128,12 @@ class SelfAttention(CachedAttention):
         s = self.spec
         b, n, _ = hidden.shape
         qkv = F.linear(rms_norm(hidden, norm, s.rms_norm_eps), qkv_w, qkv_b)
-        kv_rows = s.num_kv_heads * s.head_dim
-        q, k, v = qkv.split([s.num_heads * s.head_dim, kv_rows, kv_rows], dim=-1)
-        q, k, v = (t.view(b, n, -1, s.head_dim).transpose(1, 2) for t in (q, k, v))  # [b, heads, n, d]
-        cos, sin = self.rotary.phases(step.positions, q.dtype)
-        out = self.attend(rotate(q, cos, sin), rotate(k, cos, sin), v, step)
+        qk_heads = s.num_heads + s.num_kv_heads
+        qkv = qkv.view(b, n, qk_heads + s.num_kv_heads, s.head_dim).transpose(1, 2)  # [b, all heads, n, d]
+        cos, sin = self.rotary.phases(step, qkv.dtype)
+        qk = rotate(qkv[:, :qk_heads], cos, sin)  # q and k turned together: one set of kernels
+        q, k = qk.split([s.num_heads, s.num_kv_heads], dim=1)
+        out = self.attend(q, k, qkv[:, qk_heads:], step)
         return hidden.add_(F.linear(out, o_w, o_b))
 
 
