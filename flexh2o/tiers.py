@@ -138,10 +138,18 @@ class Tiers(Buffers):
         """Hand-offs to the I/O threads so far."""
         return self.io.handoffs if self.io is not None else 0
 
+    def used_in_place(self, placed: Placed) -> bool:
+        """Whether compute reads `placed` where it lives: held whole by memory the compute device
+        uses, and not compressed. Loading it then moves nothing."""
+        return placed.decoded_shape is None and self._in_place(placed)
+
+    def _in_place(self, placed: Placed) -> bool:
+        return placed.resident() is not None and (placed.segments[0].tier == "gpu" or not self.on_cuda)
+
     def load(self, placed: Placed) -> Pending:
         """The compute-device tensor of `placed`: the resident tensor itself, or a filled buffer."""
         whole = placed.resident()
-        in_place = whole is not None and (placed.segments[0].tier == "gpu" or not self.on_cuda)
+        in_place = self._in_place(placed)
         if placed.decoded_shape is not None:
             return self._load_compressed(placed, whole if in_place else None)
         if in_place:

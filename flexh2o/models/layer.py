@@ -41,11 +41,14 @@ class Layer:
         rows = split_rows([tuple(t.shape) for t in tensors], row_bytes, policy.w_gpu_percent, policy.w_cpu_percent)
         self.home = [tiers.place(t, r, c) for t, r, c in zip(tensors, rows, compressed)]
         self._loading = None
+        # Weights all used where they live: every token's "load" is this same list, nothing moves.
+        in_place = all(tiers.used_in_place(h) for h in self.home)
+        self._in_place = [tiers.load(h) for h in self.home] if in_place else None
 
     def load_weight(self, k: int):
         """Starts bringing the weights to the compute device; once per token, at gpu-batch 0."""
         if k == 0:
-            self._loading = [self.tiers.load(h) for h in self.home]
+            self._loading = self._in_place or [self.tiers.load(h) for h in self.home]
 
     @property
     def weights(self) -> list[torch.Tensor]:
@@ -58,7 +61,8 @@ class Layer:
 
     def release_weight(self):
         """Hands the compute copies back to the buffer pool once the block's last gpu-batch is done."""
-        if self._loading is None:
+        if self._loading is None or self._loading is self._in_place:
+            self._loading = None
             return
         for home, pending in zip(self.home, self._loading):
             if pending.value is not home.resident():
