@@ -1,6 +1,9 @@
-"""What machine a figure was measured on: CPU, cores, memory, GPU (through pynvml), torch."""
+"""What machine a figure was measured on: CPU, cores, memory, GPU (through pynvml), torch, and
+how busy other processes kept it meanwhile."""
 
+import os
 import platform
+import time
 
 import psutil
 import torch
@@ -59,3 +62,26 @@ def describe_machine() -> dict:
         "python": platform.python_version(),
         "os": f"{platform.system()} {platform.release()}",
     }
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """(CPU seconds every process has run, CPU seconds this one has run) since boot or start."""
+    system, own = psutil.cpu_times(), psutil.Process().cpu_times()
+    guests = getattr(system, "guest", 0.0) + getattr(system, "guest_nice", 0.0)  # already counted in user, nice
+    idle = system.idle + getattr(system, "iowait", 0.0)
+    return sum(system) - guests - idle, own.user + own.system
+
+
+class LoadMeter:
+    """How busy the machine was from its creation until result(): the 1-minute load average at both
+    ends, and the share of all cores that other processes kept busy (this process excluded)."""
+
+    def __init__(self):
+        self.start_wall, self.start_cpu, self.start_load = time.perf_counter(), cpu_seconds(), os.getloadavg()[0]
+
+    def result(self) -> dict:
+        (all_now, own_now), (all_then, own_then) = cpu_seconds(), self.start_cpu
+        wall = max(time.perf_counter() - self.start_wall, 1e-9)
+        others = (all_now - all_then - (own_now - own_then)) / (wall * psutil.cpu_count())
+        return {"loadavg_1min": [round(self.start_load, 2), round(os.getloadavg()[0], 2)],
+                "others_cpu_share": round(max(0.0, others), 3)}

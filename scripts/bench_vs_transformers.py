@@ -24,9 +24,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from flexh2o import Engine, Policy  # noqa: E402
-from flexh2o.machine import cpu_compute_dtype, describe_machine  # noqa: E402
+from flexh2o.machine import LoadMeter, cpu_compute_dtype, describe_machine  # noqa: E402
 from flexh2o.models.opt import PRESETS  # noqa: E402
-from flexh2o.optimizer.measure import cpu_seconds  # noqa: E402
 from flexh2o.output import write_results  # noqa: E402
 from flexh2o.prompts import synthetic_prompts  # noqa: E402
 from flexh2o.weights import DummyWeights  # noqa: E402
@@ -106,20 +105,6 @@ def time_flexh2o(engine, ids, gen_len):
     wall = time.perf_counter() - start
     stats = engine.last_stats
     return {"prefill_s": stats.prefill_seconds, "decode_s": stats.decode_seconds, "wall_s": wall}, out
-
-
-class LoadMeter:
-    """The load average, and the share of all cores that other processes kept busy, over a block."""
-
-    def __init__(self):
-        self.start_wall, self.start_cpu, self.start_load = time.perf_counter(), cpu_seconds(), os.getloadavg()[0]
-
-    def result(self) -> dict:
-        (all_now, own_now), (all_then, own_then) = cpu_seconds(), self.start_cpu
-        wall = time.perf_counter() - self.start_wall
-        others = (all_now - all_then - (own_now - own_then)) / (wall * os.cpu_count())
-        return {"loadavg_1min": [round(self.start_load, 2), round(os.getloadavg()[0], 2)],
-                "others_cpu_share": round(max(0.0, others), 3)}
 
 
 def bench_batch(model, make_engine, vocab, batch, args):

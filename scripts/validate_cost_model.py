@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from flexh2o import Engine, Policy  # noqa: E402
 from flexh2o.engine import default_device, default_dtype, parse_device  # noqa: E402
-from flexh2o.machine import describe_machine  # noqa: E402
+from flexh2o.machine import LoadMeter, describe_machine  # noqa: E402
 from flexh2o.models import resolve_model  # noqa: E402
 from flexh2o.optimizer.cost_model import predict  # noqa: E402
 from flexh2o.optimizer.measure import disk_rates, sizes_for  # noqa: E402
@@ -85,14 +85,22 @@ def run_case(case, args, device, dtype, profile) -> dict:
         read, write = disk_rates(args.offload_dir, sizes_for(device, quick=False), lambda line: None)
         profile = dataclasses.replace(profile, disk_read=read, disk_write=write)
     predicted = predict(spec, policy, prompt_len, gen_len, profile, str(dtype).removeprefix("torch."))
+    meter = LoadMeter()
     measured = measure(model, policy, prompt_len, gen_len, device, dtype, args.offload_dir, args.runs)
     ratio = measured["total_throughput"] / predicted.total_throughput
     row = {"case": name, "model": model, "disk_read": profile.disk_read if uses_disk(policy) else None, "prompt_len": prompt_len, "gen_len": gen_len, "batch": policy.batch_size,
            "flags": " ".join(run_flags(policy)), "policy": policy.to_dict(), "predicted": predicted.to_dict(),
-           "measured": measured, "measured_over_predicted": ratio, "within_target": abs(ratio - 1) <= TARGET}
+           "measured": measured, "load": meter.result(), "measured_over_predicted": ratio, "within_target": abs(ratio - 1) <= TARGET}
     print(f"{name}: predicted {predicted.total_throughput:.2f}, measured {measured['total_throughput']:.2f} token/s "
           f"(x{ratio:.2f})", file=sys.stderr, flush=True)
     return row
+
+
+def load_cell(load) -> str:
+    if load is None:  # a result written before the load was recorded
+        return "- |"
+    start, end = load["loadavg_1min"]
+    return f"{start:.2f}, {end:.2f}; {load['others_cpu_share']:.0%} |"
 
 
 def markdown(result: dict) -> str:
@@ -103,15 +111,16 @@ def markdown(result: dict) -> str:
              f"{result['profile']['source']}. Target: measured / predicted total throughput within 1 +- {TARGET:g}; "
              f"{result['within_target']} of {len(result['rows'])} are.", "",
              "| case | model, tokens, batch | predicted prefill / decode / total (token/s) | measured | measured / "
-             "predicted total | predicted bottleneck (decode) | disk read, measured before the case |",
-             "|---|---|---|---|---|---|---|"]
+             "predicted total | predicted bottleneck (decode) | disk read, measured before the case "
+             "| load avg (start, end), other processes' CPU |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         p, q = r["predicted"], r["measured"]
         lines.append(f"| {r['case']} | {r['model']}, {r['prompt_len']}+{r['gen_len']}, {r['batch']} | "
                      f"{p['prefill_throughput']:.1f} / {p['decode_throughput']:.2f} / {p['total_throughput']:.2f} | "
                      f"{q['prefill_throughput']:.1f} / {q['decode_throughput']:.2f} / {q['total_throughput']:.2f} | "
                      f"**{r['measured_over_predicted']:.2f}** | {p['bottleneck']['decode']} | "
-                     + (f"{r['disk_read'] / 1e9:.2f} GB/s |" if r["disk_read"] else "- |"))
+                     + (f"{r['disk_read'] / 1e9:.2f} GB/s | " if r["disk_read"] else "- | ") + load_cell(r.get("load")))
     lines += ["", "Flags of each case:", ""] + [f"- {r['case']}: `{r['flags']}`" for r in result["rows"]]
     return "\n".join(lines) + "\n"
 

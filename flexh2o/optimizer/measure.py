@@ -24,7 +24,7 @@ import torch
 from ..disk import ALIGN, MEMORY, DiskStore, existing_ancestor
 from ..engine import Engine, default_dtype
 from ..kv.home import cpu_attention_dtype
-from ..machine import cpu_model
+from ..machine import LoadMeter, cpu_model
 from ..memory import capacities
 from ..models.opt import OPTSpec
 from ..policy import Policy
@@ -348,19 +348,10 @@ def matmul_dtypes(device: torch.device) -> tuple:
     return (torch.float16, torch.bfloat16) if device.type == "cuda" else (torch.float32, torch.bfloat16)
 
 
-def cpu_seconds() -> tuple[float, float]:
-    """(CPU seconds every process has run, CPU seconds this one has run) since boot or start."""
-    system, own = psutil.cpu_times(), psutil.Process().cpu_times()
-    guests = getattr(system, "guest", 0.0) + getattr(system, "guest_nice", 0.0)  # already counted in user, nice
-    idle = system.idle + getattr(system, "iowait", 0.0)
-    return sum(system) - guests - idle, own.user + own.system
-
-
-def warn_if_others_were_busy(start_wall: float, start_cpu: tuple[float, float], log):
+def warn_if_others_were_busy(meter: LoadMeter, log):
     """torch's threads wait on each other when another process takes a core: figures measured meanwhile
     came out up to 30x low (the engine's per-layer overhead most of all)."""
-    (all_now, own_now), (all_then, own_then) = cpu_seconds(), start_cpu
-    others = (all_now - all_then - (own_now - own_then)) / ((time.perf_counter() - start_wall) * psutil.cpu_count())
+    others = meter.result()["others_cpu_share"]
     if others > BUSY_SHARE:
         log(f"note: other processes kept {others:.0%} of the CPU busy while measuring: the figures may come out "
             "low; measure again (--force) when the machine is quiet")
@@ -377,10 +368,10 @@ def measure(device: torch.device, offload_dir: str, quick: bool = False, log=pri
     """Measures this machine with `device` computing and disk files in `offload_dir`. quick: small
     sizes, a few seconds in all, rough figures (for tests)."""
     device = torch.device(device)
-    start_wall, start_cpu = time.perf_counter(), cpu_seconds()
+    meter = LoadMeter()
     with torch.no_grad():
         profile = _measure(device, offload_dir, quick, log)
-    warn_if_others_were_busy(start_wall, start_cpu, log)
+    warn_if_others_were_busy(meter, log)
     return profile
 
 
