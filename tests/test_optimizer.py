@@ -89,6 +89,27 @@ def test_an_evicting_policy_reads_its_budget_not_the_whole_sequence():
     assert predict(SMALL, h2o, 500, 20, hw).decode_seconds < predict(SMALL, full, 500, 20, hw).decode_seconds
 
 
+def test_an_evicting_policy_adds_its_bookkeeping_to_each_attention_decode_call():
+    hw = cpu_profile(eviction_overhead=1e-3)
+    full = Policy(gpu_batch_size=4)
+    model = CostModel(SMALL, 100, 8, hw)
+    prompt, decode = model.steps()[0], model.steps()[-1]
+    kinds = model.kinds
+    for kv in ("h2o", "local", "sink"):
+        evicting = dataclasses.replace(full, kv_policy=kv, hh_ratio=0.2)
+        for j, kind in enumerate(kinds):
+            extra = (model.compute(evicting, decode, j).busy("compute")
+                     - model.compute(full, decode, j).busy("compute"))
+            assert extra == pytest.approx(1e-3 if kind == "SelfAttention" else 0.0, abs=1e-12), (kv, kind)
+            assert model.compute(evicting, prompt, j).busy("compute") == model.compute(full, prompt, j).busy("compute")
+
+
+def test_a_profile_without_eviction_overhead_still_loads():
+    data = dict(TEST_CPU_PROFILE)
+    del data["eviction_overhead"]
+    assert from_dict(data, "test").eviction_overhead == 0.0
+
+
 def test_compression_shrinks_disk_time_and_adds_dequantization():
     hw = cpu_profile(disk_read=1e8)
     plain = Policy(gpu_batch_size=4, w_gpu_percent=0, w_cpu_percent=0)

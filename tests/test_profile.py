@@ -18,7 +18,7 @@ from conftest import REPO
 
 CUDA_COPIES = ("h2d", "d2h", "h2d_pageable", "d2h_pageable")
 SPEEDS = ("device_bandwidth", "cpu_attention_bandwidth", "memcpy", "disk_read", "disk_write", "dequant",
-          "layer_overhead")
+          "layer_overhead", "eviction_overhead")
 
 
 @pytest.fixture(scope="module")

@@ -255,7 +255,8 @@ class CostModel:
         return ch
 
     def compute(self, policy, step: Step, j: int) -> Channels:
-        """Layer j's matrix products for every gpu-batch of the step, and the fixed cost of each call."""
+        """Layer j's matrix products for every gpu-batch of the step, and the fixed cost of each call
+        (with an evicting KV policy's bookkeeping on an attention layer's decode call)."""
         b, spec, hw = policy.gpu_batch_size, self.spec, self.hw
         rows = b * (self.prompt_len if step.prefill else 1)
         matrices = self.matrices[j]
@@ -266,6 +267,8 @@ class CostModel:
             rows = b  # only the last position predicts
         flops = sum(2 * rows * out_dim * in_dim for out_dim, in_dim in matrices)
         seconds = (flops / hw.matmul_rate(rows, self.dtype) if flops else 0.0) + hw.layer_overhead
+        if self.kinds[j] == "SelfAttention" and not step.prefill and not POLICIES[policy.kv_policy].appends:
+            seconds += hw.eviction_overhead  # an evicting policy's bookkeeping
         return Channels().add("compute", "compute", policy.num_gpu_batches * seconds)
 
     # -- putting them together --------------------------------------------------------------------

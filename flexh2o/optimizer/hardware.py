@@ -10,7 +10,7 @@ Every speed is in bytes/s, FLOP/s or values/s, every size in bytes, every time i
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 
 from ..errors import UsageError
 from ..output import write_json_atomic
@@ -44,6 +44,9 @@ class HardwareProfile:
     disk_write: float
     dequant: float               # 4-bit group values dequantized per second on the compute device
     layer_overhead: float        # seconds per (layer, gpu-batch) call beyond its arithmetic and I/O
+    # Seconds an evicting KV policy adds to each attention layer's decode call (its bookkeeping);
+    # 0 where not measured (the shipped profiles of machines this project has not run on).
+    eviction_overhead: float = 0.0
 
     def knows(self, dtype: str) -> bool:
         """Whether the profile has matrix-product figures for runs in this dtype."""
@@ -66,10 +69,11 @@ class HardwareProfile:
 
 def from_dict(data: dict, where: str) -> HardwareProfile:
     names = {f.name for f in fields(HardwareProfile)}
-    missing = sorted(names - set(data))
+    optional = {f.name for f in fields(HardwareProfile) if f.default is not MISSING}
+    missing = sorted(names - optional - set(data))
     if missing:
         raise UsageError("--hardware", f"{where} lacks {', '.join(missing)}")
-    return HardwareProfile(**{k: data[k] for k in names})
+    return HardwareProfile(**{k: data[k] for k in names if k in data})
 
 
 def local_cache_path() -> str:

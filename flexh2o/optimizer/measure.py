@@ -33,8 +33,10 @@ from ..tiers import Tiers
 from ..weights import DummyWeights
 from .hardware import LOCAL, HardwareProfile
 
-MATMUL_ROWS = (1, 4, 16, 64, 256, 1024, 4096)
-MIN_MATMUL_ROWS = 3   # row counts measured even for the slowest dtype
+# Every power of two where decode batches lie: interpolating 8 rows between 4 and 16 (in log rows)
+# gave 37 GFLOP/s on a 2-core Xeon that multiplies 8 rows at 26, and decode predictions 1.4x fast.
+MATMUL_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
+MIN_MATMUL_ROWS = 5   # row counts measured even for the slowest dtype
 MIN_TIMING = 0.02     # seconds; a shorter call is repeated within one timed run
 HEAD_DIM = 64
 DECODE_ROWS = 32      # (sequence, head) pairs of the decode attention measurement
@@ -299,10 +301,10 @@ def disk_rates(offload_dir: str, sizes: Sizes, log) -> tuple[float, float]:
 
 # -- the engine --------------------------------------------------------------------------------
 
-def tiny_engine(device: torch.device, dtype: torch.dtype) -> Engine:
+def tiny_engine(device: torch.device, dtype: torch.dtype, **policy) -> Engine:
     """TINY_OPT with dummy weights, everything on the compute device (Engine.from_pretrained takes
     a preset name or a checkpoint directory, not a spec)."""
-    policy = Policy(gpu_batch_size=1)
+    policy = Policy(gpu_batch_size=1, **policy)
     source = DummyWeights(seed=0)
     layers = TINY_OPT.build_layers()
     tiers = Tiers(device, dtype, overlap=policy.overlap)
@@ -315,9 +317,9 @@ def tiny_engine(device: torch.device, dtype: torch.dtype) -> Engine:
     return Engine(TINY_OPT, layers, policy, tiers, source.describe(), capacities(device, None))
 
 
-def layer_overhead(device: torch.device, dtype: torch.dtype, sizes: Sizes) -> float:
+def decode_seconds_per_call(device: torch.device, dtype: torch.dtype, sizes: Sizes, **policy) -> float:
     """Seconds per (layer, gpu-batch) call of the tiny OPT's decode steps, whose arithmetic is negligible."""
-    engine = tiny_engine(device, dtype)
+    engine = tiny_engine(device, dtype, **policy)
     ids = torch.randint(3, TINY_OPT.vocab_size, (1, TINY_PROMPT))
 
     def per_layer_call():
@@ -329,6 +331,21 @@ def layer_overhead(device: torch.device, dtype: torch.dtype, sizes: Sizes) -> fl
         return statistics.median([per_layer_call() for _ in range(sizes.repeats)])
     finally:
         engine.close()
+
+
+def layer_overhead(device: torch.device, dtype: torch.dtype, sizes: Sizes) -> float:
+    """The fixed cost of a (layer, gpu-batch) call: the tiny OPT's decode with the full cache."""
+    return decode_seconds_per_call(device, dtype, sizes)
+
+
+def eviction_overhead(device: torch.device, dtype: torch.dtype, sizes: Sizes, full: float) -> float:
+    """What an evicting policy (H2O, the costliest bookkeeping of the shipped ones but Keyformer's)
+    adds to each attention layer's decode call: it attends through separate kernels to see the
+    probabilities, scores them and picks a victim. The tiny OPT with a budget of 2 + 2 slots evicts
+    at every step; `full` is layer_overhead's figure."""
+    per_call = decode_seconds_per_call(device, dtype, sizes, kv_policy="h2o", hh_ratio=2 / TINY_PROMPT)
+    calls_per_attention = len(TINY_OPT.build_layers()) / TINY_OPT.num_layers
+    return max(0.0, (per_call - full) * calls_per_attention)
 
 
 # -- the profile -------------------------------------------------------------------------------
@@ -397,10 +414,12 @@ def _measure(device: torch.device, offload_dir: str, quick: bool, log) -> Hardwa
         copies = dict.fromkeys(("h2d", "d2h", "h2d_pageable", "d2h_pageable"), 0.0)
         gpu_mem = ram
     disk_read, disk_write = logged(log, "disk", disk_rates, offload_dir, host_sizes, log)
+    overhead = logged(log, "layer overhead", layer_overhead, device, dtype, sizes)
     return HardwareProfile(
         name=LOCAL, source=source_line(device, quick), device=device.type, dtype=dtype_name(dtype),
         gpu_mem=gpu_mem, cpu_mem=ram, disk_mem=disk_free, matmul_flops=matmul, attention_flops=attention,
         device_bandwidth=bandwidth, cpu_attention_bandwidth=cpu_bandwidth, **copies,
         memcpy=logged(log, "memcpy", memcpy_rate, host_sizes), disk_read=disk_read, disk_write=disk_write,
         dequant=logged(log, "dequantize", dequant_rate, device, dtype, sizes, sync),
-        layer_overhead=logged(log, "layer overhead", layer_overhead, device, dtype, sizes))
+        layer_overhead=overhead,
+        eviction_overhead=logged(log, "eviction overhead", eviction_overhead, device, dtype, sizes, overhead))
