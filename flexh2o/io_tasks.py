@@ -2,14 +2,15 @@
 
 Handing a task to a thread costs the compute thread a lock, a queue put and later a wait, and
 on a busy machine a wake-up that may come late. So the schedule queues all of one step's loads
-and stores inside `group()`, and they reach the I/O threads as one hand-off that runs them in
-the order they were queued. A task still gets its own Pending: waiting for a cache load does not
-wait for a weight load queued after it. When everything is already where compute needs it, no
+and stores inside `group()`, and they reach the I/O threads as one hand-off: one lock and one
+wake-up for the whole group, whose tasks the threads then take oldest first. A task still gets
+its own Pending: waiting for a cache load does not wait for a weight load queued after it. When everything is already where compute needs it, no
 task is queued and no thread is ever started.
 """
 
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future
 from contextlib import contextmanager
 
 
@@ -29,11 +30,12 @@ class Pending:
 class IOThreads:
     def __init__(self, threads: int):
         self.threads = threads
-        self.pool = None      # started by the first hand-off
+        self.workers = []     # started by the first hand-off
         self.handoffs = 0     # groups of tasks handed to the threads
         self._group = None    # [(fn, future)] queued inside group(), not yet handed off
-        self._outstanding = []  # handed-off groups not yet run (cancelled by close)
-        self._lock = threading.Lock()
+        self._queue = deque()  # handed off, not yet taken by a thread
+        self._ready = threading.Condition()
+        self._closed = False
 
     def submit(self, fn) -> Future:
         """Queues fn (inside group(): with the group's other tasks) and returns its future."""
@@ -59,17 +61,27 @@ class IOThreads:
                 self._hand_off(tasks)
 
     def _hand_off(self, tasks):
-        if self.pool is None:
-            self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="flexh2o-io")
-        with self._lock:
+        if not self.workers:
+            self.workers = [threading.Thread(target=self._work, name=f"flexh2o-io-{n}", daemon=True)
+                            for n in range(self.threads)]
+            for worker in self.workers:
+                worker.start()
+        with self._ready:
             self.handoffs += 1
-            self._outstanding.append(tasks)
-        self.pool.submit(self._run, tasks)
+            self._queue.extend(tasks)
+            self._ready.notify(len(tasks))
 
-    def _run(self, tasks):
-        with self._lock:
-            self._outstanding.remove(tasks)
-        for fn, future in tasks:
+    def _work(self):
+        """A thread takes the queued tasks one at a time, oldest first: the tasks of one group run on
+        both threads at once (two disk reads in flight read faster than one), and a task only ever
+        waits for one queued before it, which has been taken already."""
+        while True:
+            with self._ready:
+                while not self._queue and not self._closed:
+                    self._ready.wait()
+                if not self._queue:
+                    return
+                fn, future = self._queue.popleft()
             if not future.set_running_or_notify_cancel():
                 continue
             try:
@@ -81,10 +93,12 @@ class IOThreads:
 
     def close(self):
         """Waits for the running tasks; those not started are cancelled (their wait() raises)."""
-        if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
-        with self._lock:
-            left, self._outstanding = self._outstanding, []
-        for tasks in left:
-            for _, future in tasks:
-                future.cancel()
+        with self._ready:
+            left = list(self._queue)
+            self._queue.clear()
+            self._closed = True
+            self._ready.notify_all()
+        for _, future in left:
+            future.cancel()
+        for worker in self.workers:
+            worker.join()

@@ -20,17 +20,17 @@ def run(directory, policy, tmp_path):
     with Engine.from_pretrained(directory, policy=policy, device="cpu", dtype=torch.float32,
                                 offload_dir=str(tmp_path)) as engine:
         out = engine.generate(ids, mask, max_new_tokens=NEW, eos_token_id=None)
-        return out, engine.last_stats, engine.tiers.io.pool, len(engine.layers)
+        return out, engine.last_stats, engine.tiers.io.workers, len(engine.layers)
 
 
 @pytest.mark.parametrize("nb", [1, 3])
 @pytest.mark.parametrize("kv", [{}, {"hh_ratio": 0.3}])
 def test_everything_on_the_device_queues_no_io_task(tiny_models, tmp_path, nb, kv):
     directory, _ = tiny_models["wide"]
-    _, stats, pool, _ = run(directory, Policy(6 // nb, nb, **kv), tmp_path)
+    _, stats, workers, _ = run(directory, Policy(6 // nb, nb, **kv), tmp_path)
     assert stats.step_io_tasks == [0] * NEW
     assert stats.step_handoffs == [0] * NEW
-    assert pool is None, "no I/O thread is started when there is nothing to overlap"
+    assert workers == [], "no I/O thread is started when there is nothing to overlap"
 
 
 @pytest.mark.parametrize("compress", [False, True])
@@ -48,7 +48,7 @@ def test_offloading_hands_off_once_per_layer_and_gpu_batch_at_most(tiny_models, 
         (stats.step_io_tasks, stats.step_handoffs)
 
 
-def test_a_group_runs_its_tasks_in_order_each_with_its_own_outcome():
+def test_a_group_is_one_hand_off_its_tasks_each_with_its_own_outcome():
     io = IOThreads(2)
     order, release = [], threading.Event()
     try:
@@ -70,9 +70,10 @@ def test_a_group_runs_its_tasks_in_order_each_with_its_own_outcome():
 
 def test_close_cancels_what_has_not_started():
     io = IOThreads(1)
-    release = threading.Event()
-    running = io.submit(release.wait)
+    started, release = threading.Event(), threading.Event()
+    running = io.submit(lambda: (started.set(), release.wait()))
     waiting = io.submit(lambda: None)
+    started.wait(timeout=10)
     threading.Timer(0.2, release.set).start()
     io.close()
     assert running.done() and not running.exception()
