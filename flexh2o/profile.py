@@ -2,8 +2,8 @@
 
 Measures the machine at hand into the hardware profile `local`, the speeds the cost model predicts
 runs from: matrix products, attention, memory and disk bandwidths, the engine's per-layer overhead
-and an evicting KV policy's bookkeeping. It is cached in $XDG_CACHE_HOME/flexh2o/hardware/local.json; later calls print the cached profile
-unless --force measures again.
+and an evicting KV policy's bookkeeping. It is cached in $XDG_CACHE_HOME/flexh2o/hardware/local.json;
+later calls print the cached profile unless --force measures again.
 """
 
 import argparse
@@ -49,7 +49,7 @@ def cached_profile(device: torch.device, log) -> HardwareProfile | None:
     if profile is not None and profile.device != device.type:
         log(f"note: the cached profile was measured on {profile.device}, not {device.type}: measuring again")
         return None
-    if profile is not None and not profile.eviction_overhead:
+    if profile is not None and profile.eviction_overhead is None:
         log("note: the cached profile was measured by an older flexh2o (no eviction overhead): measuring again")
         return None
     return profile
@@ -102,7 +102,8 @@ def profile_rows(p: HardwareProfile) -> list[tuple[str, str]]:
     return rows + [("memcpy", bandwidth(p.memcpy)), ("disk read", bandwidth(p.disk_read)),
                    ("disk write", bandwidth(p.disk_write)), ("dequantize", f"{p.dequant / 1e9:.3f} G values/s"),
                    ("layer overhead", f"{p.layer_overhead * 1e3:.3f} ms per layer call"),
-                   ("eviction overhead", f"{p.eviction_overhead * 1e3:.3f} ms per attention decode call")]
+                   ("eviction overhead", "not measured" if p.eviction_overhead is None
+                    else f"{p.eviction_overhead * 1e3:.3f} ms per attention decode call")]
 
 
 def format_profile(profile: HardwareProfile) -> str:

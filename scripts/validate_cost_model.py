@@ -90,7 +90,8 @@ def run_case(case, args, device, dtype, profile) -> dict:
     ratio = measured["total_throughput"] / predicted.total_throughput
     row = {"case": name, "model": model, "disk_read": profile.disk_read if uses_disk(policy) else None, "prompt_len": prompt_len, "gen_len": gen_len, "batch": policy.batch_size,
            "flags": " ".join(run_flags(policy)), "policy": policy.to_dict(), "predicted": predicted.to_dict(),
-           "measured": measured, "load": meter.result(), "measured_over_predicted": ratio, "within_target": abs(ratio - 1) <= TARGET}
+           "measured": measured, "load": meter.result(), "measured_over_predicted": ratio,
+           "within_target": abs(ratio - 1) <= TARGET}
     print(f"{name}: predicted {predicted.total_throughput:.2f}, measured {measured['total_throughput']:.2f} token/s "
           f"(x{ratio:.2f})", file=sys.stderr, flush=True)
     return row

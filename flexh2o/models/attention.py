@@ -72,7 +72,6 @@ def decode_attention(q, cache, k_new, v_new, scale: float):
     return out.view(b, heads, 1, d), logits.view(b, heads, 1, -1), probs.view(b, heads, 1, -1)
 
 
-
 def attend_filled(q, cache, scale: float, padded: bool) -> torch.Tensor:
     """q [b, heads, 1, d] against slots [0, cache.length) of a full cache that already holds the new
     token (every (sequence, KV head) filled alike, so one head's positions mask them all): PyTorch's

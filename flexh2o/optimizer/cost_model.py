@@ -268,7 +268,7 @@ class CostModel:
         flops = sum(2 * rows * out_dim * in_dim for out_dim, in_dim in matrices)
         seconds = (flops / hw.matmul_rate(rows, self.dtype) if flops else 0.0) + hw.layer_overhead
         if self.kinds[j] == "SelfAttention" and not step.prefill and not POLICIES[policy.kv_policy].appends:
-            seconds += hw.eviction_overhead  # an evicting policy's bookkeeping
+            seconds += hw.eviction_overhead or 0.0  # an evicting policy's bookkeeping
         return Channels().add("compute", "compute", policy.num_gpu_batches * seconds)
 
     # -- putting them together --------------------------------------------------------------------

@@ -45,8 +45,9 @@ class HardwareProfile:
     dequant: float               # 4-bit group values dequantized per second on the compute device
     layer_overhead: float        # seconds per (layer, gpu-batch) call beyond its arithmetic and I/O
     # Seconds an evicting KV policy adds to each attention layer's decode call (its bookkeeping);
-    # 0 where not measured (the shipped profiles of machines this project has not run on).
-    eviction_overhead: float = 0.0
+    # None where not measured (shipped profiles of machines this project has not run on, local
+    # profiles of an older flexh2o): the cost model then counts none.
+    eviction_overhead: float | None = None
 
     def knows(self, dtype: str) -> bool:
         """Whether the profile has matrix-product figures for runs in this dtype."""

@@ -317,35 +317,32 @@ def tiny_engine(device: torch.device, dtype: torch.dtype, **policy) -> Engine:
     return Engine(TINY_OPT, layers, policy, tiers, source.describe(), capacities(device, None))
 
 
-def decode_seconds_per_call(device: torch.device, dtype: torch.dtype, sizes: Sizes, **policy) -> float:
-    """Seconds per (layer, gpu-batch) call of the tiny OPT's decode steps, whose arithmetic is negligible."""
-    engine = tiny_engine(device, dtype, **policy)
-    ids = torch.randint(3, TINY_OPT.vocab_size, (1, TINY_PROMPT))
+def engine_overheads(device: torch.device, dtype: torch.dtype, sizes: Sizes) -> tuple[float, float]:
+    """(layer overhead, eviction overhead) from the tiny OPT's decode steps, whose arithmetic is negligible.
 
-    def per_layer_call():
+    The layer overhead is the seconds per (layer, gpu-batch) call with the full cache. The eviction
+    overhead is what an evicting policy adds to each attention layer's decode call (H2O, the
+    costliest bookkeeping of the shipped ones but Keyformer's: it attends through separate kernels
+    to see the probabilities, scores them and picks a victim); a budget of 2 + 2 slots evicts at
+    every step. The two engines run alternately and the difference is taken run by run, so a
+    drift of the machine hits both sides of it."""
+    ids = torch.randint(3, TINY_OPT.vocab_size, (1, TINY_PROMPT))
+    engines = [tiny_engine(device, dtype), tiny_engine(device, dtype, kv_policy="h2o", hh_ratio=2 / TINY_PROMPT)]
+
+    def per_layer_call(engine):
         engine.generate(ids, max_new_tokens=TINY_NEW_TOKENS, eos_token_id=None)
         stats = engine.last_stats
         return stats.decode_seconds / ((stats.steps_done - 1) * len(engine.layers))
     try:
-        per_layer_call()  # warm-up
-        return statistics.median([per_layer_call() for _ in range(sizes.repeats)])
+        for engine in engines:
+            per_layer_call(engine)  # warm-up
+        pairs = [[per_layer_call(engine) for engine in engines] for _ in range(sizes.repeats)]
     finally:
-        engine.close()
-
-
-def layer_overhead(device: torch.device, dtype: torch.dtype, sizes: Sizes) -> float:
-    """The fixed cost of a (layer, gpu-batch) call: the tiny OPT's decode with the full cache."""
-    return decode_seconds_per_call(device, dtype, sizes)
-
-
-def eviction_overhead(device: torch.device, dtype: torch.dtype, sizes: Sizes, full: float) -> float:
-    """What an evicting policy (H2O, the costliest bookkeeping of the shipped ones but Keyformer's)
-    adds to each attention layer's decode call: it attends through separate kernels to see the
-    probabilities, scores them and picks a victim. The tiny OPT with a budget of 2 + 2 slots evicts
-    at every step; `full` is layer_overhead's figure."""
-    per_call = decode_seconds_per_call(device, dtype, sizes, kv_policy="h2o", hh_ratio=2 / TINY_PROMPT)
-    calls_per_attention = len(TINY_OPT.build_layers()) / TINY_OPT.num_layers
-    return max(0.0, (per_call - full) * calls_per_attention)
+        for engine in engines:
+            engine.close()
+    calls_per_attention = len(engines[0].layers) / TINY_OPT.num_layers
+    return (statistics.median(full for full, _ in pairs),
+            max(0.0, statistics.median(h2o - full for full, h2o in pairs) * calls_per_attention))
 
 
 # -- the profile -------------------------------------------------------------------------------
@@ -414,12 +411,11 @@ def _measure(device: torch.device, offload_dir: str, quick: bool, log) -> Hardwa
         copies = dict.fromkeys(("h2d", "d2h", "h2d_pageable", "d2h_pageable"), 0.0)
         gpu_mem = ram
     disk_read, disk_write = logged(log, "disk", disk_rates, offload_dir, host_sizes, log)
-    overhead = logged(log, "layer overhead", layer_overhead, device, dtype, sizes)
+    overhead, eviction = logged(log, "layer and eviction overheads", engine_overheads, device, dtype, sizes)
     return HardwareProfile(
         name=LOCAL, source=source_line(device, quick), device=device.type, dtype=dtype_name(dtype),
         gpu_mem=gpu_mem, cpu_mem=ram, disk_mem=disk_free, matmul_flops=matmul, attention_flops=attention,
         device_bandwidth=bandwidth, cpu_attention_bandwidth=cpu_bandwidth, **copies,
         memcpy=logged(log, "memcpy", memcpy_rate, host_sizes), disk_read=disk_read, disk_write=disk_write,
         dequant=logged(log, "dequantize", dequant_rate, device, dtype, sizes, sync),
-        layer_overhead=overhead,
-        eviction_overhead=logged(log, "eviction overhead", eviction_overhead, device, dtype, sizes, overhead))
+        layer_overhead=overhead, eviction_overhead=eviction)
