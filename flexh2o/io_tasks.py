@@ -15,15 +15,19 @@ from contextlib import contextmanager
 
 
 class Pending:
-    """A value that an I/O thread may still be filling; wait() returns it once it is ready."""
+    """A value that an I/O thread may still be filling; wait() returns it once it is ready. `then`,
+    if given, finishes it on the waiting thread, once, after the I/O thread's part."""
 
-    def __init__(self, value, future=None):
-        self.value, self.future = value, future
+    def __init__(self, value, future=None, then=None):
+        self.value, self.future, self.then = value, future, then
 
     def wait(self):
         if self.future is not None:
             self.future.result()
             self.future = None
+        if self.then is not None:
+            then, self.then = self.then, None
+            then()
         return self.value
 
 
@@ -61,11 +65,12 @@ class IOThreads:
                 self._hand_off(tasks)
 
     def _hand_off(self, tasks):
-        if not self.workers:
-            self.workers = [threading.Thread(target=self._work, name=f"flexh2o-io-{n}", daemon=True)
-                            for n in range(self.threads)]
-            for worker in self.workers:
-                worker.start()
+        # Each thread is listed once started: a signal's exception between the two would otherwise
+        # leave close() joining a thread never started (a RuntimeError instead of a clean exit).
+        for n in range(len(self.workers), self.threads):
+            worker = threading.Thread(target=self._work, name=f"flexh2o-io-{n}", daemon=True)
+            worker.start()
+            self.workers.append(worker)
         with self._ready:
             self.handoffs += 1
             self._queue.extend(tasks)

@@ -131,13 +131,16 @@ def buffered(layer, dtype_bytes: int, policy, device) -> Counter:
 def compute_copy_bytes(layers, dtype_bytes: int, policy, device) -> int:
     """Bytes of the pooled compute buffers. The pool keeps buffers per shape, and at any time the
     layer computing and the next one loading (cyclically: the last layer and the first) hold one
-    each, so a shape needs as many buffers as those two layers ever hold together. A buffer of
-    groups goes back as soon as it is dequantized: one per I/O thread is made (tiers.py)."""
+    each, so a shape needs as many buffers as those two layers ever hold together. On CUDA a buffer
+    of groups goes back as soon as it is dequantized, on its I/O thread: one per thread is made;
+    where the CPU computes, the compute thread dequantizes when it waits, so they count as values
+    do (tiers.py)."""
     counts = per_layer(layers, lambda layer: buffered(layer, dtype_bytes, policy, device))
     most = Counter()
     for j in range(len(layers)):
         for key, count in (counts[j] + counts[(j + 1) % len(layers)]).items():
-            most[key] = max(most[key], count if key[0][0] == "values" else IO_THREADS)
+            per_thread = key[0][0] == "groups" and device.type == "cuda"
+            most[key] = max(most[key], IO_THREADS if per_thread else count)
     return sum(nbytes * count for (_, nbytes), count in most.items())
 
 

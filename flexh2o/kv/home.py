@@ -137,34 +137,41 @@ class CacheHome:
                 previous.wait()
             return Pending(views)
 
-        def fill():
+        def fill(which):
             if previous is not None:
                 previous.wait()
             for part, buf in todo:
-                self._read(part, buf)
-        return self.tiers.run_io(fill, views)
+                self._read(part, buf, which)
+        # K and V in two tasks, so both I/O threads read at once (one stream of reads from this
+        # machine's disk ran at 0.65-0.77 GB/s, two at 1.1-1.3).
+        keys = self.tiers.run_io(lambda: fill("k"), None)
+        values = self.tiers.run_io(lambda: fill("v"), views)
+        values.then = keys.wait
+        return values
 
-    def _read(self, part, buf):
+    def _read(self, part, buf, which: str):
+        """K (with the positions and scores) or V of a part into its compute buffer."""
         tiers, length = self.tiers, self.length
-        tiers.to_device(buf.pos, part.pos)
-        if buf.score is not None:
-            tiers.to_device(buf.score, part.score)
+        if which == "k":
+            tiers.to_device(buf.pos, part.pos)
+            if buf.score is not None:
+                tiers.to_device(buf.score, part.score)
         if not length:
             return
         n, capacity = buf.k.shape[0], self.shape[2]
-        for mem, file, dst in ((part.k_mem, part.k_file, buf.k), (part.v_mem, part.v_file, buf.v)):
-            # Slot-major, as at home: slots [0, length) are one contiguous block there and here.
-            window = dst[:, :, :length].permute(2, 0, 1, 3)
-            block = tiers.buffer((capacity, n, self.shape[0], self.width), self.stored)
-            if file is not None:
-                tiers.read_disk(file, 0, block[:length])
-            else:
-                tiers.to_device(block[:length], mem[:length])
-            if self.compressed:
-                tiers.dequantize(block[:length], window)
-            else:
-                tiers.copy_on_device(window, block[:length])
-            tiers.release(block)
+        mem, file, dst = (part.k_mem, part.k_file, buf.k) if which == "k" else (part.v_mem, part.v_file, buf.v)
+        # Slot-major, as at home: slots [0, length) are one contiguous block there and here.
+        window = dst[:, :, :length].permute(2, 0, 1, 3)
+        block = tiers.buffer((capacity, n, self.shape[0], self.width), self.stored)
+        if file is not None:
+            tiers.read_disk(file, 0, block[:length])
+        else:
+            tiers.to_device(block[:length], mem[:length])
+        if self.compressed:
+            tiers.dequantize(block[:length], window)
+        else:
+            tiers.copy_on_device(window, block[:length])
+        tiers.release(block)
 
     def store(self, views) -> Pending:
         """Writes what the step changed back home, then frees the buffers. Compressed, what the step
