@@ -49,8 +49,8 @@ def cached_profile(device: torch.device, log) -> HardwareProfile | None:
     if profile is not None and profile.device != device.type:
         log(f"note: the cached profile was measured on {profile.device}, not {device.type}: measuring again")
         return None
-    if profile is not None and profile.eviction_overhead is None:
-        log("note: the cached profile was measured by an older flexh2o (no eviction overhead): measuring again")
+    if profile is not None and profile.attention_costs is None:
+        log("note: the cached profile was measured by an older flexh2o (no attention calls): measuring again")
         return None
     return profile
 
@@ -60,10 +60,11 @@ def measure_here(device: torch.device, offload_dir: str, quick: bool, log) -> Ha
     return measure(device, offload_dir, quick=quick, log=log)
 
 
-def ensure_local_profile(device, offload_dir: str, log=print_to_stderr) -> HardwareProfile:
-    """The cached local profile, or one measured now (and cached) when there is none for this device."""
+def ensure_local_profile(device, offload_dir: str, log=print_to_stderr, fresh: bool = False) -> HardwareProfile:
+    """The cached local profile, or one measured now (and cached) when there is none for this
+    device or `fresh` asks for it."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    profile = cached_profile(device, log)
+    profile = None if fresh else cached_profile(device, log)
     if profile is None:
         profile = measure_here(device, offload_dir, False, log)
         try:
@@ -101,9 +102,16 @@ def profile_rows(p: HardwareProfile) -> list[tuple[str, str]]:
                  ("device to host, pageable", bandwidth(p.d2h_pageable))]
     return rows + [("memcpy", bandwidth(p.memcpy)), ("disk read", bandwidth(p.disk_read)),
                    ("disk write", bandwidth(p.disk_write)), ("dequantize", f"{p.dequant / 1e9:.3f} G values/s"),
-                   ("layer overhead", f"{p.layer_overhead * 1e3:.3f} ms per layer call"),
-                   ("eviction overhead", "not measured" if p.eviction_overhead is None
-                    else f"{p.eviction_overhead * 1e3:.3f} ms per attention decode call")]
+                   ("layer overhead", f"{p.layer_overhead * 1e3:.3f} ms per layer call")] + attention_call_rows(p)
+
+
+def attention_call_rows(p: HardwareProfile) -> list[tuple[str, str]]:
+    if p.attention_costs is None:
+        return [("attention calls", "not measured")]
+    per = {"prompt": "(sequence, head, query, key)", "decode": "(sequence, head, slot)"}
+    return [(f"attention call, {name.replace('_', ' ')}",
+             f"{fixed * 1e3:.3f} ms + {per_unit * 1e9:.3f} ns per {per[name.split('_')[0]]}")
+            for name, (fixed, per_unit) in p.attention_costs.items()]
 
 
 def format_profile(profile: HardwareProfile) -> str:

@@ -6,6 +6,7 @@ import itertools
 import pytest
 import torch
 
+from flexh2o.kv import budget
 from flexh2o.memory import add, run_need, weight_need
 from flexh2o.models.opt import PRESETS, OPTSpec
 from flexh2o.optimizer.cost_model import CostModel, predict
@@ -75,7 +76,7 @@ def test_overlap_off_is_the_sum_and_on_the_max():
 
 
 def test_an_evicting_policy_reads_its_budget_not_the_whole_sequence():
-    hw = cpu_profile(disk_read=1e8)
+    hw = gpu_profile(disk_read=1e8)
     full = Policy(gpu_batch_size=4, cache_gpu_percent=0, cache_cpu_percent=0)
     h2o = dataclasses.replace(full, kv_policy="h2o", hh_ratio=0.1)
     model = CostModel(SMALL, 500, 20, hw)
@@ -89,25 +90,61 @@ def test_an_evicting_policy_reads_its_budget_not_the_whole_sequence():
     assert predict(SMALL, h2o, 500, 20, hw).decode_seconds < predict(SMALL, full, 500, 20, hw).decode_seconds
 
 
-def test_an_evicting_policy_adds_its_bookkeeping_to_each_attention_decode_call():
-    hw = cpu_profile(eviction_overhead=1e-3)
-    full = Policy(gpu_batch_size=4)
+def test_where_the_cpu_computes_a_disk_caches_io_adds_to_the_compute():
+    """On a CPU the cache's disk reads and writes take the compute's cores: they add, not overlap."""
+    hw = cpu_profile(disk_read=1e8)
+    on_disk = Policy(gpu_batch_size=4, cache_gpu_percent=0, cache_cpu_percent=0)
+    model = CostModel(SMALL, 500, 20, hw)
+    step = model.steps()[-1]
+    stage = model.cache_stage(on_disk, step)
+    in_memory = model.cache_stage(Policy(gpu_batch_size=4), step)
+    assert stage.busy("disk") == 0
+    slot = 2 * SMALL.num_kv_heads * SMALL.head_dim * 4
+    disk = 4 * slot * (model.cache_length(on_disk, step.length) / hw.disk_read + 1 / hw.disk_write)
+    assert stage.busy("compute") > in_memory.busy("compute") + disk
+
+
+def test_attention_is_the_engines_own_calls_as_the_profile_timed_them():
+    """The prompt runs fused unless the policy needs the probabilities; a decode step runs fused over
+    the full cache's filled slots, or decode_attention and the bookkeeping over every slot of an
+    evicting policy's budget; one call per gpu-batch, each with its fixed part."""
+    hw = cpu_profile()
+    calls = hw.attention_costs
+    full = Policy(gpu_batch_size=4, num_gpu_batches=2)
+    h2o = dataclasses.replace(full, kv_policy="h2o", hh_ratio=0.1)
     model = CostModel(SMALL, 100, 8, hw)
     prompt, decode = model.steps()[0], model.steps()[-1]
-    kinds = model.kinds
-    for kv in ("h2o", "local", "sink"):
-        evicting = dataclasses.replace(full, kv_policy=kv, hh_ratio=0.2)
-        for j, kind in enumerate(kinds):
-            extra = (model.compute(evicting, decode, j).busy("compute")
-                     - model.compute(full, decode, j).busy("compute"))
-            assert extra == pytest.approx(1e-3 if kind == "SelfAttention" else 0.0, abs=1e-12), (kv, kind)
-            assert model.compute(evicting, prompt, j).busy("compute") == model.compute(full, prompt, j).busy("compute")
+    heads, d = SMALL.num_heads, SMALL.head_dim
+
+    def line(name, units):
+        fixed, per_unit = calls[name]
+        return 2 * (fixed + units * per_unit)  # two gpu-batches
+    prompt_units = 4 * heads * 100 * 100 * d / 64
+    assert model._attention(full, prompt, {"cpu": 0}).busy("compute") == pytest.approx(
+        line("prompt_fused", prompt_units))
+    assert model._attention(h2o, prompt, {"cpu": 0}).busy("compute") == pytest.approx(
+        line("prompt_observed", prompt_units))
+    filled = model.cache_length(full, decode.length) + 1
+    assert model._attention(full, decode, {"cpu": 0}).busy("compute") == pytest.approx(
+        line("decode_fused", 4 * heads * filled * d / 64))
+    capacity = budget(h2o, 100, 8)[0]
+    assert model._attention(h2o, decode, {"cpu": 0}).busy("compute") == pytest.approx(
+        line("decode_evicting", 4 * heads * (capacity + 1) * d / 64))
 
 
-def test_a_profile_without_eviction_overhead_still_loads():
+def test_a_profile_without_attention_calls_goes_by_its_rates():
     data = dict(TEST_CPU_PROFILE)
-    del data["eviction_overhead"]
-    assert from_dict(data, "test").eviction_overhead is None
+    del data["attention_costs"]
+    hw = from_dict(data, "test")
+    assert hw.attention_costs is None
+    full = Policy(gpu_batch_size=4)
+    model = CostModel(SMALL, 100, 8, hw)
+    s = 100
+    products = 4 * 4 * SMALL.num_heads * s * s * SMALL.head_dim
+    probs = 4 * SMALL.num_heads * s * s * 4 * 4
+    assert model._attention(full, model.steps()[0], {"cpu": 0}).busy("compute") == pytest.approx(
+        products / hw.attention_flops["float32"] + probs / hw.device_bandwidth)
+    assert predict(SMALL, dataclasses.replace(full, kv_policy="h2o", hh_ratio=0.2), 100, 8, hw).total_seconds > 0
 
 
 def test_compression_shrinks_disk_time_and_adds_dequantization():

@@ -13,12 +13,13 @@ import torch
 import flexh2o.profile
 from flexh2o.engine import default_dtype
 from flexh2o.optimizer.hardware import HardwareProfile, from_dict, load_profile, local_cache_path
+from flexh2o.optimizer.attention_costs import CALLS, seconds
 from flexh2o.optimizer.measure import measure
 from conftest import REPO
 
 CUDA_COPIES = ("h2d", "d2h", "h2d_pageable", "d2h_pageable")
 SPEEDS = ("device_bandwidth", "cpu_attention_bandwidth", "memcpy", "disk_read", "disk_write", "dequant",
-          "layer_overhead", "eviction_overhead")
+          "layer_overhead")
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +54,16 @@ def test_quick_cpu_profile_has_matmul_and_attention_tables(quick_profile):
         assert all(rate > 0 for rate in table.values()), dtype
         assert profile.matmul_rate(2, dtype) > 0
     assert all(rate > 0 for rate in profile.attention_flops.values())
+
+
+def test_quick_cpu_profile_times_every_attention_call(quick_profile):
+    profile = quick_profile[0]
+    assert set(profile.attention_costs) == set(CALLS)
+    for name, (fixed, per_unit) in profile.attention_costs.items():
+        assert fixed >= 0 and per_unit >= 0, name
+        assert fixed + per_unit > 0, name
+    # an evicting decode call does what the fused one does, and more
+    assert seconds(profile.attention_costs["decode_evicting"], 1e5) > seconds(profile.attention_costs["decode_fused"], 0)
 
 
 def test_profile_round_trips_through_json(quick_profile):

@@ -5,12 +5,15 @@ computes its gpu-batches, the weights of layer j+1 load and the cache of layer j
 (one layer's I/O hides behind the other's compute). So a layer's stage takes, with overlap, the
 longest of its compute and of each I/O channel's busy time, and without overlap their sum:
 
-- compute: the matrix products at the rate the profile measured for their rows, attention (the
-  prompt's products; decode reading K and V at the device's bandwidth), 4-bit dequantization, a
-  fixed cost per (layer, gpu-batch) call, and, where the CPU computes, the memory copies the I/O
-  threads make (they take the same cores);
+- compute: the matrix products at the rate the profile measured for their rows, the engine's
+  attention calls as the profile timed them (attention_costs.py; a profile without them: the
+  prompt's products at attention_flops, decode reading K and V at the device's bandwidth), 4-bit
+  dequantization, a fixed cost per (layer, gpu-batch) call, and, where the CPU computes, the
+  memory copies the I/O threads make: a thread copying takes a core from the compute's two-thread
+  team, whose work waits on its slower thread, so a copy adds its whole time;
 - h2d / d2h: copies between CPU memory and the GPU (pinned), weights, cache and parked hidden states;
-- disk: reads and writes of the offload files, without the page cache.
+- disk: reads and writes of the offload files, without the page cache (where the CPU computes,
+  the cache's count as compute: see _cache_io).
 
 Bytes are counted as the engine places and moves them (tiers.split_rows, kv.home.batch_split, the
 stored width of compressed rows), and the KV policy's budget sets the slots each step reads. Decode
@@ -27,6 +30,8 @@ import numpy as np
 from ..kv import POLICIES, budget, slot_bytes
 from ..kv.home import batch_split, cpu_attention_dtype
 from ..memory import DTYPE_OF, split_as_placed
+from .attention_costs import decode_units, prompt_units
+from .attention_costs import seconds as attention_seconds
 from .hardware import HardwareProfile
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -215,7 +220,11 @@ class CostModel:
         else:
             read, written = self.cache_length(policy, step.length), 1
         ch = Channels()
-        ch.add("disk", "cache I/O", nb * rows["disk"] * slot * (read / hw.disk_read + written / hw.disk_write))
+        # Where the CPU computes, a disk part's reads, copies and row writes take the cores the
+        # compute needs: they did not overlap it (H2O 10% + 10%, cache on disk, opt-125m, 2-core Xeon:
+        # 143-186 ms a decode step with overlap, 151-165 without), so they add to the compute.
+        disk_channel = "disk" if self.on_cuda else "compute"
+        ch.add(disk_channel, "cache I/O", nb * rows["disk"] * slot * (read / hw.disk_read + written / hw.disk_write))
         if self.on_cuda:
             moved = rows["disk"] + (0 if policy.cpu_cache_compute else rows["cpu"])
             home = rows["disk"] + rows["cpu"] if step.prefill else moved  # the prompt's cache is made on the GPU
@@ -229,20 +238,38 @@ class CostModel:
 
     def _attention(self, policy, step: Step, rows: dict) -> Channels:
         b, nb, spec, hw = policy.gpu_batch_size, policy.num_gpu_batches, self.spec, self.hw
+        kv = POLICIES[policy.kv_policy]
+        calls = hw.attention_costs
         if step.prefill:
             s = self.prompt_len
-            products = 4 * b * spec.num_heads * s * s * spec.head_dim
-            probs = b * spec.num_heads * s * s * 4 * PROBS_PASSES
-            seconds = products / hw.attention_flops[self.dtype] + probs / hw.device_bandwidth
+            if calls is not None:
+                line = calls["prompt_observed" if kv.uses_attention else "prompt_fused"]
+                seconds = attention_seconds(line, prompt_units(b, spec.num_heads, s, spec.head_dim))
+            else:
+                products = 4 * b * spec.num_heads * s * s * spec.head_dim
+                probs = b * spec.num_heads * s * s * 4 * PROBS_PASSES
+                seconds = products / hw.attention_flops[self.dtype] + probs / hw.device_bandwidth
             return Channels().add("compute", "compute", nb * seconds)
         attended = self.cache_length(policy, step.length) + 1
-        kv = 2 * spec.num_kv_heads * spec.head_dim * attended  # values of one sequence's K and V
-        scores = spec.num_heads * attended * 4 * (3 if POLICIES[policy.kv_policy].uses_attention else 1)
         on_cpu = rows["cpu"] if self.on_cuda and policy.cpu_cache_compute else 0
+        evicting = not kv.appends
+        if calls is not None and (evicting or not policy.compress_cache):
+            if evicting and not policy.compress_cache:  # decode_attention reads every slot, filled or not
+                attended = budget(policy, self.prompt_len, self.gen_len)[0] + 1
+            line = calls["decode_evicting" if evicting else "decode_fused"]
+            on_device = attention_seconds(line, decode_units(b - on_cpu, spec.num_heads, attended, spec.head_dim))
+        else:  # separate kernels over the slots, as the profile's decode_bandwidth measured them
+            on_device = (b - on_cpu) * self._decode_bytes(kv, attended, self.dtype_bytes) / hw.device_bandwidth
         wide = cpu_attention_dtype(DTYPE_OF[self.dtype_bytes]).itemsize
-        seconds = ((b - on_cpu) * (kv * self.dtype_bytes + scores) / hw.device_bandwidth
-                   + on_cpu * (kv * wide + scores) / hw.cpu_attention_bandwidth)
+        seconds = on_device + on_cpu * self._decode_bytes(kv, attended, wide) / hw.cpu_attention_bandwidth
         return Channels().add("compute", "compute", nb * seconds)
+
+    def _decode_bytes(self, kv, attended: int, value_bytes: int) -> int:
+        """Bytes one sequence's decode attention reads: K and V of its slots, and its logits and
+        probabilities (passed again by a policy that scores them)."""
+        spec = self.spec
+        scores = spec.num_heads * attended * 4 * (3 if kv.uses_attention else 1)
+        return 2 * spec.num_kv_heads * spec.head_dim * attended * value_bytes + scores
 
     # -- the rest of a layer ------------------------------------------------------------------------
     def act_io(self, policy, step: Step) -> Channels:
@@ -255,8 +282,7 @@ class CostModel:
         return ch
 
     def compute(self, policy, step: Step, j: int) -> Channels:
-        """Layer j's matrix products for every gpu-batch of the step, and the fixed cost of each call
-        (with an evicting KV policy's bookkeeping on an attention layer's decode call)."""
+        """Layer j's matrix products for every gpu-batch of the step, and the fixed cost of each call."""
         b, spec, hw = policy.gpu_batch_size, self.spec, self.hw
         rows = b * (self.prompt_len if step.prefill else 1)
         matrices = self.matrices[j]
@@ -267,8 +293,6 @@ class CostModel:
             rows = b  # only the last position predicts
         flops = sum(2 * rows * out_dim * in_dim for out_dim, in_dim in matrices)
         seconds = (flops / hw.matmul_rate(rows, self.dtype) if flops else 0.0) + hw.layer_overhead
-        if self.kinds[j] == "SelfAttention" and not step.prefill and not POLICIES[policy.kv_policy].appends:
-            seconds += hw.eviction_overhead or 0.0  # an evicting policy's bookkeeping
         return Channels().add("compute", "compute", policy.num_gpu_batches * seconds)
 
     # -- putting them together --------------------------------------------------------------------

@@ -39,15 +39,15 @@ class HardwareProfile:
     d2h: float
     h2d_pageable: float
     d2h_pageable: float
-    memcpy: float                # CPU memory to CPU memory, bytes copied per second
+    memcpy: float                # CPU memory to CPU memory, bytes per second an I/O thread copies
     disk_read: float             # the offload disk, bypassing the page cache
     disk_write: float
     dequant: float               # 4-bit group values dequantized per second on the compute device
     layer_overhead: float        # seconds per (layer, gpu-batch) call beyond its arithmetic and I/O
-    # Seconds an evicting KV policy adds to each attention layer's decode call (its bookkeeping);
-    # None where not measured (shipped profiles of machines this project has not run on, local
-    # profiles of an older flexh2o): the cost model then counts none.
-    eviction_overhead: float | None = None
+    # The engine's attention calls, each a line [fixed seconds, seconds per unit] fitted to two
+    # timings (attention_costs.py); None where not measured (the shipped profiles of machines this
+    # project has not run on): the cost model then goes by attention_flops and device_bandwidth.
+    attention_costs: dict | None = None
 
     def knows(self, dtype: str) -> bool:
         """Whether the profile has matrix-product figures for runs in this dtype."""

@@ -1,7 +1,7 @@
 """Measures the machine at hand into a HardwareProfile (run by python -m flexh2o.profile).
 
-Each figure comes from one small function. A timing is the median of a few timed runs after a
-warm-up run, synchronized on CUDA; a call shorter than MIN_TIMING is repeated within one run.
+Each figure comes from one small function. A timing (timing.py) is the median of a few timed runs
+after a warm-up run, synchronized on CUDA; a call shorter than MIN_TIMING is repeated within one run.
 Sizes come from a short trial wherever a dtype may be slow: bfloat16 products on a CPU without
 native bfloat16 ran ~300x slower than float32 (0.2 against 68 GFLOP/s on an AVX2 EPYC), so a size
 that takes float32 a tenth of a second would take bfloat16 half a minute.
@@ -16,7 +16,6 @@ import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import psutil
 import torch
@@ -29,16 +28,17 @@ from ..memory import capacities
 from ..models.opt import OPTSpec
 from ..policy import Policy
 from ..quant import dequantize, quantize
-from ..tiers import Tiers
+from ..tiers import Tiers, copy_in_memory
 from ..weights import DummyWeights
+from .attention_costs import DECODE_BATCH, HEAD_DIM, HEADS, measure_attention_costs
 from .hardware import LOCAL, HardwareProfile
+from .timing import (Sizes, affordable_bytes, beside_compute, random_tensor, scaled_size, seconds_per_call,
+                     sizes_for, streamed_weights, synchronizer, trial_seconds)
 
 # Every power of two where decode batches lie: interpolating 8 rows between 4 and 16 (in log rows)
 # gave 37 GFLOP/s on a 2-core Xeon that multiplies 8 rows at 26, and decode predictions 1.4x fast.
 MATMUL_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
 MIN_MATMUL_ROWS = 5   # row counts measured even for the slowest dtype
-MIN_TIMING = 0.02     # seconds; a shorter call is repeated within one timed run
-HEAD_DIM = 64
 DECODE_ROWS = 32      # (sequence, head) pairs of the decode attention measurement
 DISK_THREADS = 2      # as many as the engine's I/O threads
 DISK_REPEATS = 5      # files written and read at most (each sized for disk_seconds)
@@ -53,109 +53,17 @@ def print_to_stderr(line: str):
     print(line, file=sys.stderr, flush=True)
 
 
-@dataclass(frozen=True)
-class Sizes:
-    matmul_k: int
-    matmul_n: int
-    attention_seq: int
-    kv_bytes: int          # K and V together, read by one decode attention call
-    copy_bytes: int        # one CPU memcpy or host-device copy
-    disk_bytes: int        # the largest file written and read
-    disk_chunk: int        # bytes per read or write call
-    dequant_rows: int      # of DEQUANT_WIDTH values
-    trial_target: float    # seconds of one call that a trial sizes a measurement for
-    max_call: float        # seconds past which the matmul table stops (once it has MIN_MATMUL_ROWS)
-    disk_seconds: float    # seconds a file write is sized for
-    timing_budget: float   # seconds the timed runs of one measurement may take together
-    repeats: int           # timed runs at most
-    stream_bytes: int      # weights the matmul table cycles through
-
-
-CPU_SIZES = Sizes(matmul_k=1024, matmul_n=4096, attention_seq=512, kv_bytes=256 << 20, copy_bytes=256 << 20,
-                  disk_bytes=512 << 20, disk_chunk=64 << 20, dequant_rows=1024, trial_target=0.4, max_call=0.75,
-                  disk_seconds=1.0, timing_budget=2.0, repeats=7, stream_bytes=256 << 20)
-CUDA_SIZES = Sizes(matmul_k=8192, matmul_n=8192, attention_seq=2048, kv_bytes=2 << 30, copy_bytes=512 << 20,
-                   disk_bytes=512 << 20, disk_chunk=64 << 20, dequant_rows=4096, trial_target=0.4, max_call=0.75,
-                   disk_seconds=1.0, timing_budget=2.0, repeats=7, stream_bytes=1 << 30)
-QUICK_CPU_SIZES = Sizes(matmul_k=256, matmul_n=1024, attention_seq=128, kv_bytes=8 << 20, copy_bytes=8 << 20,
-                        disk_bytes=8 << 20, disk_chunk=2 << 20, dequant_rows=64, trial_target=0.02, max_call=0.04,
-                        disk_seconds=0.05, timing_budget=0.1, repeats=3, stream_bytes=8 << 20)
-QUICK_CUDA_SIZES = Sizes(matmul_k=2048, matmul_n=2048, attention_seq=512, kv_bytes=64 << 20, copy_bytes=64 << 20,
-                         disk_bytes=8 << 20, disk_chunk=2 << 20, dequant_rows=512, trial_target=0.02, max_call=0.04,
-                         disk_seconds=0.05, timing_budget=0.1, repeats=3, stream_bytes=64 << 20)
-
-
-def sizes_for(device: torch.device, quick: bool) -> Sizes:
-    if device.type == "cuda":
-        return QUICK_CUDA_SIZES if quick else CUDA_SIZES
-    return QUICK_CPU_SIZES if quick else CPU_SIZES
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-# -- timing ------------------------------------------------------------------------------------
-
-def synchronizer(device: torch.device):
-    if device.type == "cuda":
-        return lambda: torch.cuda.synchronize(device)
-    return lambda: None
-
-
-def timed(fn, sync, calls: int = 1) -> float:
-    """Seconds per call over `calls` calls in a row."""
-    sync()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    sync()
-    return (time.perf_counter() - start) / calls
-
-
-def trial_seconds(fn, sync) -> float:
-    """One call after a warm-up call: enough to size a measurement."""
-    timed(fn, sync)
-    return timed(fn, sync)
-
-
-def seconds_per_call(fn, sync, sizes: Sizes) -> float:
-    """The median seconds of a call after a warm-up call, over as many timed runs (1 to sizes.repeats)
-    as fit sizes.timing_budget."""
-    first = trial_seconds(fn, sync)
-    calls = max(1, int(MIN_TIMING / max(first, 1e-9)))
-    runs = max(1, min(sizes.repeats, int(sizes.timing_budget / (first * calls))))
-    times = [first] if calls == 1 else []
-    times += [timed(fn, sync, calls) for _ in range(runs - len(times))]
-    return statistics.median(times)
-
-
-def scaled_size(trial_size: int, trial: float, target: float, largest: int) -> int:
-    """The size a call of `target` seconds covers at the rate a trial of `trial_size` ran, within [1, largest]."""
-    return max(1, min(largest, int(trial_size * target / max(trial, 1e-9))))
-
-
-def random_tensor(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, device=device).uniform_(-1, 1)
-
-
-def affordable_bytes(nbytes: int, device: torch.device) -> int:
-    """nbytes, or a quarter of the memory free on `device` where that is less."""
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
-    return max(1 << 20, min(nbytes, free // 4))
-
-
-# -- compute -----------------------------------------------------------------------------------
+# -- compute ------------------------------------------------------------------------------------
 
 def matmul_table(device: torch.device, dtype: torch.dtype, sizes: Sizes, sync) -> dict:
     """FLOP/s of [rows, K] @ [K, N] by rows. A slow dtype stops once the next row count, at the
     rate of the last, would take longer than sizes.max_call."""
     k, n = sizes.matmul_k, sizes.matmul_n
-    # A decode step streams every weight once, so consecutive products use different matrices, as
-    # many as cover sizes.stream_bytes (well past the caches): one matrix used again and again
-    # stayed in the CPU's cache and looked 3x faster at few rows than the engine's products ran.
-    copies = max(1, -(-sizes.stream_bytes // (k * n * dtype.itemsize)))
-    weights = [random_tensor((n, k), dtype, device) for _ in range(copies)]
+    weights = streamed_weights(sizes, dtype, device)
     table, rate = {}, None
     for rows in MATMUL_ROWS:
         flop = 2 * rows * k * n
@@ -220,11 +128,14 @@ def dequant_rate(device: torch.device, dtype: torch.dtype, sizes: Sizes, sync) -
 # -- memory ------------------------------------------------------------------------------------
 
 def memcpy_rate(sizes: Sizes) -> float:
-    """Bytes/s of a CPU tensor's copy_ into another (each byte counted once)."""
-    nbytes = affordable_bytes(sizes.copy_bytes, torch.device("cpu"))
+    """Bytes/s of a CPU copy as an I/O thread makes it where the CPU computes: tiers.copy_in_memory,
+    beside compute (each byte counted once)."""
+    cpu = torch.device("cpu")
+    nbytes = affordable_bytes(sizes.copy_bytes, cpu)
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
-    return nbytes / seconds_per_call(lambda: dst.copy_(src), lambda: None, sizes)
+    return nbytes / beside_compute(lambda: seconds_per_call(lambda: copy_in_memory(dst, src), lambda: None, sizes),
+                                   cpu, sizes)
 
 
 def cuda_copy_rates(device: torch.device, sizes: Sizes, sync) -> dict:
@@ -270,9 +181,14 @@ def disk_chunk_and_size(store: DiskStore, sizes: Sizes) -> tuple[int, int]:
     return max(ALIGN, chunk), largest
 
 
-def disk_rates(offload_dir: str, sizes: Sizes, log) -> tuple[float, float]:
+def disk_rates(offload_dir: str, sizes: Sizes, log, device: torch.device) -> tuple[float, float]:
     """(read, write) bytes/s of the engine's disk store with the page cache bypassed, DISK_THREADS
-    threads reading or writing chunks at once. The file size comes from a trial of one chunk per thread."""
+    threads reading or writing chunks at once, beside compute on `device`. The file size comes from
+    a trial of one chunk per thread."""
+    return beside_compute(lambda: _disk_rates(offload_dir, sizes, log), device, sizes)
+
+
+def _disk_rates(offload_dir: str, sizes: Sizes, log) -> tuple[float, float]:
     store = DiskStore(offload_dir, bypass_page_cache=True)
     try:
         if store.page_cache == MEMORY:
@@ -317,32 +233,29 @@ def tiny_engine(device: torch.device, dtype: torch.dtype, **policy) -> Engine:
     return Engine(TINY_OPT, layers, policy, tiers, source.describe(), capacities(device, None))
 
 
-def engine_overheads(device: torch.device, dtype: torch.dtype, sizes: Sizes) -> tuple[float, float]:
-    """(layer overhead, eviction overhead) from the tiny OPT's decode steps, whose arithmetic is negligible.
-
-    The layer overhead is the seconds per (layer, gpu-batch) call with the full cache. The eviction
-    overhead is what an evicting policy adds to each attention layer's decode call (H2O, the
-    costliest bookkeeping of the shipped ones but Keyformer's: it attends through separate kernels
-    to see the probabilities, scores them and picks a victim); a budget of 2 + 2 slots evicts at
-    every step. The two engines run alternately and the difference is taken run by run, so a
-    drift of the machine hits both sides of it."""
+def layer_overhead(device: torch.device, dtype: torch.dtype, sizes: Sizes) -> float:
+    """Seconds per (layer, gpu-batch) call of the tiny OPT's decode steps (full cache), whose
+    arithmetic is negligible: what a call costs beyond its arithmetic and I/O."""
     ids = torch.randint(3, TINY_OPT.vocab_size, (1, TINY_PROMPT))
-    engines = [tiny_engine(device, dtype), tiny_engine(device, dtype, kv_policy="h2o", hh_ratio=2 / TINY_PROMPT)]
+    engine = tiny_engine(device, dtype)
 
-    def per_layer_call(engine):
+    def per_layer_call():
         engine.generate(ids, max_new_tokens=TINY_NEW_TOKENS, eos_token_id=None)
         stats = engine.last_stats
         return stats.decode_seconds / ((stats.steps_done - 1) * len(engine.layers))
     try:
-        for engine in engines:
-            per_layer_call(engine)  # warm-up
-        pairs = [[per_layer_call(engine) for engine in engines] for _ in range(sizes.repeats)]
+        per_layer_call()  # warm-up
+        return statistics.median(per_layer_call() for _ in range(sizes.repeats))
     finally:
-        for engine in engines:
-            engine.close()
-    calls_per_attention = len(engines[0].layers) / TINY_OPT.num_layers
-    return (statistics.median(full for full, _ in pairs),
-            max(0.0, statistics.median(h2o - full for full, h2o in pairs) * calls_per_attention))
+        engine.close()
+
+
+def attention_costs(device: torch.device, dtype: torch.dtype, sizes: Sizes, sync) -> dict:
+    """The engine's attention calls, fitted (attention_costs.py); the decode calls read up to sizes.kv_bytes."""
+    slots = max(64, affordable_bytes(sizes.kv_bytes, device)
+                // (2 * DECODE_BATCH * HEADS * HEAD_DIM * dtype.itemsize))
+    return measure_attention_costs(lambda fn: seconds_per_call(fn, sync, sizes), dtype, device,
+                                   sizes.attention_seq, slots, sizes.stream_bytes)
 
 
 # -- the profile -------------------------------------------------------------------------------
@@ -410,12 +323,13 @@ def _measure(device: torch.device, offload_dir: str, quick: bool, log) -> Hardwa
         cpu_bandwidth = bandwidth
         copies = dict.fromkeys(("h2d", "d2h", "h2d_pageable", "d2h_pageable"), 0.0)
         gpu_mem = ram
-    disk_read, disk_write = logged(log, "disk", disk_rates, offload_dir, host_sizes, log)
-    overhead, eviction = logged(log, "layer and eviction overheads", engine_overheads, device, dtype, sizes)
+    disk_read, disk_write = logged(log, "disk", disk_rates, offload_dir, host_sizes, log, device)
+    overhead = logged(log, "layer overhead", layer_overhead, device, dtype, sizes)
+    calls = logged(log, "attention calls", attention_costs, device, dtype, sizes, sync)
     return HardwareProfile(
         name=LOCAL, source=source_line(device, quick), device=device.type, dtype=dtype_name(dtype),
         gpu_mem=gpu_mem, cpu_mem=ram, disk_mem=disk_free, matmul_flops=matmul, attention_flops=attention,
         device_bandwidth=bandwidth, cpu_attention_bandwidth=cpu_bandwidth, **copies,
         memcpy=logged(log, "memcpy", memcpy_rate, host_sizes), disk_read=disk_read, disk_write=disk_write,
         dequant=logged(log, "dequantize", dequant_rate, device, dtype, sizes, sync),
-        layer_overhead=overhead, eviction_overhead=eviction)
+        layer_overhead=overhead, attention_costs=calls)
