@@ -2,6 +2,7 @@
 
 from .engine import Engine, GenerateOutput
 from .errors import UsageError
+from .llm import LLM, Completion
 from .policy import Policy
 
-__all__ = ["Engine", "GenerateOutput", "Policy", "UsageError"]
+__all__ = ["Completion", "Engine", "GenerateOutput", "LLM", "Policy", "UsageError"]

@@ -164,7 +164,8 @@ class Engine:
                  max_new_tokens: int = 32, do_sample: bool = False, temperature: float = 1.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  eos_token_id: int | None = -1, pad_token_id: int | None = None,
-                 output_scores: bool = False, progress: bool = False, forced_tokens: torch.Tensor | None = None):
+                 output_scores: bool = False, progress: bool = False, forced_tokens: torch.Tensor | None = None,
+                 row_seeds: list | None = None, row_max_new_tokens: list | None = None):
         """Generates for a left-padded batch [gpu_batch_size * num_gpu_batches, prompt_len].
 
         Returns the ids [batch, prompt_len + max_new_tokens] (sequences that hit EOS continue
@@ -173,6 +174,8 @@ class Engine:
         model's own; None disables stopping at EOS. forced_tokens [batch, max_new_tokens]: teacher
         forcing, step i feeds forced_tokens[:, i] next (no EOS stop); the GenerateOutput then holds
         the log-probability each step's logits gave its forced token, and their greedy choice.
+        row_seeds: a sampling seed per sequence (each draws from its own generator);
+        row_max_new_tokens: tokens per sequence at most (a sequence past its own is finished).
         """
         policy, spec = self.policy, self.spec
         if input_ids.dim() != 2 or input_ids.shape[0] != policy.batch_size:
@@ -196,13 +199,16 @@ class Engine:
         if forced_tokens is not None and tuple(forced_tokens.shape) != (input_ids.shape[0], max_new_tokens):
             raise UsageError("forced_tokens", f"must be [batch, max_new_tokens] = [{input_ids.shape[0]}, "
                              f"{max_new_tokens}], got {list(forced_tokens.shape)}")
-        sampler = Sampler(do_sample, temperature, top_k, top_p, seed)
+        for name, rows in (("row_seeds", row_seeds), ("row_max_new_tokens", row_max_new_tokens)):
+            if rows is not None and len(rows) != input_ids.shape[0]:
+                raise UsageError(name, f"must give one value per sequence ({input_ids.shape[0]}), got {len(rows)}")
+        sampler = Sampler(do_sample, temperature, top_k, top_p, seed, row_seeds)
         model_eos = getattr(spec, "eos_token_ids", None) or spec.eos_token_id  # Llama 3 lists several
         eos = None if forced_tokens is not None else model_eos if eos_token_id == -1 else eos_token_id
         pad = spec.pad_token_id if pad_token_id is None else pad_token_id
         seqs = Sequences(input_ids.cpu().long(), attention_mask.cpu(), max_new_tokens, policy.gpu_batch_size,
                          sampler, eos, pad, output_scores, self.tiers.compute,
-                         None if forced_tokens is None else forced_tokens.cpu().long())
+                         None if forced_tokens is None else forced_tokens.cpu().long(), row_max_new_tokens)
         batch_sizes = [policy.gpu_batch_size] * policy.num_gpu_batches
         io_before, read_before = self.tiers.io_seconds, self.tiers.disk.bytes_read if self.tiers.disk else 0
         try:

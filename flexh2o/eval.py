@@ -23,7 +23,8 @@ from .models import resolve_model
 from .output import check_output_file
 from .policy import KV_POLICIES, Policy
 from .prompts import load_tokenizer, read_utf8
-from .run import default_offload_dir, save_json
+from .run import save_json
+from .run_setup import default_offload_dir
 from .signals import run_stoppable
 
 MAX_TEXT_BYTES = 64 << 20

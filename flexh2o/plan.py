@@ -16,7 +16,8 @@ from .optimizer.planner import describe_caps, describe_prediction, plan_capaciti
 from .optimizer.search import search
 from .output import check_output_file
 from .policy import KV_POLICIES, Policy
-from .run import check_positive, default_offload_dir, save_json
+from .run import check_positive, save_json
+from .run_setup import default_offload_dir
 from .signals import run_stoppable
 
 

@@ -6,17 +6,14 @@ by the cost model on this machine's profile (measured first if none is cached).
 """
 
 import argparse
-import os
 import sys
-import tempfile
 
 import torch
 
 from .disk import OffloadError, check_offload_dir
-from .engine import Engine, default_device, default_dtype, parse_device, parse_dtype
+from .engine import default_device, default_dtype, parse_device, parse_dtype
 from .errors import OneLineErrorParser, UsageError
-from .memory import capacities, parse_size
-from .placement import WeightNeeds, describe as describe_placement, fits, fitted_placement, no_fit_error
+from .memory import parse_size
 from .models import resolve_model
 from .policy import KV_POLICIES, Policy, placement_flag, policy_percents
 from .prompts import load_tokenizer, pad_prompts, read_prompts, synthetic_prompts
@@ -24,9 +21,10 @@ from .sampling import check_sampling, check_seed
 from .output import check_output_file, json_text, write_json_atomic
 from .report import build_report, format_report
 from .signals import run_stoppable
+from .job_run import check_job_flags, run_job
+from .run_setup import choose_policy, load_engine
 from .optimizer.cost_model import predict
-from .planning import DEFAULT_GPU_BATCH_SIZE, cached_local_profile, check_planning_flags, local_profile, \
-    planned_policy
+from .planning import DEFAULT_GPU_BATCH_SIZE, check_planning_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,17 +84,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts-file", help="one prompt per line (needs a tokenizer next to the weights); the "
                    "generated text of each is printed")
     p.add_argument("--chat", action="store_true",
-                   help="with --prompts-file: each prompt as a user turn in the tokenizer's chat template")
+                   help="each plain prompt (--prompts-file, --input) as a user turn in the tokenizer's chat template")
+    job = p.add_argument_group("dataset jobs (any number of prompts; see README)")
+    job.add_argument("--input", metavar="FILE", help="prompts: plain text (one per line), JSONL ({\"id\", \"prompt\" "
+                     "or \"messages\", optional max_tokens, temperature, top_p, top_k, stop, seed}) or an OpenAI "
+                     "Batch file; with --gen-len as the default max_tokens")
+    job.add_argument("--output", metavar="OUT.jsonl", help="one result record per input record, appended as "
+                     "blocks finish; run the same command again to resume a stopped job")
+    job.add_argument("--skip-bad", action="store_true", help="write bad input records as error records and go on "
+                     "(default: refuse the input before loading the model)")
+    job.add_argument("--ordered", action="store_true", help="at the end, rewrite --output in input order")
+    job.add_argument("--overwrite", action="store_true",
+                     help="start --output again instead of resuming it")
+    job.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--verbose", action="store_true", help="progress bars and more detail")
     return p
 
 
-def default_offload_dir() -> str:
-    return os.path.join(tempfile.gettempdir(), "flexh2o_offload")
-
-
 STRING_FLAGS = ("model", "path", "weights", "cache", "act", "gpu_mem", "cpu_mem", "disk_mem", "device", "dtype",
-                "offload_dir", "json_out", "prompts_file")
+                "offload_dir", "json_out", "prompts_file", "input", "output")
 
 
 def check_not_empty(args):
@@ -130,8 +136,9 @@ def run(args) -> int:
     check_positive(args)
     check_sampling(args.temperature, args.top_k, args.top_p)
     check_seed(args.seed)
-    if args.chat and not args.prompts_file:
-        raise UsageError("--chat", "applies to the prompts of --prompts-file: give one")
+    if args.chat and not (args.prompts_file or args.input):
+        raise UsageError("--chat", "applies to the prompts of --prompts-file or --input: give one")
+    check_job_flags(args)
     planning = args.gpu_batch_size is None and placement_flag(args) is None
     check_planning_flags(args, planning)
     w_gpu, w_cpu, c_gpu, c_cpu, a_gpu, a_cpu = policy_percents(args)
@@ -145,61 +152,29 @@ def run(args) -> int:
     device = parse_device(args.device or default_device())
     dtype = parse_dtype(args.dtype) if args.dtype else None
     spec, weights_dir = resolve_model(args.model, args.path)
+    for flag in ("json_out", "output"):
+        if getattr(args, flag):
+            check_output_file(f"--{flag.replace('_', '-')}", getattr(args, flag))
+    if args.offload_dir is not None:
+        check_offload_dir(args.offload_dir)
+    if args.input:
+        return run_job(args, policy, spec, weights_dir, device, dtype, caps, planning)
     if args.prompt_len + args.gen_len > spec.max_positions:
         raise UsageError("--prompt-len/--gen-len", f"prompt_len + gen_len = {args.prompt_len + args.gen_len} "
                          f"exceeds the {spec.max_positions} positions of {spec.name}")
-    if args.json_out:
-        check_output_file("--json-out", args.json_out)
-    if args.offload_dir is not None:
-        check_offload_dir(args.offload_dir)
+    policy, profile = choose_policy(args, policy, spec, device, dtype, caps, planning)
     dtype_name = str(dtype or default_dtype(device)).removeprefix("torch.")
-    profile = None
-    if planning:
-        offload_dir = args.offload_dir or default_offload_dir()
-        profile = local_profile(device, offload_dir)
-        policy = planned_policy(args, policy, spec, dtype_name, caps, profile, offload_dir)
-    elif placement_flag(args) is None:
-        policy = fit_default_placement(args, policy, spec, device, dtype, caps)
-    if profile is None:
-        profile = cached_local_profile(device, dtype_name)
-    if args.offload_dir is None and any(policy.disk_percent(kind) > 0 for kind in ("w", "cache", "act")):
-        args.offload_dir = default_offload_dir()
-        check_offload_dir(args.offload_dir)
     dummy = args.dummy or weights_dir is None
     tokenizer = None if dummy and not args.prompts_file else load_tokenizer(weights_dir)
     tokens = read_prompts(args.prompts_file, tokenizer, policy.batch_size, args.prompt_len, args.chat) \
         if args.prompts_file else None
-    engine = Engine.from_pretrained(args.model, policy=policy, device=device, dtype=dtype, dummy=dummy,
-                                    path=args.path, offload_dir=args.offload_dir, progress=args.verbose,
-                                    seed=args.seed, bypass_page_cache=args.no_page_cache,
-                                    prompt_len=args.prompt_len, gen_len=args.gen_len,
-                                    placement_flag=placement_flag(args) or "--weights/--cache/--act", **caps)
+    engine = load_engine(args, policy, device, dtype, caps, dummy)
     try:
         predicted = None if profile is None else predict(spec, policy, args.prompt_len, args.gen_len, profile,
                                                          dtype_name)
         return generate_and_report(args, engine, policy, tokens, tokenizer, dummy, predicted)
     finally:
         engine.close()
-
-
-def fit_default_placement(args, policy, spec, device, dtype, caps) -> Policy:
-    """No placement flags: everything on the compute device if it fits, else a placement that does."""
-    dtype_bytes = (dtype or default_dtype(device)).itemsize
-    limits = capacities(device, None, caps.get("gpu_mem"), caps.get("cpu_mem"), caps.get("disk_mem"))
-    if fits(spec, policy, dtype_bytes, args.prompt_len, args.gen_len, limits, device):
-        return policy
-    offload_dir = args.offload_dir or default_offload_dir()
-    check_offload_dir(offload_dir)
-    limits = capacities(device, offload_dir, caps.get("gpu_mem"), caps.get("cpu_mem"), caps.get("disk_mem"))
-    weights = WeightNeeds(spec, dtype_bytes, device)
-    fitted = fitted_placement(spec, policy, dtype_bytes, args.prompt_len, args.gen_len, limits, device, weights)
-    if fitted is None:
-        raise no_fit_error(spec, policy, dtype_bytes, args.prompt_len, args.gen_len, limits, device, weights)
-    if fitted is policy:
-        return policy
-    print(f"note: everything on the compute device does not fit; placing {describe_placement(fitted)} "
-          "(give --weights/--cache/--act or --percent to choose)", file=sys.stderr)
-    return fitted
 
 
 def batch_prompts(args, spec, batch: int, tokens):

@@ -1,7 +1,9 @@
 """Next-token choice: greedy, or sampling with temperature, top-k and top-p.
 
 Sampling draws one uniform number per sequence per token for the whole batch at once and picks by
-inverse CDF, so a seed gives the same tokens however the batch is split into gpu-batches.
+inverse CDF, so a seed gives the same tokens however the batch is split into gpu-batches. With a
+seed per sequence (`row_seeds`, a dataset job's records), each draws from its own generator, so a
+record's tokens do not depend on which others share its block.
 """
 
 import math
@@ -30,7 +32,7 @@ def check_sampling(temperature: float, top_k: int, top_p: float):
 
 class Sampler:
     def __init__(self, do_sample: bool = False, temperature: float = 1.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int | None = None):
+                 top_p: float = 1.0, seed: int | None = None, row_seeds: list | None = None):
         check_sampling(temperature, top_k, top_p)
         self.do_sample = do_sample
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
@@ -42,10 +44,19 @@ class Sampler:
         else:
             check_seed(seed)
             self.generator.manual_seed(seed)
+        self.row_generators = None
+        if row_seeds is not None:
+            for s in row_seeds:
+                check_seed(s)
+            self.row_generators = [torch.Generator().manual_seed(s) for s in row_seeds]
 
     def uniforms(self, batch: int) -> torch.Tensor | None:
         """The random numbers of one token step, one per sequence (None when greedy)."""
-        return torch.rand(batch, generator=self.generator, dtype=torch.float64) if self.do_sample else None
+        if not self.do_sample:
+            return None
+        if self.row_generators is not None:
+            return torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in self.row_generators])
+        return torch.rand(batch, generator=self.generator, dtype=torch.float64)
 
     def pick(self, logits: torch.Tensor, uniforms: torch.Tensor | None) -> torch.Tensor:
         """logits [b, vocab] (float32) -> token ids [b]."""

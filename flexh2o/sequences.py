@@ -28,7 +28,7 @@ class Step:
 
 class Sequences:
     def __init__(self, input_ids, attention_mask, gen_len, gpu_batch_size, sampler,
-                 eos_token_id, pad_token_id, keep_scores, device, forced=None):
+                 eos_token_id, pad_token_id, keep_scores, device, forced=None, row_limits=None):
         batch, self.prompt_len = input_ids.shape
         self.gen_len, self.gpu_batch_size = gen_len, gpu_batch_size
         self.sampler, self.eos, self.pad, self.device = sampler, eos_token_id, pad_token_id, device
@@ -37,6 +37,8 @@ class Sequences:
         self.prompt_valid = attention_mask.bool()
         self.real_prompt_len = self.prompt_valid.sum(dim=1)
         self.finished = torch.zeros(batch, dtype=torch.bool)
+        # Tokens each sequence may generate (a dataset job's records differ); None: gen_len for all.
+        self.row_limits = None if row_limits is None else torch.as_tensor(row_limits, dtype=torch.long)
         self.scores = [[None] * (batch // gpu_batch_size) for _ in range(gen_len)] if keep_scores else None
         self._uniforms = None
         self.forced = forced
@@ -87,6 +89,8 @@ class Sequences:
         tokens = tokens.masked_fill(finished, self.pad)  # finished sequences emit padding
         if self.eos is not None:  # one id, or several (any of them ends a sequence)
             self.finished[rows] = finished | torch.isin(tokens, torch.tensor(self.eos).view(-1))
+        if self.row_limits is not None:
+            self.finished[rows] |= self.row_limits[rows] <= i + 1
         self.ids[rows, self.prompt_len + i] = tokens
         return tokens.unsqueeze(1).to(self.device)
 

@@ -33,6 +33,13 @@ class _State:
 
     def __init__(self):
         self.noted = []  # signals that arrived while the process's own handlers were borrowed
+        self.outcome = None  # what the stop line says of the work kept (a dataset job: its records)
+
+
+def set_stop_outcome(describe):
+    """describe() -> the part of the stop line that says what was kept and how to go on (None: the
+    plain line); a dataset job says how many records are safe and the command that resumes."""
+    _state.outcome = describe
 
 
 _state = _State()
@@ -113,7 +120,8 @@ def run_stoppable(main) -> int:
         _ignore_from_now()
     if code is not None or _state.first is None:
         return code
-    _say(f"stopped by {signal.Signals(_state.first).name}: the run was cancelled and its offload files removed")
+    kept = _state.outcome() if _state.outcome is not None else "the run was cancelled"
+    _say(f"stopped by {signal.Signals(_state.first).name}: {kept} and its offload files removed")
     return 128 + _state.first
 
 

@@ -1,0 +1,234 @@
+"""A dataset job's input: records read from a file, checked, and indexed without holding their tokens.
+
+Three formats, told apart by the file's first non-blank line:
+
+- plain text: one prompt per non-blank line, its id the line number;
+- JSONL: `{"id": ..., "prompt": "..."}` or `{"id": ..., "messages": [{"role", "content"}, ...]}`
+  (the chat template applied), each optionally with max_tokens, temperature, top_p, top_k, stop
+  (a string or a list of them) and seed;
+- the OpenAI Batch format: `{"custom_id", "method": "POST", "url": "/v1/chat/completions" or
+  "/v1/completions", "body": {...}}`, the same fields inside the body (max_completion_tokens too).
+
+`index_records` reads the file once, line by line: every record is checked and tokenized then,
+before any weight loads, and only its id, where it lies in the file and its length are kept, so
+memory stays flat however many records there are. A block's prompts are read again when it runs
+(`read_prompt`).
+"""
+
+import json
+import math
+from dataclasses import dataclass
+
+from .errors import UsageError
+from .sampling import MAX_SEED
+
+FORMATS = ("text", "jsonl", "openai")
+OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")
+MAX_STOPS = 4
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a record's tokens are chosen; records of a block share it (the seed is per record)."""
+    temperature: float  # 0: greedy
+    top_p: float
+    top_k: int
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What the index keeps of a record: no text, no tokens."""
+    number: int          # 0-based, in file order
+    id: str
+    line: int            # 1-based line of the file
+    offset: int          # byte offset of that line
+    prompt_tokens: int
+    max_tokens: int
+    sampling: Sampling
+    seed: int | None
+    error: str | None = None  # a bad record kept by --skip-bad: what is wrong with it
+
+
+@dataclass
+class Request:
+    """A record as parsed: its prompt (text or chat messages) and its settings."""
+    id: str
+    prompt: str | None
+    messages: list | None
+    max_tokens: int
+    sampling: Sampling
+    stop: tuple
+    seed: int | None
+
+
+class BadRecord(ValueError):
+    pass
+
+
+def sampling(temperature: float, top_p: float, top_k: int) -> Sampling:
+    """Greedy whatever top-p and top-k say: records that differ only there share blocks."""
+    return Sampling(0.0, 1.0, 0) if temperature == 0 else Sampling(temperature, top_p, top_k)
+
+
+def detect_format(path: str) -> str:
+    with open(path, "rb") as f:
+        for raw in f:
+            line = raw.decode("utf-8-sig", errors="replace").strip()
+            if not line:
+                continue
+            if not line.startswith("{"):
+                return "text"
+            try:
+                record = json.loads(line)
+            except ValueError:
+                return "jsonl"  # a broken first record is reported as such
+            return "openai" if isinstance(record, dict) and "custom_id" in record else "jsonl"
+    return "text"
+
+
+def _number(record: dict, key: str, kind, default, low, high, low_open=False):
+    value = record.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+        raise BadRecord(f"{key} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+    if not math.isfinite(value) or value > high or value < low or (low_open and value == low):
+        raise BadRecord(f"{key} must be within {'(' if low_open else '['}{low}, {high}], got {value!r}")
+    return kind(value)
+
+
+def _stops(value) -> tuple:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOPS:
+        raise BadRecord(f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them, got {value!r}")
+    return tuple(stops)
+
+
+def _messages(value) -> list:
+    if not isinstance(value, list) or not value:
+        raise BadRecord("messages must be a non-empty list of {\"role\", \"content\"} objects")
+    for m in value:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise BadRecord("each message needs a string role and a string content")
+    return value
+
+
+def parse_record(text: str, fmt: str, line: int, defaults: dict) -> Request:
+    """One line of the file as a Request (BadRecord saying what is wrong otherwise). defaults:
+    max_tokens, temperature, top_p, top_k, seed of the command line."""
+    if fmt == "text":
+        return Request(str(line), text, None, defaults["max_tokens"],
+                       sampling(defaults["temperature"], defaults["top_p"], defaults["top_k"]), (), defaults["seed"])
+    try:
+        record = json.loads(text)
+    except ValueError as e:
+        raise BadRecord(f"not valid JSON ({e.msg})") from None
+    if not isinstance(record, dict):
+        raise BadRecord("a record must be a JSON object")
+    if fmt == "openai":
+        rid, body = record.get("custom_id"), record.get("body")
+        if record.get("method", "POST") != "POST" or record.get("url") not in OPENAI_URLS:
+            raise BadRecord(f"url must be one of {', '.join(OPENAI_URLS)} with method POST")
+        if not isinstance(body, dict):
+            raise BadRecord("body must be a JSON object")
+        chat = record["url"] == OPENAI_URLS[0]
+        record = dict(body, id=rid)
+        if "max_completion_tokens" in body and "max_tokens" not in body:
+            record["max_tokens"] = body["max_completion_tokens"]
+        prompt = None if chat else record.get("prompt")
+        messages = _messages(record.get("messages")) if chat else None
+    else:
+        rid = record.get("id", line)
+        prompt, messages = record.get("prompt"), record.get("messages")
+        if (prompt is None) == (messages is None):
+            raise BadRecord("give exactly one of prompt and messages")
+        if messages is not None:
+            messages = _messages(messages)
+    if isinstance(rid, bool) or not isinstance(rid, (str, int)) or (isinstance(rid, str) and not rid):
+        raise BadRecord(f"id must be a non-empty string or an integer, got {rid!r}")
+    if messages is None and (not isinstance(prompt, str) or not prompt):
+        raise BadRecord("prompt must be a non-empty string")
+    max_tokens = _number(record, "max_tokens", int, defaults["max_tokens"], 1, 1 << 20)
+    chosen = sampling(_number(record, "temperature", float, defaults["temperature"], 0.0, 100.0),
+                      _number(record, "top_p", float, defaults["top_p"], 0.0, 1.0, low_open=True),
+                      _number(record, "top_k", int, defaults["top_k"], 0, 1 << 31))
+    seed = _number(record, "seed", int, defaults["seed"], 0, MAX_SEED)
+    return Request(str(rid), prompt, messages, max_tokens, chosen, _stops(record.get("stop")), seed)
+
+
+def prompt_ids(tokenizer, request: Request, chat: bool) -> list[int]:
+    """The prompt's token ids: chat messages (or a plain prompt under --chat) through the chat template."""
+    if request.messages is not None or chat:
+        messages = request.messages or [{"role": "user", "content": request.prompt}]
+        if not getattr(tokenizer, "chat_template", None):
+            raise BadRecord("chat messages need a tokenizer with a chat template; this model's has none")
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(request.prompt)["input_ids"]
+
+
+def lines_of(path: str):
+    """(line number, byte offset, text) of every non-blank line, read one at a time."""
+    offset = 0
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            start, offset = offset, offset + len(raw)
+            try:
+                text = raw.decode("utf-8-sig" if number == 1 else "utf-8").strip()
+            except UnicodeDecodeError as e:
+                raise UsageError("--input", f"{path}:{number}: not UTF-8 text (byte {e.start})") from None
+            if text:
+                yield number, start, text
+
+
+def read_line(path: str, offset: int) -> str:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.readline().decode("utf-8-sig" if offset == 0 else "utf-8").strip()
+
+
+class JobInput:
+    """The records of an input file: format, and one Entry per record, in file order."""
+
+    def __init__(self, path: str, tokenizer, defaults: dict, max_positions: int, chat: bool = False,
+                 skip_bad: bool = False):
+        self.path, self.tokenizer, self.defaults, self.chat = path, tokenizer, defaults, chat
+        try:
+            self.format = detect_format(path)
+        except OSError as e:
+            raise UsageError("--input", f"cannot read {path}: {e.strerror}") from None
+        self.entries, self.bad, seen = [], 0, set()
+        for line, offset, text in lines_of(path):
+            try:
+                request = parse_record(text, self.format, line, defaults)
+                if request.id in seen:
+                    raise BadRecord(f"id {request.id!r} appears twice")
+                n = len(prompt_ids(tokenizer, request, chat))
+                if n == 0:
+                    raise BadRecord("the prompt has no tokens")
+                if n + request.max_tokens > max_positions:
+                    raise BadRecord(f"{n} prompt tokens + max_tokens {request.max_tokens} exceed the model's "
+                                    f"{max_positions} positions")
+            except BadRecord as e:
+                if not skip_bad:
+                    raise UsageError("--input", f"{path}:{line}: {e} (--skip-bad writes such records to the "
+                                     "output as errors and goes on)") from None
+                self.bad += 1
+                rid = f"line-{line}"
+                self.entries.append(Entry(len(self.entries), rid, line, offset, 0, 0, sampling(0, 1, 0), None,
+                                          str(e)))
+                continue
+            seen.add(request.id)
+            self.entries.append(Entry(len(self.entries), request.id, line, offset, n, request.max_tokens,
+                                      request.sampling, request.seed))
+        if not self.entries:
+            raise UsageError("--input", f"{path} holds no records")
+
+    def request(self, entry: Entry) -> Request:
+        return parse_record(read_line(self.path, entry.offset), self.format, entry.line, self.defaults)
+
+    def tokens(self, entry: Entry) -> tuple[Request, list[int]]:
+        request = self.request(entry)
+        return request, prompt_ids(self.tokenizer, request, self.chat)

@@ -1,0 +1,125 @@
+"""`python -m flexh2o.run --input FILE --output OUT.jsonl`: a dataset job from the command line.
+
+Every record is read and checked before any weight loads; the output's settings are checked
+against a resumed job's; the batch and placement are planned (or taken from the flags) for the
+job's longest block; then the weights load once and the blocks run (job.py), the records going
+to the output as each block finishes.
+"""
+
+import shlex
+import sys
+
+from tqdm import tqdm
+
+from .errors import UsageError
+from .job import ROUND_TO, Job, round_up
+from .job_format import formatter_for
+from .job_input import JobInput
+from .job_output import JobOutput
+from .output import write_json_atomic
+from .policy import placement_flag
+from .prompts import load_tokenizer
+from .run_setup import choose_policy, load_engine
+from .signals import set_stop_outcome
+
+JOB_ONLY = ("output", "skip_bad", "ordered", "overwrite")
+
+
+def check_job_flags(args):
+    if args.input is None:
+        for name in JOB_ONLY:
+            if getattr(args, name) not in (None, False):
+                raise UsageError(f"--{name.replace('_', '-')}", "applies to a dataset job: give --input FILE too")
+        return
+    if args.output is None:
+        raise UsageError("--input", "needs --output OUT.jsonl, where each record's result goes")
+    if args.prompts_file is not None:
+        raise UsageError("--prompts-file", "is the one-block mode; with --input, give the prompts there")
+
+
+def job_settings(args, spec) -> dict:
+    """What the output's records depend on: a resumed job must match them (placement and batch do not)."""
+    return {"model": spec.name, "path": args.path, "dtype": args.dtype, "input": args.input,
+            "kv_policy": args.kv_policy, "hh_ratio": args.hh_ratio, "recent_ratio": args.recent_ratio,
+            "compress_weight": args.compress_weight, "compress_cache": args.compress_cache, "chat": args.chat,
+            "max_tokens": args.gen_len, "do_sample": args.do_sample, "temperature": args.temperature,
+            "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "stop_at_eos": args.stop_at_eos}
+
+
+def eos_ids(spec, stop_at_eos: bool):
+    if not stop_at_eos:
+        return None
+    ids = getattr(spec, "eos_token_ids", None) or spec.eos_token_id
+    return list(ids) if isinstance(ids, (list, tuple)) else [ids]
+
+
+def run_job(args, policy, spec, weights_dir, device, dtype, caps, planning: bool) -> int:
+    """policy: as the flags give it; planned (or fitted) here for the job's longest block."""
+    tokenizer = load_tokenizer(weights_dir)
+    if tokenizer is None:
+        raise UsageError("--input", "needs a tokenizer: give --path (or --model) a directory with tokenizer files "
+                         "or a GGUF file")
+    defaults = {"max_tokens": args.gen_len, "temperature": args.temperature if args.do_sample else 0.0,
+                "top_p": args.top_p, "top_k": args.top_k, "seed": None}
+    job_input = JobInput(args.input, tokenizer, defaults, spec.max_positions, args.chat, args.skip_bad)
+    output = JobOutput(args.output, job_settings(args, spec), args.overwrite)
+    good = [e for e in job_input.entries if e.error is None]
+    if good:
+        args.prompt_len = min(round_up(max(e.prompt_tokens for e in good), ROUND_TO), spec.max_positions - 1)
+        args.gen_len = max(e.max_tokens for e in good)
+        args.gen_len = min(args.gen_len, spec.max_positions - args.prompt_len)
+        if args.gpu_batch_size is None and placement_flag(args) is None and args.max_batch is None:
+            args.max_batch = len(good)
+    policy, _ = choose_policy(args, policy, spec, device, dtype, caps, planning)
+    total = len(job_input.entries)
+    set_stop_outcome(lambda: f"{len(output.done)} of {total} records are safe in {args.output}; "
+                              f"run the same command again to finish the rest ({resume_command()})")
+    engine = load_engine(args, policy, device, dtype, caps, dummy=False)
+    try:
+        return generate_all(args, engine, job_input, output, tokenizer, spec)
+    finally:
+        engine.close()
+        output.close()
+
+
+def resume_command() -> str:
+    return "python -m flexh2o.run " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def generate_all(args, engine, job_input, output, tokenizer, spec) -> int:
+    bar = None
+    if not args.quiet:
+        bar = tqdm(total=len(job_input.entries), initial=len(output.done & {e.id for e in job_input.entries}),
+                   unit="record", desc="job", dynamic_ncols=True)
+    tokens = [0]
+
+    def progress(records: int, generated: int):
+        if bar is not None:
+            tokens[0] += generated
+            bar.update(records)
+            bar.set_postfix_str(f"{tokens[0] / max(bar.format_dict['elapsed'], 1e-9):.1f} tok/s", refresh=False)
+    job = Job(engine, job_input, output, tokenizer, formatter_for(job_input.format, spec.name),
+              eos_ids(spec, args.stop_at_eos), args.seed, progress)
+    for _ in job.run():
+        pass
+    if bar is not None:
+        bar.close()
+    if args.ordered:
+        output.rewrite_in_order([e.id for e in job_input.entries])
+    summary = job.stats.summary()
+    print(format_summary(summary, args.output), flush=True)
+    if args.json_out:
+        write_json_atomic(args.json_out, {"job": summary, "policy": engine.policy.to_dict()})
+    return 0
+
+
+def format_summary(s: dict, path: str) -> str:
+    return "\n".join([
+        f"records: {s['records']} ({s['written']} written now, {s['skipped_already_done']} already in {path}, "
+        f"{s['bad_records']} bad)",
+        f"blocks: {s['blocks']} ({s['block_shapes']} shapes)",
+        f"prompt tokens: {s['prompt_tokens']} real of {s['computed_prompt_tokens']} computed "
+        f"(padding {s['padding_share']:.1%})",
+        f"generated tokens: {s['generated_tokens']} of {s['decode_slots']} decode slots "
+        f"({s['slots_wasted_after_stop']:.1%} after a sequence stopped)",
+        f"wall time: {s['wall_seconds']:.1f} s, {s['generated_tokens_per_second']:.2f} generated tokens/s"])

@@ -1,0 +1,135 @@
+"""The Python API of dataset jobs: LLM(model, ...).generate(prompts) for a list of any size.
+
+    from flexh2o import LLM
+    llm = LLM("path/to/model", kv_policy="h2o", hh_ratio=0.2, gpu_batch_size=16)
+    for c in llm.generate(["Summarize: ...", "Translate: ..."], max_tokens=64):
+        print(c.text)
+
+The weights load once, in the constructor; generate() runs the same scheduler as the command
+line's --input (job.py: length-sorted blocks, each padded to its own longest prompt) and returns
+one Completion per prompt in input order. stream() takes any iterable and yields Completions as
+blocks finish, reading CHUNK prompts ahead at a time, for jobs that do not fit in memory.
+"""
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from .engine import Engine
+from .errors import UsageError
+from .job import Job
+from .job_input import Entry, Request, prompt_ids, sampling
+from .job_run import eos_ids
+from .models import resolve_model
+from .policy import Policy
+from .prompts import load_tokenizer
+
+CHUNK_BATCHES = 16  # stream(): prompts read ahead, in batches of the engine
+
+
+@dataclass(frozen=True)
+class Completion:
+    index: int            # the prompt's place in the input
+    text: str
+    finish_reason: str    # "stop" (EOS or a stop string) or "length"
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class _Prompts:
+    """A chunk of prompts as a job's input (job_input.JobInput's interface, from memory)."""
+
+    def __init__(self, llm, prompts: list, first: int, settings: dict):
+        self.llm, self.first, self.requests, self.entries = llm, first, [], []
+        for n, p in enumerate(prompts):
+            messages = p if isinstance(p, list) else None
+            if messages is None and (not isinstance(p, str) or not p):
+                raise UsageError("prompts", f"prompt {first + n} must be a non-empty string or a list of chat "
+                                 f"messages, got {p!r}")
+            request = Request(str(first + n), None if messages else p, messages, settings["max_tokens"],
+                              settings["sampling"], settings["stop"], settings["seed"])
+            tokens = len(prompt_ids(llm.tokenizer, request, llm.chat))
+            if tokens + request.max_tokens > llm.spec.max_positions:
+                raise UsageError("prompts", f"prompt {first + n}: {tokens} tokens + max_tokens "
+                                 f"{request.max_tokens} exceed the model's {llm.spec.max_positions} positions")
+            self.requests.append(request)
+            self.entries.append(Entry(first + n, request.id, first + n, 0, tokens, request.max_tokens,
+                                      request.sampling, request.seed))
+
+    def tokens(self, entry: Entry):
+        request = self.requests[entry.number - self.first]
+        return request, prompt_ids(self.llm.tokenizer, request, self.llm.chat)
+
+
+class _Collected:
+    """A job's output kept in memory."""
+
+    def __init__(self):
+        self.done, self.completions = set(), []
+
+    def append(self, completions: list):
+        self.completions += completions
+        self.done.update(str(c.index) for c in completions)
+
+
+class _CompletionFormat:
+    def result(self, entry, request, text, finish_reason, prompt_tokens, completion_tokens) -> Completion:
+        return Completion(entry.number, text, finish_reason, prompt_tokens, completion_tokens)
+
+
+class LLM:
+    def __init__(self, model: str, path: str | None = None, *, gpu_batch_size: int = 8, num_gpu_batches: int = 1,
+                 weights: tuple = (100, 0), cache: tuple = (100, 0), kv_policy: str | None = None,
+                 hh_ratio: float | None = None, recent_ratio: float | None = None, compress_weight: bool = False,
+                 compress_cache: bool = False, device=None, dtype=None, offload_dir: str | None = None,
+                 chat: bool = False, seed: int = 0):
+        """model and path as for flexh2o.run's --model and --path (a directory or GGUF file with a
+        tokenizer); weights and cache: (percent on the compute device, percent in CPU memory), the
+        rest on disk in offload_dir."""
+        self.spec, weights_dir = resolve_model(model, path)
+        self.tokenizer = load_tokenizer(weights_dir)
+        if self.tokenizer is None:
+            raise UsageError("model", "needs a tokenizer next to the weights (a directory with tokenizer files or a "
+                             "GGUF file)")
+        self.chat, self.seed = chat, seed
+        policy = Policy(gpu_batch_size, num_gpu_batches, weights[0], weights[1], cache[0], cache[1],
+                        kv_policy=kv_policy, hh_ratio=hh_ratio, recent_ratio=recent_ratio,
+                        compress_weight=compress_weight, compress_cache=compress_cache)
+        self.engine = Engine.from_pretrained(model, policy=policy, device=device, dtype=dtype, path=path,
+                                             offload_dir=offload_dir, seed=seed)
+
+    def generate(self, prompts, max_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                 stop=None, seed: int | None = None) -> list[Completion]:
+        """One Completion per prompt (a string, or a list of chat messages), in input order.
+        temperature 0 is greedy; seed: every prompt's sampling seed (default: from the LLM's seed
+        and the prompt's index, so a prompt's tokens do not depend on its block)."""
+        return sorted(self.stream(prompts, max_tokens, temperature, top_p, top_k, stop, seed), key=lambda c: c.index)
+
+    def stream(self, prompts, max_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+               stop=None, seed: int | None = None):
+        """Completions as blocks finish, any number of prompts from any iterable."""
+        settings = {"max_tokens": max_tokens, "sampling": sampling(temperature, top_p, top_k),
+                    "stop": (stop,) if isinstance(stop, str) else tuple(stop or ()), "seed": seed}
+        chunk = CHUNK_BATCHES * self.engine.policy.batch_size
+        source, first = iter(prompts), 0
+        while True:
+            part = list(itertools.islice(source, chunk))
+            if not part:
+                return
+            collected = _Collected()
+            job = Job(self.engine, _Prompts(self, part, first, settings), collected, self.tokenizer,
+                      _CompletionFormat(), eos_ids(self.spec, True), self.seed)
+            with torch.no_grad():
+                for completions in job.run():
+                    yield from completions
+            first += len(part)
+
+    def close(self):
+        self.engine.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,68 @@
+"""What a run is set up with from its flags: the policy (planned, fitted or as given) and the engine.
+
+flexh2o.run's one-block mode and its dataset jobs (job_run.py) share these.
+"""
+
+import os
+import sys
+import tempfile
+
+from .disk import check_offload_dir
+from .engine import Engine, default_dtype
+from .memory import capacities
+from .placement import WeightNeeds, describe as describe_placement, fits, fitted_placement, no_fit_error
+from .policy import Policy, placement_flag
+from .planning import cached_local_profile, local_profile, planned_policy
+
+
+def default_offload_dir() -> str:
+    return os.path.join(tempfile.gettempdir(), "flexh2o_offload")
+
+
+def choose_policy(args, policy, spec, device, dtype, caps, planning):
+    """The policy to run (planned by the cost model, or fitted to the machine when no placement is
+    given) for args.prompt_len + args.gen_len, and the profile to predict it with (or None);
+    sets args.offload_dir where the policy puts something on disk."""
+    dtype_name = str(dtype or default_dtype(device)).removeprefix("torch.")
+    profile = None
+    if planning:
+        offload_dir = args.offload_dir or default_offload_dir()
+        profile = local_profile(device, offload_dir)
+        policy = planned_policy(args, policy, spec, dtype_name, caps, profile, offload_dir)
+    elif placement_flag(args) is None:
+        policy = fit_default_placement(args, policy, spec, device, dtype, caps)
+    if profile is None:
+        profile = cached_local_profile(device, dtype_name)
+    if args.offload_dir is None and any(policy.disk_percent(kind) > 0 for kind in ("w", "cache", "act")):
+        args.offload_dir = default_offload_dir()
+        check_offload_dir(args.offload_dir)
+    return policy, profile
+
+
+def fit_default_placement(args, policy, spec, device, dtype, caps) -> Policy:
+    """No placement flags: everything on the compute device if it fits, else a placement that does."""
+    dtype_bytes = (dtype or default_dtype(device)).itemsize
+    limits = capacities(device, None, caps.get("gpu_mem"), caps.get("cpu_mem"), caps.get("disk_mem"))
+    if fits(spec, policy, dtype_bytes, args.prompt_len, args.gen_len, limits, device):
+        return policy
+    offload_dir = args.offload_dir or default_offload_dir()
+    check_offload_dir(offload_dir)
+    limits = capacities(device, offload_dir, caps.get("gpu_mem"), caps.get("cpu_mem"), caps.get("disk_mem"))
+    weights = WeightNeeds(spec, dtype_bytes, device)
+    fitted = fitted_placement(spec, policy, dtype_bytes, args.prompt_len, args.gen_len, limits, device, weights)
+    if fitted is None:
+        raise no_fit_error(spec, policy, dtype_bytes, args.prompt_len, args.gen_len, limits, device, weights)
+    if fitted is policy:
+        return policy
+    print(f"note: everything on the compute device does not fit; placing {describe_placement(fitted)} "
+          "(give --weights/--cache/--act or --percent to choose)", file=sys.stderr)
+    return fitted
+
+
+def load_engine(args, policy, device, dtype, caps: dict, dummy: bool) -> Engine:
+    """The engine of a run, its weights placed by `policy`, sized for args.prompt_len + args.gen_len."""
+    return Engine.from_pretrained(args.model, policy=policy, device=device, dtype=dtype, dummy=dummy,
+                                  path=args.path, offload_dir=args.offload_dir, progress=args.verbose,
+                                  seed=args.seed, bypass_page_cache=args.no_page_cache,
+                                  prompt_len=args.prompt_len, gen_len=args.gen_len,
+                                  placement_flag=placement_flag(args) or "--weights/--cache/--act", **caps)
