@@ -27,7 +27,7 @@ OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")
 MAX_STOPS = 4
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Sampling:
     """How a record's tokens are chosen; records of a block share it (the seed is per record)."""
     temperature: float  # 0: greedy
@@ -35,7 +35,7 @@ class Sampling:
     top_k: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Entry:
     """What the index keeps of a record: no text, no tokens."""
     number: int          # 0-based, in file order

@@ -11,6 +11,7 @@ import os
 
 from .errors import UsageError
 from .output import check_output_file, write_json_atomic
+from .signals import deferred
 
 
 def settings_path(path: str) -> str:
@@ -74,13 +75,15 @@ class JobOutput:
         self.done = {record_id(r) for r in records}
 
     def append(self, records: list[dict]):
-        """Writes the records as whole lines, in one write, and makes them durable."""
+        """Writes the records as whole lines, in one write, and makes them durable. A signal waits
+        until they are (and counted: the stop line says how many records are safe)."""
         data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self.fd, view):]
-        os.fsync(self.fd)
-        self.done.update(record_id(r) for r in records)
+        with deferred():
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self.fd, view):]
+            os.fsync(self.fd)
+            self.done.update(record_id(r) for r in records)
 
     def rewrite_in_order(self, ids: list[str]):
         """The output's records in the order of `ids` (input order), replaced atomically."""

@@ -3,16 +3,22 @@ blocks, each result equal to the prompt generated alone, resumable after a kill.
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
+import tracemalloc
 
 import pytest
 import torch
 
 from flexh2o import Engine, Policy
 from flexh2o.job import plan_blocks
-from flexh2o.job_input import Entry, Sampling
+from flexh2o.job_input import Entry, JobInput, Sampling
 from flexh2o.job_output import complete_records
 from flexh2o.prompts import load_tokenizer
 from flexh2o.run import main
+from conftest import REPO
 
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran"]
 
@@ -182,3 +188,79 @@ def test_the_python_api_returns_one_completion_per_prompt_in_order(model_with_to
         assert c.text == tok.decode(alone(model_with_tokenizer, texts[c.index], 4), skip_special_tokens=True)
     assert [c.text for c in got[10:20]] == [c.text for c in got[:10]]
     assert sorted((c.index, c.text) for c in streamed) == [(c.index, c.text) for c in got[:10]]
+
+
+def start_job(model_dir, input_path, output_path, *flags):
+    return subprocess.Popen([sys.executable, "-m", "flexh2o.run", "--model", str(model_dir), "--input", str(input_path),
+                             "--output", str(output_path), "--dtype", "float32", "--quiet", *flags],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_lines(proc, path, n, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if path.exists() and path.read_bytes().count(b"\n") >= n:
+            return True
+        time.sleep(0.002)
+    return False
+
+
+@pytest.fixture
+def many_prompts(tmp_path):
+    path = tmp_path / "many.txt"
+    path.write_text("\n".join(prompt(1 + (7 * i) % 25, i) for i in range(48)) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("after", [1, 20])
+def test_a_job_killed_with_sigkill_finishes_on_the_same_command(model_with_tokenizer, many_prompts, tmp_path, after):
+    flags = ["--gpu-batch-size", "2", "--gen-len", "12", "--weights", "gpu=0,cpu=50,disk=50",
+             "--offload-dir", str(tmp_path / "off")]
+    whole, killed = tmp_path / "whole.jsonl", tmp_path / "killed.jsonl"
+    assert run(model_with_tokenizer, many_prompts, whole, *flags) == 0
+    proc = start_job(model_with_tokenizer, many_prompts, killed, *flags)
+    reached = wait_for_lines(proc, killed, after)
+    proc.kill()
+    proc.communicate()
+    assert reached, "the job ended before it could be killed"
+    kept = len(complete_records(killed)[0])
+    assert after <= kept < 48
+    assert run(model_with_tokenizer, many_prompts, killed, *flags) == 0
+    assert records(killed) == records(whole)
+    assert len(killed.read_text().splitlines()) == 48
+
+
+def test_ctrl_c_says_how_many_records_are_safe_and_how_to_resume(model_with_tokenizer, many_prompts, tmp_path):
+    out = tmp_path / "out.jsonl"
+    proc = start_job(model_with_tokenizer, many_prompts, out, "--gpu-batch-size", "2", "--gen-len", "12")
+    assert wait_for_lines(proc, out, 2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    line = [x for x in err.splitlines() if x.startswith("stopped by SIGINT")]
+    assert len(line) == 1, err
+    kept = len(complete_records(out)[0])
+    assert f"{kept} of 48 records are safe in {out}" in line[0] and "--input" in line[0]
+
+
+def indexed_peak(model_dir, path, records: int, words: int) -> tuple:
+    with open(path, "w") as f:
+        for i in range(records):
+            f.write(json.dumps({"id": f"r{i}", "prompt": prompt(words, i), "max_tokens": 1 + i % 4}) + "\n")
+    tok = load_tokenizer(str(model_dir))
+    defaults = {"max_tokens": 4, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None}
+    tracemalloc.start()
+    job_input = JobInput(str(path), tok, defaults, 64)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return job_input, peak
+
+
+def test_a_hundred_thousand_records_are_indexed_without_their_tokens(model_with_tokenizer, tmp_path):
+    job_input, peak = indexed_peak(model_with_tokenizer, tmp_path / "big.jsonl", 100_000, 3)
+    assert len(job_input.entries) == 100_000 and job_input.entries[-1].prompt_tokens == 3
+    assert peak < 400 * 100_000, peak  # an id, an offset and a length a record, in Python objects
+    # the memory does not grow with the prompts' tokens: 13x longer prompts, about the same peak
+    _, short = indexed_peak(model_with_tokenizer, tmp_path / "short.jsonl", 20_000, 3)
+    _, long = indexed_peak(model_with_tokenizer, tmp_path / "long.jsonl", 20_000, 40)
+    assert long < 1.3 * short, (short, long)
