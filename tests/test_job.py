@@ -3,6 +3,7 @@ blocks, each result equal to the prompt generated alone, resumable after a kill.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -264,3 +265,27 @@ def test_a_hundred_thousand_records_are_indexed_without_their_tokens(model_with_
     _, short = indexed_peak(model_with_tokenizer, tmp_path / "short.jsonl", 20_000, 3)
     _, long = indexed_peak(model_with_tokenizer, tmp_path / "long.jsonl", 20_000, 40)
     assert long < 1.3 * short, (short, long)
+
+
+@pytest.fixture
+def llama_with_tokenizer(model_with_tokenizer, tmp_path):
+    from test_llama import MODELS, make_tiny_llama
+    directory = tmp_path / "llama"
+    config_class, fields = MODELS["gqa"]
+    make_tiny_llama(str(directory), config_class, seed=3, **fields)
+    for name in os.listdir(model_with_tokenizer):
+        if "token" in name:
+            shutil.copy(os.path.join(model_with_tokenizer, name), directory / name)
+    return directory
+
+
+@pytest.mark.parametrize("placement", [[], ["--weights", "gpu=0,cpu=0,disk=100", "--cache", "gpu=0,cpu=50,disk=50"]])
+def test_a_llama_job_gives_each_prompt_what_it_gets_alone(llama_with_tokenizer, mixed_prompts, tmp_path, placement):
+    path, texts = mixed_prompts
+    out = tmp_path / "out.jsonl"
+    assert run(llama_with_tokenizer, path, out, "--gpu-batch-size", "3", "--gen-len", "5",
+               "--offload-dir", str(tmp_path / "off"), *placement) == 0
+    got = records(out)
+    tok = load_tokenizer(str(llama_with_tokenizer))
+    for i, text in enumerate(texts, start=1):
+        assert got[str(i)]["text"] == tok.decode(alone(llama_with_tokenizer, text, 5), skip_special_tokens=True), i
