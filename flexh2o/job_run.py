@@ -63,6 +63,12 @@ def run_job(args, policy, spec, weights_dir, device, dtype, caps, planning: bool
                 "top_p": args.top_p, "top_k": args.top_k, "seed": None}
     job_input = JobInput(args.input, tokenizer, defaults, spec.max_positions, args.chat, args.skip_bad)
     output = JobOutput(args.output, job_settings(args, spec), args.overwrite)
+    if all(e.id in output.done for e in job_input.entries):  # a finished job run again: the model is not loaded
+        if args.ordered:
+            output.rewrite_in_order([e.id for e in job_input.entries])
+        output.close()
+        print(f"records: {len(job_input.entries)}, every one already in {args.output}: nothing to do", flush=True)
+        return 0
     good = [e for e in job_input.entries if e.error is None]
     if good:
         args.prompt_len = min(round_up(max(e.prompt_tokens for e in good), ROUND_TO), spec.max_positions - 1)

@@ -149,6 +149,9 @@ def test_a_killed_job_resumes_to_what_an_uninterrupted_one_writes(model_with_tok
     assert run(model_with_tokenizer, path, cut, *flags) == 0
     assert records(cut) == records(whole)
     assert len(open(cut).read().splitlines()) == 10  # every id exactly once
+    before = cut.read_bytes()
+    assert run(model_with_tokenizer, path, cut, *flags) == 0  # done already: nothing to do
+    assert cut.read_bytes() == before
 
 
 def test_resuming_with_other_settings_is_refused_unless_overwrite(model_with_tokenizer, mixed_prompts, tmp_path,
