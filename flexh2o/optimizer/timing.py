@@ -1,5 +1,5 @@
 """Timing on the machine at hand: the sizes a measurement uses, a call's median seconds, and work
-done beside compute as the engine's I/O threads do it (measure.py and attention_costs.py use these)."""
+done beside compute as the engine's I/O threads do it (for measure.py)."""
 
 import itertools
 import statistics
