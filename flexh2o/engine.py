@@ -11,7 +11,7 @@ from .errors import UsageError
 from .kv import make_policy
 from .machine import cpu_compute_dtype
 from .memory import add, capacities, check_fits, run_need, weight_need
-from .models import is_gguf, resolve_model
+from .models import eos_ids, is_gguf, resolve_model
 from .policy import Policy
 from .sampling import Sampler, check_seed
 from .schedule import Schedule
@@ -203,8 +203,7 @@ class Engine:
             if rows is not None and len(rows) != input_ids.shape[0]:
                 raise UsageError(name, f"must give one value per sequence ({input_ids.shape[0]}), got {len(rows)}")
         sampler = Sampler(do_sample, temperature, top_k, top_p, seed, row_seeds)
-        model_eos = getattr(spec, "eos_token_ids", None) or spec.eos_token_id  # Llama 3 lists several
-        eos = None if forced_tokens is not None else model_eos if eos_token_id == -1 else eos_token_id
+        eos = None if forced_tokens is not None else eos_ids(spec) if eos_token_id == -1 else eos_token_id
         pad = spec.pad_token_id if pad_token_id is None else pad_token_id
         seqs = Sequences(input_ids.cpu().long(), attention_mask.cpu(), max_new_tokens, policy.gpu_batch_size,
                          sampler, eos, pad, output_scores, self.tiers.compute,

@@ -79,6 +79,12 @@ def default_seed(job_seed: int, rid: str) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
+def until_eos(tokens: list[int], eos_ids) -> tuple[list[int], bool]:
+    """The tokens before the first end-of-sequence id, and whether there was one (eos_ids None: never)."""
+    cut = None if eos_ids is None else next((i for i, t in enumerate(tokens) if t in eos_ids), None)
+    return (tokens, False) if cut is None else (tokens[:cut], True)
+
+
 def cut_at_stop(text: str, stops: tuple) -> tuple[str, bool]:
     """The text up to the earliest stop string (excluded), and whether one was found."""
     cuts = [text.find(s) for s in stops]
@@ -142,15 +148,12 @@ class Job:
         stats = engine.last_stats
         records, generated = [], 0
         for entry, request, row in zip(block, requests, out):
-            new = row[prompt_len: prompt_len + request.max_tokens].tolist()
-            hit_eos = self.eos_ids is not None and any(t in self.eos_ids for t in new)
-            if hit_eos:
-                new = new[: next(i for i, t in enumerate(new) if t in self.eos_ids)]
+            new, hit_eos = until_eos(row[prompt_len: prompt_len + request.max_tokens].tolist(), self.eos_ids)
             text, stopped = cut_at_stop(self.tokenizer.decode(new, skip_special_tokens=True), request.stop)
-            reason = "stop" if hit_eos or stopped else "length"
-            generated += len(new) + (1 if hit_eos else 0)
-            records.append(self.formatter.result(entry, request, text, reason, entry.prompt_tokens,
-                                                 len(new) + (1 if hit_eos else 0)))
+            completion = len(new) + hit_eos  # the EOS token counts as generated
+            generated += completion
+            records.append(self.formatter.result(entry, request, text, "stop" if hit_eos or stopped else "length",
+                                                 entry.prompt_tokens, completion))
         s = self.stats
         s.done += len(block)
         s.blocks += 1

@@ -16,6 +16,7 @@ from .job import ROUND_TO, Job, round_up
 from .job_format import formatter_for
 from .job_input import JobInput
 from .job_output import JobOutput
+from .models import eos_ids
 from .output import write_json_atomic
 from .policy import placement_flag
 from .prompts import load_tokenizer
@@ -44,13 +45,6 @@ def job_settings(args, spec) -> dict:
             "compress_weight": args.compress_weight, "compress_cache": args.compress_cache, "chat": args.chat,
             "max_tokens": args.gen_len, "do_sample": args.do_sample, "temperature": args.temperature,
             "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "stop_at_eos": args.stop_at_eos}
-
-
-def eos_ids(spec, stop_at_eos: bool):
-    if not stop_at_eos:
-        return None
-    ids = getattr(spec, "eos_token_ids", None) or spec.eos_token_id
-    return list(ids) if isinstance(ids, (list, tuple)) else [ids]
 
 
 def run_job(args, policy, spec, weights_dir, device, dtype, caps, planning: bool) -> int:
@@ -105,7 +99,7 @@ def generate_all(args, engine, job_input, output, tokenizer, spec) -> int:
             bar.update(records)
             bar.set_postfix_str(f"{tokens[0] / max(bar.format_dict['elapsed'], 1e-9):.1f} tok/s", refresh=False)
     job = Job(engine, job_input, output, tokenizer, formatter_for(job_input.format, spec.name),
-              eos_ids(spec, args.stop_at_eos), args.seed, progress)
+              eos_ids(spec) if args.stop_at_eos else None, args.seed, progress)
     for _ in job.run():
         pass
     if bar is not None:

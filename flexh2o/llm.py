@@ -20,8 +20,7 @@ from .engine import Engine
 from .errors import UsageError
 from .job import Job
 from .job_input import Entry, Request, prompt_ids, sampling
-from .job_run import eos_ids
-from .models import resolve_model
+from .models import eos_ids, resolve_model
 from .policy import Policy
 from .prompts import load_tokenizer
 
@@ -119,7 +118,7 @@ class LLM:
                 return
             collected = _Collected()
             job = Job(self.engine, _Prompts(self, part, first, settings), collected, self.tokenizer,
-                      _CompletionFormat(), eos_ids(self.spec, True), self.seed)
+                      _CompletionFormat(), eos_ids(self.spec), self.seed)
             with torch.no_grad():
                 for completions in job.run():
                     yield from completions

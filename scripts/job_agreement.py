@@ -20,7 +20,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from flexh2o import LLM, Engine, Policy  # noqa: E402
+from flexh2o.job import until_eos  # noqa: E402
 from flexh2o.job_input import Request, prompt_ids, sampling  # noqa: E402
+from flexh2o.models import eos_ids  # noqa: E402
 from flexh2o.machine import LoadMeter, describe_machine  # noqa: E402
 from flexh2o.output import write_results  # noqa: E402
 from bench_quality import MODEL, shakespeare_texts  # noqa: E402
@@ -57,11 +59,8 @@ def chat_prompts(paths, tokenizer, count: int, seed: int) -> list[list[dict]]:
 def alone(engine, tokenizer, messages, max_tokens: int) -> tuple[list[int], str]:
     request = Request("0", None, messages, max_tokens, sampling(0.0, 1.0, 0), (), None)
     ids = torch.tensor([prompt_ids(tokenizer, request, chat=True)])
-    new = engine.generate(ids, max_new_tokens=max_tokens)[0, ids.shape[1]:].tolist()
-    eos = engine.spec.eos_token_id
-    eos = set(eos if isinstance(eos, (list, tuple)) else [eos])
-    cut = next((i for i, t in enumerate(new) if t in eos), None)
-    new = new if cut is None else new[:cut]
+    new, _ = until_eos(engine.generate(ids, max_new_tokens=max_tokens)[0, ids.shape[1]:].tolist(),
+                       eos_ids(engine.spec))
     return new, tokenizer.decode(new, skip_special_tokens=True)
 
 
@@ -80,8 +79,7 @@ def main():
         prompts = chat_prompts(shakespeare_texts(args.data_dir).values(), llm.tokenizer, args.prompts, args.seed)
         job = llm.generate(prompts, max_tokens=args.max_tokens)
         tokenizer = llm.tokenizer
-    lengths = [len(prompt_ids(tokenizer, Request("0", None, m, 1, sampling(0, 1, 0), (), None), True))
-               for m in prompts]
+    lengths = [c.prompt_tokens for c in job]
     rows = []
     with Engine.from_pretrained(MODEL, policy=Policy(1), dtype=torch.float32) as engine:
         for i, (messages, got) in enumerate(zip(prompts, job)):

@@ -35,6 +35,12 @@ def spec_from_config(config: dict, where: str, name: str, flag: str):
     return FAMILIES[model_type].spec_from_hf_config(config, name, flag)
 
 
+def eos_ids(spec) -> list[int]:
+    """Every id that ends a sequence of this model (Llama 3 lists several; OPT has one)."""
+    ids = getattr(spec, "eos_token_ids", None) or spec.eos_token_id
+    return list(ids) if isinstance(ids, (list, tuple)) else [ids]
+
+
 def is_gguf(path: str | None) -> bool:
     return path is not None and path.lower().endswith(".gguf")
 

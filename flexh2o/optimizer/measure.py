@@ -217,10 +217,10 @@ def _disk_rates(offload_dir: str, sizes: Sizes, log) -> tuple[float, float]:
 
 # -- the engine --------------------------------------------------------------------------------
 
-def tiny_engine(device: torch.device, dtype: torch.dtype, **policy) -> Engine:
+def tiny_engine(device: torch.device, dtype: torch.dtype) -> Engine:
     """TINY_OPT with dummy weights, everything on the compute device (Engine.from_pretrained takes
     a preset name or a checkpoint directory, not a spec)."""
-    policy = Policy(gpu_batch_size=1, **policy)
+    policy = Policy(gpu_batch_size=1)
     source = DummyWeights(seed=0)
     layers = TINY_OPT.build_layers()
     tiers = Tiers(device, dtype, overlap=policy.overlap)
