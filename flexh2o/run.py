@@ -15,6 +15,7 @@ from .engine import default_device, default_dtype, parse_device, parse_dtype
 from .errors import OneLineErrorParser, UsageError
 from .memory import parse_size
 from .models import resolve_model
+from .kv import check_budget
 from .policy import KV_POLICIES, Policy, placement_flag, policy_percents
 from .prompts import load_tokenizer, pad_prompts, read_prompts, synthetic_prompts
 from .sampling import check_sampling, check_seed
@@ -162,6 +163,7 @@ def run(args) -> int:
     if args.prompt_len + args.gen_len > spec.max_positions:
         raise UsageError("--prompt-len/--gen-len", f"prompt_len + gen_len = {args.prompt_len + args.gen_len} "
                          f"exceeds the {spec.max_positions} positions of {spec.name}")
+    check_budget(policy, args.prompt_len)
     policy, profile = choose_policy(args, policy, spec, device, dtype, caps, planning)
     dtype_name = str(dtype or default_dtype(device)).removeprefix("torch.")
     dummy = args.dummy or weights_dir is None

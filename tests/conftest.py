@@ -54,6 +54,14 @@ def padded_batch(batch, prompt_len, pads, seed=0):
     return ids, mask
 
 
+def row_budgets(mask, hh_ratio: float, recent_ratio: float | None = None) -> tuple[list, list]:
+    """Each sequence's (heavy, recent) slots from its own real prompt length L: int(ratio * L), at
+    least 1 (DESIGN.md, "H2O, exactly")."""
+    lengths = [int(n) for n in mask.sum(1)]
+    recent_ratio = hh_ratio if recent_ratio is None else recent_ratio
+    return ([max(1, int(hh_ratio * n)) for n in lengths], [max(1, int(recent_ratio * n)) for n in lengths])
+
+
 def hf_generate(model, ids, mask, new_tokens, eos_token_id=None):
     return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
                           output_scores=True, return_dict_in_generate=True, eos_token_id=eos_token_id,

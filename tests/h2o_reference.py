@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 
 class MaskedH2OOPT:
-    def __init__(self, hf_model, heavy: int, recent: int):
+    def __init__(self, hf_model, heavy: list, recent: list):
+        """heavy, recent: each sequence's budgets (DESIGN.md: from its own real prompt length)."""
         self.m, self.cfg = hf_model.model.decoder, hf_model.config
         self.lm_head = hf_model.lm_head.weight
         self.heavy, self.recent = heavy, recent
@@ -99,16 +100,17 @@ class MaskedH2OOPT:
         kept, score, pos = self.kept[j], self.score[j], self.key_pos
         b, heads, total = kept.shape
         for row in range(b):
+            heavy, recent = self.heavy[row], self.recent[row]
             for head in range(heads):
                 held = [t for t in range(total) if kept[row, head, t]]
-                if len(held) <= self.heavy + self.recent:
+                if len(held) <= heavy + recent:
                     continue
                 newest = max(int(pos[row, t]) for t in held)
-                window = [t for t in held if pos[row, t] > newest - self.recent]
+                window = [t for t in held if pos[row, t] > newest - recent]
                 # Highest score first; of equal scores the newer token first, so the older one goes.
                 older = sorted((t for t in held if t not in window),
                                key=lambda t: (-float(score[row, head, t]), -int(pos[row, t])))
-                keep = set(window) | set(older[: self.heavy])
+                keep = set(window) | set(older[: heavy])
                 for t in held:
                     if t not in keep:
                         kept[row, head, t] = False

@@ -4,7 +4,8 @@ The mask-based simulation of DESIGN.md ("H2O, exactly"), like h2o_reference.py f
 transformers' own Llama modules and extended to grouped-query attention (a KV head's score sums
 its query heads) and to the other deterministic policies: after every step, each (layer, sequence,
 KV head) keeps its `window` newest tokens and the older ones of highest priority up to `capacity`
-(of equal priority the older one goes). It shares no code with flexh2o.
+(of equal priority the older one goes), each sequence with its own heavy and recent budgets. It
+shares no code with flexh2o.
 """
 
 import torch
@@ -29,9 +30,10 @@ def rule(kv_policy: str, heavy: int, recent: int):
 
 
 class MaskedEvictionLlama:
-    def __init__(self, hf_model, kv_policy: str, heavy: int, recent: int):
+    def __init__(self, hf_model, kv_policy: str, heavy: list, recent: list):
+        """heavy, recent: each sequence's budgets."""
         self.m, self.cfg, self.lm_head = hf_model.model, hf_model.config, hf_model.lm_head
-        self.capacity, self.window, self.priority = rule(kv_policy, heavy, recent)
+        self.rules = [rule(kv_policy, h, r) for h, r in zip(heavy, recent)]
 
     @torch.no_grad()
     def generate(self, ids, mask, new_tokens):
@@ -100,18 +102,19 @@ class MaskedEvictionLlama:
         kept, score, pos = self.kept[j], self.score[j], self.key_pos
         b, kv_heads, total = kept.shape
         for row in range(b):
+            capacity, window_size, rank = self.rules[row]
             for head in range(kv_heads):
                 held = [t for t in range(total) if kept[row, head, t]]
-                if len(held) <= self.capacity:
+                if len(held) <= capacity:
                     continue
                 newest = max(int(pos[row, t]) for t in held)
-                window = [t for t in held if pos[row, t] > newest - self.window]
+                window = [t for t in held if pos[row, t] > newest - window_size]
 
                 def priority(t):
-                    return float(self.priority(int(pos[row, t]), score[row, head, t], current[row, head, t]))
+                    return float(rank(int(pos[row, t]), score[row, head, t], current[row, head, t]))
                 # Highest priority first; of equal ones the newer token first, so the older one goes.
                 older = sorted((t for t in held if t not in window), key=lambda t: (-priority(t), -int(pos[row, t])))
-                keep = set(window) | set(older[: self.capacity - len(window)])
+                keep = set(window) | set(older[: capacity - len(window)])
                 for t in held:
                     if t not in keep:
                         kept[row, head, t] = False

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from conftest import padded_batch
+from conftest import padded_batch, row_budgets
 from flexh2o import Engine, Policy, UsageError
+from flexh2o.kv import budget, check_budget
 from h2o_reference import MaskedH2OOPT
 
 PROMPT, NEW = 20, 8
@@ -28,8 +29,7 @@ def run_engine(directory, ids, mask, tmp_path, nb=1, cache=(100, 0), **kv):
 def test_engine_matches_the_masked_reference(tiny_models, tmp_path, ratio, model):
     directory, hf = tiny_models[model]
     ids, mask = padded_batch(6, PROMPT, pads=[0, 3, 0, 7, 1, 12], seed=5)
-    heavy = recent = int(ratio * PROMPT)
-    ref_tokens, ref_logits = MaskedH2OOPT(hf, heavy, recent).generate(ids, mask, NEW)
+    ref_tokens, ref_logits = MaskedH2OOPT(hf, *row_budgets(mask, ratio)).generate(ids, mask, NEW)
     for cache, nb in TIERS:
         out = run_engine(directory, ids, mask, tmp_path, nb, cache, hh_ratio=ratio)
         assert torch.equal(out.sequences[:, PROMPT:], ref_tokens), (cache, nb)
@@ -40,7 +40,7 @@ def test_engine_matches_the_masked_reference(tiny_models, tmp_path, ratio, model
 def test_a_separate_recent_ratio(tiny_models, tmp_path):
     directory, hf = tiny_models["wide"]
     ids, mask = padded_batch(4, PROMPT, pads=[0, 2, 5, 9], seed=6)
-    ref_tokens, ref_logits = MaskedH2OOPT(hf, heavy=2, recent=5).generate(ids, mask, NEW)
+    ref_tokens, ref_logits = MaskedH2OOPT(hf, *row_budgets(mask, 0.1, 0.25)).generate(ids, mask, NEW)
     out = run_engine(directory, ids, mask, tmp_path, hh_ratio=0.1, recent_ratio=0.25)
     assert torch.equal(out.sequences[:, PROMPT:], ref_tokens)
 
@@ -65,15 +65,15 @@ def test_a_budget_holding_every_token_equals_the_full_cache(tiny_models, tmp_pat
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
-def test_budgets_that_round_to_zero_are_refused(tiny_models):
-    directory, _ = tiny_models["tiny"]
-    with Engine.from_pretrained(directory, policy=Policy(gpu_batch_size=2, hh_ratio=0.01), device="cpu",
-                                dtype=torch.float32) as engine:
-        with pytest.raises(UsageError, match="--hh-ratio.*rounds to 0"):
-            engine.generate(torch.ones(2, 20, dtype=torch.long), max_new_tokens=2)
+def test_a_budget_that_rounds_to_zero_keeps_one_slot_of_each():
+    """The engine (and a dataset job's short records) keep at least one heavy and one recent slot;
+    the command line refuses such ratios for its one block (tests/test_bad_input.py)."""
+    assert budget(Policy(hh_ratio=0.01), 20, 4) == (2, 1)
+    assert budget(Policy(hh_ratio=0.5, recent_ratio=0.01), 20, 4) == (11, 1)
+    with pytest.raises(UsageError, match="--hh-ratio.*rounds to 0"):
+        check_budget(Policy(hh_ratio=0.01), 20)
     with pytest.raises(UsageError, match="--recent-ratio.*rounds to 0"):
-        Engine.from_pretrained(directory, policy=Policy(gpu_batch_size=2, hh_ratio=0.5, recent_ratio=0.01),
-                               device="cpu", dtype=torch.float32, prompt_len=20, gen_len=4)
+        check_budget(Policy(hh_ratio=0.5, recent_ratio=0.01), 20)
 
 
 @pytest.mark.parametrize("kwargs,flag", [
@@ -89,7 +89,7 @@ def test_bad_kv_settings_name_their_flag(kwargs, flag):
 def test_the_reference_evicts_the_older_of_equal_scores():
     """The tie-break the engine follows too (tests/test_kv_policies.py): lowest position goes first."""
     ref = MaskedH2OOPT.__new__(MaskedH2OOPT)
-    ref.heavy, ref.recent = 2, 2
+    ref.heavy, ref.recent = [2], [2]
     ref.kept, ref.score = [torch.ones(1, 1, 8, dtype=torch.bool)], [torch.zeros(1, 1, 8)]
     ref.key_pos = torch.arange(8)[None]
     ref._evict(0)

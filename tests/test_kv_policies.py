@@ -15,8 +15,15 @@ from flexh2o.policy import Policy
 from flexh2o.tiers import Tiers
 
 B, HEADS, D, PROMPT, GEN = 3, 2, 4, 12, 10
-PADS = [0, 3, 8]  # the last sequence has 4 real prompt tokens, fewer than the budget
+PADS = [0, 3, 8]  # the last sequence has 4 real prompt tokens, fewer than the longest one's budget
 PAD_MARK = -999.0
+REAL = [PROMPT - n for n in PADS]
+
+
+def budgets(policy):
+    """Each sequence's (slots, window, first tokens kept): its own, from its real prompt length."""
+    capacity, window, first = policy.budgets(torch.tensor(REAL))
+    return list(zip(capacity.tolist(), window.tolist(), first.tolist()))
 
 
 def token_kv(pos, real):
@@ -70,13 +77,14 @@ def held(cache, row, head):
 
 def check(policy, cache, newest, tokens_seen):
     assert cache.k.shape[2] == policy.capacity  # preallocated, never grown
-    for row in range(B):
+    for row, (capacity, window, first) in enumerate(budgets(policy)):
+        assert capacity <= policy.capacity
         for head in range(HEADS):
             kept = held(cache, row, head)
-            assert len(kept) == min(int(tokens_seen[row]), policy.capacity)  # capacity never exceeded
+            assert len(kept) == min(int(tokens_seen[row]), capacity)  # the sequence's budget never exceeded
             assert len(set(kept)) == len(kept)
-            window = range(int(newest[row]) - policy.window + 1, int(newest[row]) + 1)
-            assert set(p for p in window if p >= 0) <= set(kept)  # the recent window is always kept
+            always = set(range(int(newest[row]) - window + 1, int(newest[row]) + 1)) | set(range(first))
+            assert set(p for p in always if 0 <= p <= int(newest[row])) <= set(kept)  # the window (and sinks) kept
             slots = cache.pos[row, head] >= 0
             # Positions are absolute and each slot holds its own token: K's marker equals the slot's position.
             assert torch.equal(cache.k[row, head, slots, 0], cache.pos[row, head, slots].float())
@@ -91,18 +99,18 @@ def test_invariants_hold_at_every_step(kv_policy):
 
 def test_local_keeps_exactly_the_newest():
     def observe(policy, cache, newest, before, probs):
-        for row in range(B):
-            want = list(range(max(0, int(newest[row]) - policy.capacity + 1), int(newest[row]) + 1))
+        for row, (capacity, _, _) in enumerate(budgets(policy)):
+            want = list(range(max(0, int(newest[row]) - capacity + 1), int(newest[row]) + 1))
             assert held(cache, row, 0) == want
     run("local", observe=observe)
 
 
 def test_sink_keeps_the_first_four_and_the_newest():
     def observe(policy, cache, newest, before, probs):
-        for row in range(B):
+        for row, (capacity, _, _) in enumerate(budgets(policy)):
             n = int(newest[row])
-            rest = policy.capacity - SINKS
-            want = sorted(set(range(min(SINKS, n + 1))) | set(range(max(0, n - rest + 1), n + 1)))
+            rest = capacity - min(SINKS, capacity - 1)
+            want = sorted(set(range(min(SINKS, capacity - 1, n + 1))) | set(range(max(0, n - rest + 1), n + 1)))
             assert held(cache, row, 1) == want
     run("sink", observe=observe)
 
@@ -113,14 +121,14 @@ def test_the_evicted_token_is_the_least_valued_outside_the_window(kv_policy):
 
     def observe(policy, cache, newest, before, probs):
         old_pos, old_score = before
-        for row in range(B):
+        for row, (_, window, _) in enumerate(budgets(policy)):
             for head in range(HEADS):
                 gone = set(int(p) for p in old_pos[row, head] if p >= 0) - set(held(cache, row, head))
                 if not gone:
                     continue
                 (victim,) = gone
                 slots = [s for s in range(policy.capacity)
-                         if 0 <= old_pos[row, head, s] <= int(newest[row]) - policy.window]
+                         if 0 <= old_pos[row, head, s] <= int(newest[row]) - window]
                 if kv_policy == "tova":  # this step's attention
                     value = {int(old_pos[row, head, s]): float(probs[row, head, 0, s]) for s in slots}
                 else:  # the accumulated score, this step included

@@ -17,7 +17,7 @@ from flexh2o.models.llama_layers import inverse_frequencies
 from flexh2o.optimizer.cost_model import predict
 from flexh2o.optimizer.hardware import from_dict
 from flexh2o.weights import DummyWeights
-from conftest import TEST_CPU_PROFILE, VOCAB, hf_generate, padded_batch
+from conftest import TEST_CPU_PROFILE, VOCAB, hf_generate, padded_batch, row_budgets
 from llama_reference import MaskedEvictionLlama
 from test_compression import reference as compression_reference, run as compression_run
 
@@ -202,7 +202,7 @@ TIERS = [((100, 0), 1), ((0, 0), 2), ((34, 33), 3)]  # (cache gpu, cache cpu) an
 def test_evicting_policies_match_the_masked_reference_with_grouped_heads(llamas, tmp_path, kv_policy):
     _, hf = llamas["wide"]
     ids, mask = padded_batch(6, PROMPT, pads=[0, 3, 0, 7, 1, 12], seed=5)
-    tokens, logits = MaskedEvictionLlama(hf, kv_policy, heavy=4, recent=4).generate(ids, mask, NEW)
+    tokens, logits = MaskedEvictionLlama(hf, kv_policy, *row_budgets(mask, 0.2)).generate(ids, mask, NEW)
     for cache, nb in TIERS:
         out = run_engine(llamas["wide"][0], ids, mask, tmp_path, NEW, nb, cache_gpu_percent=cache[0],
                          cache_cpu_percent=cache[1], kv_policy=kv_policy, hh_ratio=0.2)

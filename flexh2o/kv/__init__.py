@@ -21,21 +21,29 @@ def budget(policy, prompt_len: int, gen_len: int) -> tuple[int, int]:
     """(capacity, recent window) per sequence and KV head for a job of prompt_len + gen_len tokens.
 
     heavy = int(hh_ratio * prompt_len), recent = int(recent_ratio * prompt_len) (recent_ratio
-    defaults to hh_ratio), capacity = heavy + recent, at most the whole sequence: a budget that
-    holds every token evicts nothing and gives the full cache's output.
+    defaults to hh_ratio), each at least 1, capacity = heavy + recent, at most the whole sequence:
+    a budget that holds every token evicts nothing and gives the full cache's output. A batch's
+    cache is allocated at its longest prompt's budget; each sequence keeps its own (eviction.py).
     """
     total = prompt_len + gen_len
     if policy.kv_policy == "full":
         return total, total
-    heavy = int(policy.hh_ratio * prompt_len)
-    recent = int(policy.effective_recent_ratio * prompt_len)
-    if heavy < 1:
+    heavy = max(1, int(policy.hh_ratio * prompt_len))
+    recent = max(1, int(policy.effective_recent_ratio * prompt_len))
+    return min(heavy + recent, total), recent
+
+
+def check_budget(policy, prompt_len: int):
+    """Refuses ratios that give a prompt of prompt_len no slot of their own (a likely typo: the
+    budget would be the one-slot minimum)."""
+    if policy.kv_policy == "full":
+        return
+    if int(policy.hh_ratio * prompt_len) < 1:
         raise UsageError("--hh-ratio", f"{policy.hh_ratio:g} x prompt_len {prompt_len} rounds to 0 heavy-hitter "
                          f"slots; use at least {1 / prompt_len:.4g}")
-    if recent < 1:
+    if int(policy.effective_recent_ratio * prompt_len) < 1:
         raise UsageError("--recent-ratio", f"{policy.effective_recent_ratio:g} x prompt_len {prompt_len} rounds to "
                          f"0 recent slots (the newest token must stay); use at least {1 / prompt_len:.4g}")
-    return min(heavy + recent, total), recent
 
 
 def slot_bytes(spec, policy, dtype_bytes: int) -> int:
@@ -52,9 +60,11 @@ def cache_bytes(spec, policy, batch: int, prompt_len: int, gen_len: int, dtype_b
 
 
 def make_policy(policy, prompt_len: int, gen_len: int, seed: int = 0) -> FullCache:
-    """The KV policy object of one attention layer."""
+    """The KV policy object of one attention layer, its slots enough for a prompt of prompt_len;
+    an evicting policy gives each sequence the budget of its own real prompt length."""
     capacity, recent = budget(policy, prompt_len, gen_len)
-    return POLICIES[policy.kv_policy](capacity, recent, gen_len, seed)
+    ratios = None if policy.kv_policy == "full" else (policy.hh_ratio, policy.effective_recent_ratio)
+    return POLICIES[policy.kv_policy](capacity, recent, gen_len, seed, ratios)
 
 
-__all__ = ["KVCache", "POLICIES", "budget", "cache_bytes", "make_policy", "slot_bytes"]
+__all__ = ["KVCache", "POLICIES", "budget", "cache_bytes", "check_budget", "make_policy", "slot_bytes"]

@@ -2,7 +2,7 @@
 
 K and V are [batch, kv_heads, capacity, head_dim]. Every slot of every (sequence, KV head) also
 records the absolute position of the token it holds (-1: empty, e.g. padding or not yet
-filled) and, for policies that accumulate one, the token's score. Because an evicting policy
+filled; -2: past the sequence's budget, never filled, kv/eviction.py) and, for policies that accumulate one, the token's score. Because an evicting policy
 chooses per head, the same position can be kept by one head and gone from another.
 
 Slots start empty and zeroed: attention runs over all of them with the empty ones masked, and
@@ -44,14 +44,9 @@ class KVCache:
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.k, self.v, self.pos, self.score) if t is not None]
 
-    def fill_prompt(self, k, v, pos, score=None, keep=None):
-        """The prompt's tokens: k, v [b, kv_heads, s, d], pos [b, kv_heads, s], score likewise.
-        With `keep` ([b, kv_heads, capacity] indices into s) only those tokens are stored."""
-        if keep is not None:
-            index = keep.unsqueeze(-1).expand(-1, -1, -1, k.shape[-1])
-            k, v = k.gather(2, index), v.gather(2, index)
-            pos = pos.gather(2, keep)
-            score = None if score is None else score.gather(2, keep)
+    def fill_prompt(self, k, v, pos, score=None, usable=None):
+        """The prompt's tokens: k, v [b, kv_heads, s, d], pos [b, kv_heads, s], score likewise, into
+        slots [0, s). usable [b]: each sequence's slots; the ones past it are marked UNUSED (-2)."""
         s = k.shape[2]
         if s > self.capacity:
             raise ValueError(f"prompt of {s} tokens exceeds the cache's {self.capacity} slots")
@@ -61,6 +56,8 @@ class KVCache:
         if self.score is not None:
             self.score[:, :, :s] = 0 if score is None else score
             self.score[:, :, s:] = 0
+        if usable is not None:
+            self.pos.masked_fill_(torch.arange(self.capacity, device=self.pos.device) >= usable[:, None, None], -2)
         self.length = s
         self.written = "all"
 

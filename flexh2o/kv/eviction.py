@@ -11,11 +11,18 @@ a running score:
 - keep the highest-priority older tokens up to `capacity`; evict the rest;
 - padding is never kept; an empty slot is always filled before a token is evicted;
 - among tokens of equal priority the older one (lower position) is evicted first.
+
+Budgets are per sequence: given the ratios, a sequence of L real prompt tokens gets
+int(hh_ratio * L) + int(recent_ratio * L) slots (at least one of each), whatever padding its
+batch gives it, so a prompt keeps the same tokens in any batch as it does alone. The cache is
+allocated for the batch's longest prompt; a shorter sequence's slots past its own budget are
+marked UNUSED at the prompt step and are never filled or attended.
 """
 
 import torch
 
 INF = float("inf")
+EMPTY, UNUSED = -1, -2  # a slot's position when it holds no token: not yet filled / beyond the budget
 
 
 def per_kv_head(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -34,9 +41,20 @@ def highest(pri, pos, n: int):
 
 
 def lowest(pri, pos):
-    """Index of the lowest priority along the last dim; of equal ones, the oldest (lowest pos)."""
-    tied = pri == pri.amin(-1, keepdim=True)
+    """Index of the lowest priority along the last dim, never an UNUSED slot; of equal ones, the
+    oldest (lowest pos)."""
+    usable = pos != UNUSED
+    tied = (pri == pri.masked_fill(~usable, INF).amin(-1, keepdim=True)) & usable
     return pos.masked_fill(~tied, torch.iinfo(pos.dtype).max).argmin(-1)
+
+
+def row_budgets(real_len, hh_ratio: float, recent_ratio: float, capacity: int):
+    """Slots and recent window [b] of sequences with real_len [b] prompt tokens (float64, as Python's
+    int(ratio * L)), at most `capacity` slots."""
+    length = real_len.double()
+    heavy = (length * hh_ratio).floor().long().clamp_(min=1)
+    recent = (length * recent_ratio).floor().long().clamp_(min=1)
+    return (heavy + recent).clamp_(max=capacity), recent
 
 
 class FullCache:
@@ -47,9 +65,11 @@ class FullCache:
     uses_attention = False  # needs no attention probabilities (the prompt may run fused)
     appends = True          # a new token never evicts: it can be stored before the step attends
 
-    def __init__(self, capacity: int, window: int, gen_len: int, seed: int):
-        """Every policy takes the same arguments: slots, recent window, tokens to generate, seed."""
-        self.capacity, self.window, self.gen_len, self.seed = capacity, window, gen_len, seed
+    def __init__(self, capacity: int, recent: int, gen_len: int, seed: int, ratios: tuple | None = None):
+        """Every policy takes the same arguments: slots, recent window, tokens to generate, seed, and
+        the (hh_ratio, recent_ratio) each sequence's own budget comes from (None: every sequence
+        has `capacity` and `recent`)."""
+        self.capacity, self.recent, self.gen_len, self.seed, self.ratios = capacity, recent, gen_len, seed, ratios
 
     def prompt(self, cache, k, v, pos, contribution, step):
         cache.fill_prompt(k, v, pos)
@@ -75,29 +95,60 @@ class Evicting(FullCache):
         current this step's contribution (all [b, kv_heads, n])."""
         raise NotImplementedError
 
+    def always_kept(self, capacity, recent):
+        """(newest, first) positions kept whatever their priority, [b] each, from a sequence's slots
+        and recent budget: the recent window, and no first tokens (attention sinks keep some)."""
+        return recent, torch.zeros_like(recent)
+
     # -- the shared rule --------------------------------------------------------------------
+    def budgets(self, real_len):
+        """Slots, newest and first positions always kept, [b] each, of sequences with real_len [b]
+        prompt tokens."""
+        if self.ratios is None:
+            capacity, recent = torch.full_like(real_len, self.capacity), torch.full_like(real_len, self.recent)
+        else:
+            capacity, recent = row_budgets(real_len, *self.ratios, self.capacity)
+        return (capacity, *self.always_kept(capacity, recent))
+
+    def ranked(self, pri, pos, newest, window, first):
+        """pri with the positions always kept at +inf, then empty slots and padding at -inf."""
+        keep = (pos > newest - window[:, None, None]) | (pos < first[:, None, None])
+        return pri.masked_fill(keep, INF).masked_fill_(pos < 0, -INF)
+
     def prompt(self, cache, k, v, pos, contribution, step):
-        """k, v [b, kv_heads, s, d]; pos [b, kv_heads, s] (-1 at padding); contribution [b, kv_heads, s]."""
+        """k, v [b, kv_heads, s, d]; pos [b, kv_heads, s] (-1 at padding); contribution [b, kv_heads, s].
+        Each sequence keeps at most its own budget of tokens, stored in position order."""
         score = contribution if self.accumulates else None
-        keep = None
-        if pos.shape[-1] > cache.capacity:
-            newest = pos.amax(-1, keepdim=True)
-            pri = self.priority(pos, contribution, contribution)
-            pri = pri.masked_fill(pos > newest - self.window, INF).masked_fill(pos < 0, -INF)
-            keep = highest(pri, pos, cache.capacity)
-        cache.fill_prompt(k, v, pos, score, keep)
+        capacity, window, first = (t.to(pos.device) for t in self.budgets((pos[:, 0] >= 0).sum(-1)))
+        if pos.shape[-1] <= cache.capacity and bool((capacity == cache.capacity).all()):
+            cache.fill_prompt(k, v, pos, score)
+        else:
+            pri = self.ranked(self.priority(pos, contribution, contribution), pos, pos.amax(-1, keepdim=True),
+                              window, first)
+            keep = highest(pri, pos, min(cache.capacity, pos.shape[-1]))
+            kept_pos = pos.gather(-1, keep)
+            ranks = torch.arange(keep.shape[-1], device=pos.device)
+            kept = (ranks < capacity[:, None, None]) & (kept_pos >= 0)
+            # Position order, so that a sequence's slots hold the same tokens in the same order in any batch.
+            order = kept_pos.masked_fill(~kept, torch.iinfo(pos.dtype).max).argsort(-1)
+            keep, kept = keep.gather(-1, order), kept.gather(-1, order)
+            index = keep.unsqueeze(-1).expand(-1, -1, -1, k.shape[-1])
+            cache.fill_prompt(k.gather(2, index), v.gather(2, index), pos.gather(-1, keep).masked_fill(~kept, EMPTY),
+                              None if score is None else score.gather(-1, keep).masked_fill(~kept, 0), usable=capacity)
         cache.length = cache.capacity
 
     def decode(self, cache, k, v, pos, logits, probs, step):
         """The new token (k, v [b, kv_heads, 1, d], position pos [b, 1]) replaces the held token of
-        least priority outside the window, or fills an empty slot."""
+        least priority not always kept, or fills an empty slot."""
         held = new = None
         if self.uses_attention:
             current = per_kv_head(self.contribution(logits, probs, None, step), k.shape[1])
             held, new = current[..., :-1], current[..., -1]
         if self.accumulates:
             cache.score.add_(held)
-        pri = self.priority(cache.pos, cache.score, held)
-        in_window = cache.pos > (pos - self.window).to(cache.pos.dtype)[:, :, None]
-        pri = pri.masked_fill(in_window, INF).masked_fill_(cache.pos < 0, -INF)
+        # Decode step i puts the new token at position L + i - 1, L the sequence's real prompt tokens
+        # (without ratios every sequence has the same budget and the step is not needed).
+        real_len = pos[:, 0].long() - (0 if self.ratios is None else step.i - 1)
+        _, window, first = (t.to(pos.device) for t in self.budgets(real_len))
+        pri = self.ranked(self.priority(cache.pos, cache.score, held), cache.pos, pos[:, :, None], window, first)
         cache.put(lowest(pri, cache.pos), k, v, pos, new if self.accumulates else None)

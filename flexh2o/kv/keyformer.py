@@ -11,8 +11,8 @@ class Keyformer(Evicting):
     name = "keyformer"
     accumulates = True
 
-    def __init__(self, capacity: int, window: int, gen_len: int, seed: int):
-        super().__init__(capacity, window, gen_len, seed)
+    def __init__(self, capacity: int, recent: int, gen_len: int, seed: int, ratios: tuple | None = None):
+        super().__init__(capacity, recent, gen_len, seed, ratios)
         self.generators = {}  # device -> its generator, seeded once and advancing with every draw
 
     def generator(self, device: torch.device) -> torch.Generator:

@@ -1,5 +1,7 @@
 """Local window: keep only the newest `capacity` tokens."""
 
+import torch
+
 from .eviction import Evicting
 
 
@@ -7,8 +9,8 @@ class LocalWindow(Evicting):
     name = "local"
     uses_attention = False
 
-    def __init__(self, capacity: int, window: int, gen_len: int, seed: int):
-        super().__init__(capacity, capacity, gen_len, seed)
+    def always_kept(self, capacity, recent):
+        return capacity, torch.zeros_like(capacity)
 
     def priority(self, pos, score, current):
         return pos.float()

@@ -10,10 +10,10 @@ class AttentionSinks(Evicting):
     name = "sink"
     uses_attention = False
 
-    def __init__(self, capacity: int, window: int, gen_len: int, seed: int):
-        self.sinks = min(SINKS, capacity - 1)  # at least the new token is kept
-        super().__init__(capacity, capacity - self.sinks, gen_len, seed)
+    def always_kept(self, capacity, recent):
+        # Positions are absolute and start at 0 at each sequence's first real token.
+        sinks = (capacity - 1).clamp(max=SINKS)  # at least the new token is kept
+        return capacity - sinks, sinks
 
     def priority(self, pos, score, current):
-        # Positions are absolute and start at 0 at each sequence's first real token.
-        return pos.float().masked_fill(pos < self.sinks, float(1 << 30))
+        return pos.float()

@@ -1,14 +1,16 @@
 """TOVA (Oren et al. 2024): evict, per head, the held token the current query attends to least.
 Only the new token itself is sure to stay (a window of one)."""
 
+import torch
+
 from .eviction import Evicting
 
 
 class TokenOmission(Evicting):
     name = "tova"
 
-    def __init__(self, capacity: int, window: int, gen_len: int, seed: int):
-        super().__init__(capacity, 1, gen_len, seed)
+    def always_kept(self, capacity, recent):
+        return torch.ones_like(capacity), torch.zeros_like(capacity)
 
     def contribution(self, logits, probs, real_rows, step):
         return probs[..., -1, :]  # the current query: the prompt's last row, or the new token's row
