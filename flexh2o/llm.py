@@ -6,7 +6,7 @@
         print(c.text)
 
 The weights load once, in the constructor; generate() runs the same scheduler as the command
-line's --input (job.py: length-sorted blocks, each padded to its own longest prompt) and returns
+line's --input (jobs/job.py: length-sorted blocks, each padded to its own longest prompt) and returns
 one Completion per prompt in input order. stream() takes any iterable and yields Completions as
 blocks finish, reading CHUNK prompts ahead at a time, for jobs that do not fit in memory.
 """
@@ -18,8 +18,8 @@ import torch
 
 from .engine import Engine
 from .errors import UsageError
-from .job import Job
-from .job_input import Entry, Request, prompt_ids, sampling
+from .jobs.job import Job
+from .jobs.input import Entry, Request, prompt_ids, sampling
 from .models import eos_ids, resolve_model
 from .policy import Policy
 from .prompts import load_tokenizer
@@ -37,7 +37,7 @@ class Completion:
 
 
 class _Prompts:
-    """A chunk of prompts as a job's input (job_input.JobInput's interface, from memory)."""
+    """A chunk of prompts as a job's input (jobs/input.py: JobInput's interface, from memory)."""
 
     def __init__(self, llm, prompts: list, first: int, settings: dict):
         self.llm, self.first, self.requests, self.entries = llm, first, [], []

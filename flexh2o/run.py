@@ -22,7 +22,7 @@ from .sampling import check_sampling, check_seed
 from .output import check_output_file, json_text, write_json_atomic
 from .report import build_report, format_report
 from .signals import run_stoppable
-from .job_run import check_job_flags, run_job
+from .jobs.cli import check_job_flags, run_job
 from .run_setup import choose_policy, load_engine
 from .optimizer.cost_model import predict
 from .planning import DEFAULT_GPU_BATCH_SIZE, check_planning_flags

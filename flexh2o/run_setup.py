@@ -1,6 +1,6 @@
 """What a run is set up with from its flags: the policy (planned, fitted or as given) and the engine.
 
-flexh2o.run's one-block mode and its dataset jobs (job_run.py) share these.
+flexh2o.run's one-block mode and its dataset jobs (jobs/cli.py) share these.
 """
 
 import os

@@ -20,8 +20,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from flexh2o import LLM, Engine, Policy  # noqa: E402
-from flexh2o.job import until_eos  # noqa: E402
-from flexh2o.job_input import Request, prompt_ids, sampling  # noqa: E402
+from flexh2o.jobs.job import until_eos  # noqa: E402
+from flexh2o.jobs.input import Request, prompt_ids, sampling  # noqa: E402
 from flexh2o.models import eos_ids  # noqa: E402
 from flexh2o.machine import LoadMeter, describe_machine  # noqa: E402
 from flexh2o.output import write_results  # noqa: E402

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from flexh2o import Engine, Policy
-from flexh2o.job import plan_blocks
-from flexh2o.job_input import Entry, JobInput, Sampling
-from flexh2o.job_output import complete_records
+from flexh2o.jobs.job import plan_blocks
+from flexh2o.jobs.input import Entry, JobInput, Sampling
+from flexh2o.jobs.output import complete_records
 from flexh2o.prompts import load_tokenizer
 from flexh2o.run import main
 from conftest import REPO

@@ -9,9 +9,9 @@ resumed job with other settings is refused unless --overwrite starts the output 
 import json
 import os
 
-from .errors import UsageError
-from .output import check_output_file, write_json_atomic
-from .signals import deferred
+from ..errors import UsageError
+from ..output import check_output_file, write_json_atomic
+from ..signals import deferred
 
 
 def settings_path(path: str) -> str:

@@ -6,15 +6,15 @@ engine's batch. A block is padded only to its own longest prompt, rounded up to 
 ROUND_TO so that block shapes repeat; it generates as many tokens as its largest max_tokens asks,
 each sequence stopping at EOS or at its own max_tokens, and the block stops once all have. A last
 block short of the batch is filled with copies of its last prompt that stop after one token.
-Records go to the output as each block finishes (job_output.py).
+Records go to the output as each block finishes (output.py).
 """
 
 import hashlib
 import time
 from dataclasses import dataclass, field
 
-from .job_input import Entry, JobInput
-from .prompts import pad_prompts
+from .input import Entry, JobInput
+from ..prompts import pad_prompts
 
 ROUND_TO = 8
 
@@ -94,7 +94,7 @@ def cut_at_stop(text: str, stops: tuple) -> tuple[str, bool]:
 
 class Job:
     """Runs the records of `job_input` not yet in `output` on `engine`; `formatter` makes each
-    output record (job_format.py)."""
+    output record (format.py)."""
 
     def __init__(self, engine, job_input: JobInput, output, tokenizer, formatter, eos_ids, job_seed: int = 0,
                  progress=None):

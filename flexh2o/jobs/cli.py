@@ -11,17 +11,17 @@ import sys
 
 from tqdm import tqdm
 
-from .errors import UsageError
+from ..errors import UsageError
 from .job import ROUND_TO, Job, round_up
-from .job_format import formatter_for
-from .job_input import JobInput
-from .job_output import JobOutput
-from .models import eos_ids
-from .output import write_json_atomic
-from .policy import placement_flag
-from .prompts import load_tokenizer
-from .run_setup import choose_policy, load_engine
-from .signals import set_stop_outcome
+from .format import formatter_for
+from .input import JobInput
+from .output import JobOutput
+from ..models import eos_ids
+from ..output import write_json_atomic
+from ..policy import placement_flag
+from ..prompts import load_tokenizer
+from ..run_setup import choose_policy, load_engine
+from ..signals import set_stop_outcome
 
 JOB_ONLY = ("output", "skip_bad", "ordered", "overwrite")
 

@@ -19,8 +19,8 @@ import json
 import math
 from dataclasses import dataclass
 
-from .errors import UsageError
-from .sampling import MAX_SEED
+from ..errors import UsageError
+from ..sampling import MAX_SEED
 
 FORMATS = ("text", "jsonl", "openai")
 OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")
