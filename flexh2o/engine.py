@@ -140,15 +140,23 @@ class Engine:
             raise
         return cls(spec, layers, policy, tiers, source.describe(), caps, placement_flag)
 
-    CACHE_FIELDS = ("kv_policy", "hh_ratio", "recent_ratio", "compress_cache")
+    # What may change between generate calls on a loaded engine: all but the weights' placement.
+    BLOCK_FIELDS = ("gpu_batch_size", "num_gpu_batches", "cache_gpu_percent", "cache_cpu_percent", "act_gpu_percent",
+                    "act_cpu_percent", "cpu_cache_compute", "kv_policy", "hh_ratio", "recent_ratio", "compress_cache")
 
-    def use_cache_policy(self, **fields):
-        """Changes how later generate calls keep their KV cache (CACHE_FIELDS); the weights stay as placed."""
-        unknown = set(fields) - set(self.CACHE_FIELDS)
+    def use_policy(self, **fields):
+        """Runs later generate calls with these BLOCK_FIELDS changed (a dataset job's block shapes,
+        another KV policy); the weights stay as placed."""
+        unknown = set(fields) - set(self.BLOCK_FIELDS)
         if unknown:
-            raise ValueError(f"only {', '.join(self.CACHE_FIELDS)} can change on a loaded engine, "
+            raise ValueError(f"only {', '.join(self.BLOCK_FIELDS)} can change on a loaded engine, "
                              f"not {sorted(unknown)}")
-        self.policy = dataclasses.replace(self.policy, **fields)
+        policy = dataclasses.replace(self.policy, **fields)
+        act_tier(policy)
+        if policy.disk_percent("cache") > 0 and self.tiers.disk is None:
+            raise UsageError("--cache", "this engine was loaded without an offload directory: the cache cannot "
+                             "go to disk")
+        self.policy = policy
 
     def close(self):
         """Removes this engine's offload files and stops its I/O threads."""
@@ -165,7 +173,7 @@ class Engine:
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  eos_token_id: int | None = -1, pad_token_id: int | None = None,
                  output_scores: bool = False, progress: bool = False, forced_tokens: torch.Tensor | None = None,
-                 row_seeds: list | None = None, row_max_new_tokens: list | None = None):
+                 row_seeds: list | None = None, row_max_new_tokens: list | None = None, stop_check=None):
         """Generates for a left-padded batch [gpu_batch_size * num_gpu_batches, prompt_len].
 
         Returns the ids [batch, prompt_len + max_new_tokens] (sequences that hit EOS continue
@@ -175,7 +183,9 @@ class Engine:
         forcing, step i feeds forced_tokens[:, i] next (no EOS stop); the GenerateOutput then holds
         the log-probability each step's logits gave its forced token, and their greedy choice.
         row_seeds: a sampling seed per sequence (each draws from its own generator);
-        row_max_new_tokens: tokens per sequence at most (a sequence past its own is finished).
+        row_max_new_tokens: tokens per sequence at most (a sequence past its own is finished);
+        stop_check(row, tokens): called after each step with a running sequence's new tokens so far,
+        True ends it (as EOS does).
         """
         policy, spec = self.policy, self.spec
         if input_ids.dim() != 2 or input_ids.shape[0] != policy.batch_size:
@@ -207,7 +217,7 @@ class Engine:
         pad = spec.pad_token_id if pad_token_id is None else pad_token_id
         seqs = Sequences(input_ids.cpu().long(), attention_mask.cpu(), max_new_tokens, policy.gpu_batch_size,
                          sampler, eos, pad, output_scores, self.tiers.compute,
-                         None if forced_tokens is None else forced_tokens.cpu().long(), row_max_new_tokens)
+                         None if forced_tokens is None else forced_tokens.cpu().long(), row_max_new_tokens, stop_check)
         batch_sizes = [policy.gpu_batch_size] * policy.num_gpu_batches
         io_before, read_before = self.tiers.io_seconds, self.tiers.disk.bytes_read if self.tiers.disk else 0
         try:

@@ -108,7 +108,7 @@ def evaluate(args) -> dict:
                                 gen_len=args.eval_len) as engine:
         logprobs, greedy = teacher_forced(engine, windows, args.prompt_len)
         if args.agreement:  # the same weights, the full cache uncompressed
-            engine.use_cache_policy(kv_policy="full", hh_ratio=None, recent_ratio=None, compress_cache=False)
+            engine.use_policy(kv_policy="full", hh_ratio=None, recent_ratio=None, compress_cache=False)
             full_logprobs, full_greedy = teacher_forced(engine, windows, args.prompt_len)
     result = {"model": spec.name, "text": args.text, "text_tokens": len(tokens), "prompt_len": args.prompt_len,
               "eval_len": args.eval_len, "windows": args.windows, "offset": args.offset, "policy": policy.to_dict(),

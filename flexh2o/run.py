@@ -11,7 +11,7 @@ import sys
 import torch
 
 from .disk import OffloadError, check_offload_dir
-from .engine import default_device, default_dtype, parse_device, parse_dtype
+from .engine import default_device, parse_device, parse_dtype
 from .errors import OneLineErrorParser, UsageError
 from .memory import parse_size
 from .models import resolve_model
@@ -23,7 +23,7 @@ from .output import check_output_file, json_text, write_json_atomic
 from .report import build_report, format_report
 from .signals import run_stoppable
 from .jobs.cli import check_job_flags, run_job
-from .run_setup import choose_policy, load_engine
+from .run_setup import choose_policy, dtype_name, load_engine
 from .optimizer.cost_model import predict
 from .planning import DEFAULT_GPU_BATCH_SIZE, check_planning_flags
 
@@ -165,7 +165,6 @@ def run(args) -> int:
                          f"exceeds the {spec.max_positions} positions of {spec.name}")
     check_budget(policy, args.prompt_len)
     policy, profile = choose_policy(args, policy, spec, device, dtype, caps, planning)
-    dtype_name = str(dtype or default_dtype(device)).removeprefix("torch.")
     dummy = args.dummy or weights_dir is None
     tokenizer = None if dummy and not args.prompts_file else load_tokenizer(weights_dir)
     tokens = read_prompts(args.prompts_file, tokenizer, policy.batch_size, args.prompt_len, args.chat) \
@@ -173,7 +172,7 @@ def run(args) -> int:
     engine = load_engine(args, policy, device, dtype, caps, dummy)
     try:
         predicted = None if profile is None else predict(spec, policy, args.prompt_len, args.gen_len, profile,
-                                                         dtype_name)
+                                                         dtype_name(dtype, device))
         return generate_and_report(args, engine, policy, tokens, tokenizer, dummy, predicted)
     finally:
         engine.close()

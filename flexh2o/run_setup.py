@@ -23,20 +23,24 @@ def choose_policy(args, policy, spec, device, dtype, caps, planning):
     """The policy to run (planned by the cost model, or fitted to the machine when no placement is
     given) for args.prompt_len + args.gen_len, and the profile to predict it with (or None);
     sets args.offload_dir where the policy puts something on disk."""
-    dtype_name = str(dtype or default_dtype(device)).removeprefix("torch.")
     profile = None
     if planning:
         offload_dir = args.offload_dir or default_offload_dir()
         profile = local_profile(device, offload_dir)
-        policy = planned_policy(args, policy, spec, dtype_name, caps, profile, offload_dir)
+        policy = planned_policy(args, policy, spec, dtype_name(dtype, device), caps, profile, offload_dir)
     elif placement_flag(args) is None:
         policy = fit_default_placement(args, policy, spec, device, dtype, caps)
     if profile is None:
-        profile = cached_local_profile(device, dtype_name)
+        profile = cached_local_profile(device, dtype_name(dtype, device))
     if args.offload_dir is None and any(policy.disk_percent(kind) > 0 for kind in ("w", "cache", "act")):
         args.offload_dir = default_offload_dir()
         check_offload_dir(args.offload_dir)
     return policy, profile
+
+
+def dtype_name(dtype, device) -> str:
+    """The compute dtype's name as profiles key it: float32, float16, bfloat16."""
+    return str(dtype or default_dtype(device)).removeprefix("torch.")
 
 
 def fit_default_placement(args, policy, spec, device, dtype, caps) -> Policy:

@@ -28,7 +28,7 @@ class Step:
 
 class Sequences:
     def __init__(self, input_ids, attention_mask, gen_len, gpu_batch_size, sampler,
-                 eos_token_id, pad_token_id, keep_scores, device, forced=None, row_limits=None):
+                 eos_token_id, pad_token_id, keep_scores, device, forced=None, row_limits=None, stop_check=None):
         batch, self.prompt_len = input_ids.shape
         self.gen_len, self.gpu_batch_size = gen_len, gpu_batch_size
         self.sampler, self.eos, self.pad, self.device = sampler, eos_token_id, pad_token_id, device
@@ -39,6 +39,8 @@ class Sequences:
         self.finished = torch.zeros(batch, dtype=torch.bool)
         # Tokens each sequence may generate (a dataset job's records differ); None: gen_len for all.
         self.row_limits = None if row_limits is None else torch.as_tensor(row_limits, dtype=torch.long)
+        # stop_check(row, tokens): whether a sequence's tokens so far end it (a dataset job's stop strings).
+        self.stop_check = stop_check
         self.scores = [[None] * (batch // gpu_batch_size) for _ in range(gen_len)] if keep_scores else None
         self._uniforms = None
         self.forced = forced
@@ -92,6 +94,10 @@ class Sequences:
         if self.row_limits is not None:
             self.finished[rows] |= self.row_limits[rows] <= i + 1
         self.ids[rows, self.prompt_len + i] = tokens
+        if self.stop_check is not None:
+            for row in range(rows.start, rows.stop):
+                if not self.finished[row] and self.stop_check(row, self.ids[row, self.prompt_len: self.prompt_len + i + 1]):
+                    self.finished[row] = True
         return tokens.unsqueeze(1).to(self.device)
 
     def all_finished(self) -> bool:

@@ -183,7 +183,7 @@ def measure_length(args, prompt_len: int, eval_len: int, tokens_of: dict, comman
                                     prompt_len=prompt_len, gen_len=eval_len) as engine:
             for kv, variant, fields in settings(compress_weight):
                 start = time.perf_counter()
-                engine.use_cache_policy(**fields)
+                engine.use_policy(**fields)
                 logprobs = teacher_forced(engine, windows, prompt_len)[0]
                 for n in names:
                     ppl = perplexity(logprobs[rows[n]])

@@ -14,12 +14,16 @@ import pytest
 import torch
 
 from flexh2o import Engine, Policy
-from flexh2o.jobs.job import plan_blocks
+from flexh2o.jobs.blocks import plan_blocks
+from flexh2o.jobs.plans import SearchedPlans
+from flexh2o.models import resolve_model
+from flexh2o.optimizer.hardware import from_dict
+from flexh2o.optimizer.search import caps_of, search
 from flexh2o.jobs.input import Entry, JobInput, Sampling
 from flexh2o.jobs.output import complete_records
 from flexh2o.prompts import load_tokenizer
 from flexh2o.run import main
-from conftest import REPO
+from conftest import REPO, TEST_CPU_PROFILE
 
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran"]
 
@@ -94,6 +98,69 @@ def test_blocks_are_sorted_by_length_and_padded_to_their_own_longest(tmp_path):
     long_gen = [Entry(0, "a", 1, 0, 8, 50, Sampling(0.0, 1.0, 0), None),
                 Entry(1, "b", 2, 0, 20, 4, Sampling(0.0, 1.0, 0), None)]
     assert [[e.id for e in b] for b in plan_blocks(long_gen, 4, 64)] == [["a"], ["b"]]
+
+
+def test_a_block_takes_as_many_records_as_its_shape_allows():
+    """Blocks follow the batch each shape's plan gives: short prompts in larger blocks."""
+    entries = [Entry(i, str(i), i + 1, 0, n, 4, Sampling(0.0, 1.0, 0), None) for i, n in
+               enumerate([3, 5, 6, 7, 9, 12, 15, 17, 30, 31])]
+    blocks = plan_blocks(entries, lambda prompt_len, gen_len: 5 if prompt_len <= 8 else 2, 64)
+    assert [[e.prompt_tokens for e in b] for b in blocks] == [[3, 5, 6, 7], [9, 12], [15, 17], [30, 31]]
+
+
+def test_plans_per_block_shape_keep_the_weights_where_they_loaded():
+    """Under one memory cap the cost model gives short prompts a far larger batch than long ones,
+    the weights' placement unchanged; a block short of its batch gets a plan of exactly its size."""
+    profile = from_dict(TEST_CPU_PROFILE, "test")
+    spec, _ = resolve_model("opt-1.3b", None)
+    caps = caps_of(profile, gpu_mem=8 << 30, cpu_mem=8 << 30)
+    loaded = search(spec, 512, 32, profile, caps, Policy(), dtype="float32", max_batch=512).policy
+    plans = SearchedPlans(spec, loaded, profile, caps, "float32", 512)
+    batches = [plans.batch_for(n, 32) for n in (32, 128, 512)]
+    assert batches[0] > batches[1] > batches[2] == loaded.batch_size, batches
+    for n in (32, 128):
+        p = plans.policy_for(n, 32, plans.batch_for(n, 32))
+        assert (p.w_gpu_percent, p.w_cpu_percent, p.compress_weight) == \
+            (loaded.w_gpu_percent, loaded.w_cpu_percent, loaded.compress_weight)
+    assert plans.policy_for(32, 32, 5).batch_size == 5
+    assert plans.searched == 4  # each shape once, reused
+
+
+def test_a_stop_string_ends_its_sequence_early(model_with_tokenizer, tmp_path):
+    tok = load_tokenizer(str(model_with_tokenizer))
+
+    def first_fresh_word(new):
+        """j of a word first seen at generated token j + 1 (not inside the text before it), if any."""
+        return next((j for j in range(2, len(new)) if tok.decode(new[j:j + 1]) not in tok.decode(new[:j])), None)
+    for n, shift in ((n, shift) for n in range(3, 12) for shift in range(8)):
+        text = prompt(n, shift)
+        new = alone(model_with_tokenizer, text, 10)
+        j = first_fresh_word(new) if len(new) == 10 else None
+        if j is not None:
+            break
+    assert j is not None, "no prompt of the tiny model generates a fresh word after two tokens"
+    stop = tok.decode(new[j:j + 1])
+    path, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    path.write_text(json.dumps({"id": "a", "prompt": text, "max_tokens": 10, "stop": [stop]}) + "\n")
+    assert run(model_with_tokenizer, path, out, "--gpu-batch-size", "1", "--json-out", str(tmp_path / "s.json")) == 0
+    (r,) = records(out).values()
+    whole = tok.decode(new, skip_special_tokens=True)
+    assert r["finish_reason"] == "stop" and r["text"] == whole[: whole.index(stop)]
+    assert r["completion_tokens"] == j + 1
+    assert json.load(open(tmp_path / "s.json"))["job"]["decode_slots"] == j + 1  # the block stopped there
+
+
+def test_a_planned_job_plans_each_block_shape_and_matches_each_prompt_alone(model_with_tokenizer, mixed_prompts,
+                                                                            tmp_path):
+    path, texts = mixed_prompts
+    out, summary = tmp_path / "out.jsonl", tmp_path / "summary.json"
+    assert run(model_with_tokenizer, path, out, "--gen-len", "4", "--json-out", str(summary)) == 0
+    got = records(out)
+    tok = load_tokenizer(str(model_with_tokenizer))
+    for i, text in enumerate(texts, start=1):
+        assert got[str(i)]["text"] == tok.decode(alone(model_with_tokenizer, text, 4), skip_special_tokens=True), i
+    job = json.load(open(summary))["job"]
+    assert job["written"] == 10 and job["block_shapes"] == len(job["shapes_batch_prompt_gen"]) >= 1
 
 
 def test_jsonl_records_carry_their_ids_and_settings(model_with_tokenizer, tmp_path):

@@ -39,7 +39,7 @@ def test_greedy_tokens_equal_transformers_loading_the_same_gguf(prompt_ids, engi
     with torch.no_grad():
         expected = model.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids), max_new_tokens=NEW_TOKENS,
                                   do_sample=False, output_logits=True, return_dict_in_generate=True)
-    engine.use_cache_policy(kv_policy="full", hh_ratio=None, recent_ratio=None)
+    engine.use_policy(kv_policy="full", hh_ratio=None, recent_ratio=None)
     out = engine.generate(prompt_ids, max_new_tokens=NEW_TOKENS, eos_token_id=None, output_scores=True)
     n = prompt_ids.shape[1]
     got = out.sequences[0, n:]
@@ -51,7 +51,7 @@ def test_greedy_tokens_equal_transformers_loading_the_same_gguf(prompt_ids, engi
 
 def test_h2o_at_a_fifth_of_the_prompt_still_answers(prompt_ids, engine):
     """Evicting 80% of a real prompt's cache changes the model's output, but it stays text."""
-    engine.use_cache_policy(kv_policy="h2o", hh_ratio=0.1, recent_ratio=0.1)
+    engine.use_policy(kv_policy="h2o", hh_ratio=0.1, recent_ratio=0.1)
     ids = engine.generate(prompt_ids, max_new_tokens=NEW_TOKENS)
     text = load_tokenizer(GGUF).decode(ids[0, prompt_ids.shape[1]:], skip_special_tokens=True)
     assert len(text.split()) >= 3

@@ -2,8 +2,9 @@
 
 Every record is read and checked before any weight loads; the output's settings are checked
 against a resumed job's; the batch and placement are planned (or taken from the flags) for the
-job's longest block; then the weights load once and the blocks run (job.py), the records going
-to the output as each block finishes.
+job's longest block; then the weights load once, placed by that plan, and the blocks run
+(job.py), each block shape at its own plan (plans.py), the records going to the output as each
+block finishes.
 """
 
 import shlex
@@ -12,7 +13,9 @@ import sys
 from tqdm import tqdm
 
 from ..errors import UsageError
-from .job import ROUND_TO, Job, round_up
+from .blocks import ROUND_TO, round_up
+from .job import Job
+from .plans import FixedPlan, SearchedPlans
 from .format import formatter_for
 from .input import JobInput
 from .output import JobOutput
@@ -20,7 +23,8 @@ from ..models import eos_ids
 from ..output import write_json_atomic
 from ..policy import placement_flag
 from ..prompts import load_tokenizer
-from ..run_setup import choose_policy, load_engine
+from ..optimizer.planner import plan_capacities
+from ..run_setup import choose_policy, default_offload_dir, dtype_name, load_engine
 from ..signals import set_stop_outcome
 
 JOB_ONLY = ("output", "skip_bad", "ordered", "overwrite")
@@ -70,13 +74,18 @@ def run_job(args, policy, spec, weights_dir, device, dtype, caps, planning: bool
         args.gen_len = min(args.gen_len, spec.max_positions - args.prompt_len)
         if args.gpu_batch_size is None and placement_flag(args) is None and args.max_batch is None:
             args.max_batch = len(good)
-    policy, _ = choose_policy(args, policy, spec, device, dtype, caps, planning)
+    policy, profile = choose_policy(args, policy, spec, device, dtype, caps, planning)
+    plans = FixedPlan(policy)
+    if planning:  # the capacities as the first plan saw them, before the weights take their share
+        limits = plan_capacities(profile, args.offload_dir or default_offload_dir(), caps.get("gpu_mem"),
+                                 caps.get("cpu_mem"), caps.get("disk_mem"))
+        plans = SearchedPlans(spec, policy, profile, limits, dtype_name(dtype, device), args.max_batch)
     total = len(job_input.entries)
     set_stop_outcome(lambda: f"{len(output.done)} of {total} records are safe in {args.output}; "
                               f"run the same command again to finish the rest ({resume_command()})")
     engine = load_engine(args, policy, device, dtype, caps, dummy=False)
     try:
-        return generate_all(args, engine, job_input, output, tokenizer, spec)
+        return generate_all(args, engine, job_input, output, tokenizer, spec, plans)
     finally:
         engine.close()
         output.close()
@@ -86,7 +95,7 @@ def resume_command() -> str:
     return "python -m flexh2o.run " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
 
-def generate_all(args, engine, job_input, output, tokenizer, spec) -> int:
+def generate_all(args, engine, job_input, output, tokenizer, spec, plans) -> int:
     bar = None
     if not args.quiet:
         bar = tqdm(total=len(job_input.entries), initial=len(output.done & {e.id for e in job_input.entries}),
@@ -99,7 +108,7 @@ def generate_all(args, engine, job_input, output, tokenizer, spec) -> int:
             bar.update(records)
             bar.set_postfix_str(f"{tokens[0] / max(bar.format_dict['elapsed'], 1e-9):.1f} tok/s", refresh=False)
     job = Job(engine, job_input, output, tokenizer, formatter_for(job_input.format, spec.name),
-              eos_ids(spec) if args.stop_at_eos else None, args.seed, progress)
+              eos_ids(spec) if args.stop_at_eos else None, args.seed, progress, plans)
     for _ in job.run():
         pass
     if bar is not None:

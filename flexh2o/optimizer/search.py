@@ -75,14 +75,14 @@ def fits(need: dict, caps: dict, on_cuda: bool):
 
 class Search:
     def __init__(self, spec, prompt_len: int, gen_len: int, profile, caps: dict, dtype: str | None = None,
-                 step: float = 5, samples: int = SEARCH_SAMPLES):
+                 step: float = 5, samples: int = SEARCH_SAMPLES, weight_shares=None):
         self.model = CostModel(spec, prompt_len, gen_len, profile, dtype)
         self.spec, self.prompt_len, self.gen_len, self.caps = spec, prompt_len, gen_len, caps
         self.device = torch.device(profile.device)
         self.on_cuda = profile.device == "cuda"
         self.dtype_bytes = DTYPE_BYTES[self.model.dtype]
         self.step, self.steps = step, self.model.steps(samples)
-        self.weight_shares = shares(step)
+        self.weight_shares = shares(step) if weight_shares is None else list(weight_shares)
         self._weights = {}
 
     def weights(self, policy):
@@ -143,11 +143,12 @@ class Search:
 def search(spec, prompt_len: int, gen_len: int, profile, caps: dict, base, dtype: str | None = None,
            allow_compression: bool = False, max_batch: int | None = None, total_batch: int | None = None,
            tolerance: float = 0.02, step: float = 5, gpu_batch_sizes=GPU_BATCH_SIZES,
-           num_gpu_batches=None) -> Plan | None:
+           num_gpu_batches=None, weight_shares=None) -> Plan | None:
     """The best policy for the job, keeping base's KV policy and overlap (and its compression unless
     allow_compression); num_gpu_batches: the gpu-batch counts tried (default NUM_GPU_BATCHES); total_batch:
-    only batch shapes of exactly that many sequences. None if nothing fits."""
-    s = Search(spec, prompt_len, gen_len, profile, caps, dtype, step)
+    only batch shapes of exactly that many sequences; weight_shares: the (gpu, cpu) percentages of the
+    weights tried (default: all on the grid; one for weights already placed). None if nothing fits."""
+    s = Search(spec, prompt_len, gen_len, profile, caps, dtype, step, weight_shares=weight_shares)
     if total_batch is not None:  # the gpu-batch counts asked for (any, by default) that divide it
         counts = range(1, total_batch + 1) if num_gpu_batches is None else num_gpu_batches
         num_gpu_batches = [nb for nb in counts if total_batch % nb == 0]
