@@ -9,6 +9,7 @@ block finishes.
 
 import shlex
 import sys
+import time
 
 from tqdm import tqdm
 
@@ -57,6 +58,7 @@ def run_job(args, policy, spec, weights_dir, device, dtype, caps, planning: bool
     if tokenizer is None:
         raise UsageError("--input", "needs a tokenizer: give --path (or --model) a directory with tokenizer files "
                          "or a GGUF file")
+    began = time.perf_counter()
     defaults = {"max_tokens": args.gen_len, "temperature": args.temperature if args.do_sample else 0.0,
                 "top_p": args.top_p, "top_k": args.top_k, "seed": None}
     job_input = JobInput(args.input, tokenizer, defaults, spec.max_positions, args.chat, args.skip_bad)
@@ -67,6 +69,7 @@ def run_job(args, policy, spec, weights_dir, device, dtype, caps, planning: bool
         output.close()
         print(f"records: {len(job_input.entries)}, every one already in {args.output}: nothing to do", flush=True)
         return 0
+    read_seconds = time.perf_counter() - began
     good = [e for e in job_input.entries if e.error is None]
     if good:
         args.prompt_len = min(round_up(max(e.prompt_tokens for e in good), ROUND_TO), spec.max_positions - 1)
@@ -85,7 +88,7 @@ def run_job(args, policy, spec, weights_dir, device, dtype, caps, planning: bool
                               f"run the same command again to finish the rest ({resume_command()})")
     engine = load_engine(args, policy, device, dtype, caps, dummy=False)
     try:
-        return generate_all(args, engine, job_input, output, tokenizer, spec, plans)
+        return generate_all(args, engine, job_input, output, tokenizer, spec, plans, read_seconds)
     finally:
         engine.close()
         output.close()
@@ -95,7 +98,7 @@ def resume_command() -> str:
     return "python -m flexh2o.run " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
 
-def generate_all(args, engine, job_input, output, tokenizer, spec, plans) -> int:
+def generate_all(args, engine, job_input, output, tokenizer, spec, plans, read_seconds: float = 0.0) -> int:
     bar = None
     if not args.quiet:
         bar = tqdm(total=len(job_input.entries), initial=len(output.done & {e.id for e in job_input.entries}),
@@ -109,6 +112,7 @@ def generate_all(args, engine, job_input, output, tokenizer, spec, plans) -> int
             bar.set_postfix_str(f"{tokens[0] / max(bar.format_dict['elapsed'], 1e-9):.1f} tok/s", refresh=False)
     job = Job(engine, job_input, output, tokenizer, formatter_for(job_input.format, spec.name),
               eos_ids(spec) if args.stop_at_eos else None, args.seed, progress, plans)
+    job.stats.read_seconds = read_seconds
     for _ in job.run():
         pass
     if bar is not None:
@@ -131,4 +135,7 @@ def format_summary(s: dict, path: str) -> str:
         f"(padding {s['padding_share']:.1%})",
         f"generated tokens: {s['generated_tokens']} of {s['decode_slots']} decode slots "
         f"({s['slots_wasted_after_stop']:.1%} after a sequence stopped)",
-        f"wall time: {s['wall_seconds']:.1f} s, {s['generated_tokens_per_second']:.2f} generated tokens/s"])
+        f"wall time: {s['wall_seconds']:.1f} s (the first plan and the model's loading excluded), "
+        f"{s['generated_tokens_per_second']:.2f} generated tokens/s",
+        f"the job's own reading, tokenizing, planning and writing: {s['job_own_seconds']:.1f} s "
+        f"({s['job_own_share']:.1%} of the wall time)"])

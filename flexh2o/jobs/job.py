@@ -1,8 +1,9 @@
 """A dataset job: every record of an input generated in blocks (blocks.py) on one loaded engine.
 
 Each block runs at its shape's plan (plans.py), generating until every sequence has stopped: at
-EOS, at its own max_tokens or at one of its stop strings. A last block short of its batch is
-filled with copies of its last prompt that stop after one token. Records go to the output as each
+EOS, at its own max_tokens or at one of its stop strings. Where a plan's batch exceeds the
+block's records (gpu-batches of equal size), the rest is filled with copies of its last prompt
+that stop after one token. Records go to the output as each
 block finishes (output.py).
 """
 
@@ -28,19 +29,24 @@ class JobStats:
     generated_tokens: int = 0
     decode_slots: int = 0       # (sequence, token step) pairs computed
     shapes: set = field(default_factory=set)  # distinct (batch, prompt_len, gen_len) of the blocks
-    seconds: float = 0.0
+    read_seconds: float = 0.0       # reading and checking the input before the model loaded
+    seconds: float = 0.0            # running the blocks and writing their records
+    generate_seconds: float = 0.0   # of which in the engine's generate calls
 
     def summary(self) -> dict:
         padding = 1 - self.prompt_tokens / self.computed_prompt_tokens if self.computed_prompt_tokens else 0.0
         wasted = 1 - self.generated_tokens / self.decode_slots if self.decode_slots else 0.0
+        wall = self.read_seconds + self.seconds  # the first plan and the model's loading excluded
+        own = wall - self.generate_seconds
         return {"records": self.records, "skipped_already_done": self.skipped, "written": self.done,
                 "bad_records": self.bad, "blocks": self.blocks, "block_shapes": len(self.shapes),
                 "shapes_batch_prompt_gen": sorted(self.shapes),
                 "prompt_tokens": self.prompt_tokens, "computed_prompt_tokens": self.computed_prompt_tokens,
                 "padding_share": padding, "generated_tokens": self.generated_tokens,
                 "decode_slots": self.decode_slots, "slots_wasted_after_stop": wasted,
-                "wall_seconds": self.seconds,
-                "generated_tokens_per_second": self.generated_tokens / self.seconds if self.seconds else 0.0}
+                "wall_seconds": wall, "generate_seconds": self.generate_seconds, "job_own_seconds": own,
+                "job_own_share": own / wall if wall else 0.0,
+                "generated_tokens_per_second": self.generated_tokens / wall if wall else 0.0}
 
 
 def default_seed(job_seed: int, rid: str) -> int:
@@ -116,10 +122,12 @@ class Job:
         sampling = block[0].sampling
         seeds = [r.seed if r.seed is not None else default_seed(self.job_seed, r.id) for r in requests]
         stops = StopStrings(self.tokenizer, [r.stop for r in requests])
+        began = time.perf_counter()
         out = engine.generate(ids, mask, max_new_tokens=gen_len, do_sample=sampling.temperature > 0,
                               temperature=sampling.temperature or 1.0, top_k=sampling.top_k, top_p=sampling.top_p,
                               eos_token_id=self.eos_ids, row_seeds=seeds + [seeds[-1]] * filler,
                               row_max_new_tokens=max_tokens, stop_check=stops.check if stops.any else None)
+        self.stats.generate_seconds += time.perf_counter() - began
         stats = engine.last_stats
         records, generated = [], 0
         for n, (entry, request, row) in enumerate(zip(block, requests, out)):

@@ -14,7 +14,9 @@ from ..optimizer.search import search
 
 
 class FixedPlan:
-    """Every block at the policy the job was given."""
+    """Every block at the policy the job was given; a block short of its batch (the last of a
+    sampling setting) in gpu-batches just large enough for its records, so that no more than
+    num_gpu_batches - 1 filler sequences are computed."""
 
     def __init__(self, policy):
         self.policy = policy
@@ -24,7 +26,9 @@ class FixedPlan:
         return self.policy.batch_size
 
     def policy_for(self, prompt_len: int, gen_len: int, records: int):
-        return self.policy
+        if records >= self.policy.batch_size:
+            return self.policy
+        return replace(self.policy, gpu_batch_size=-(-records // self.policy.num_gpu_batches))
 
 
 class SearchedPlans:
