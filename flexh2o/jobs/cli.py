@@ -14,19 +14,19 @@ import time
 from tqdm import tqdm
 
 from ..errors import UsageError
-from .blocks import ROUND_TO, round_up
-from .job import Job
-from .plans import FixedPlan, SearchedPlans
-from .format import formatter_for
-from .input import JobInput
-from .output import JobOutput
 from ..models import eos_ids
+from ..optimizer.planner import plan_capacities
 from ..output import write_json_atomic
 from ..policy import placement_flag
 from ..prompts import load_tokenizer
-from ..optimizer.planner import plan_capacities
 from ..run_setup import choose_policy, default_offload_dir, dtype_name, load_engine
 from ..signals import set_stop_outcome
+from .blocks import ROUND_TO, round_up
+from .format import formatter_for
+from .input import JobInput
+from .job import Job
+from .output import JobOutput
+from .plans import FixedPlan, SearchedPlans
 
 JOB_ONLY = ("output", "skip_bad", "ordered", "overwrite")
 
