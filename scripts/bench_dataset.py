@@ -197,14 +197,14 @@ def run_contender(name: str, chunk: str, args, work: str, longest: int) -> dict:
                                       "generated_tokens", "decode_slots", "generate_seconds", "job_own_seconds")}
     else:
         result = run.result
-    return {**result, "peak_bytes": run.peak_bytes}
+    return {**result, "peak_bytes": run.peak_bytes, "cpu": args.cpu}
 
 
 def totals(state: dict) -> dict:
     """Per contender, sums over the chunks every contender finished without failing."""
     done = [c for c in state["chunks"].values()
             if all(name in c and not c[name].get("failed") for name in CONTENDERS)]
-    out = {"chunks": len(done)}
+    out = {"chunks": len(done), "cpus": sorted({c[name].get("cpu", "?") for c in done for name in CONTENDERS})}
     for name in CONTENDERS:
         rows = [c[name] for c in done]
         s = {k: sum(r[k] for r in rows) for k in ("wall_seconds", "prompt_tokens", "computed_prompt_tokens",
@@ -223,7 +223,7 @@ def markdown(state: dict, t: dict) -> str:
     a = state["settings"]
     lines = [f"# A dataset job against the loops a user would write: SmolLM2, {t['chunks'] * a['prompts'] // a['total_chunks']} "
              f"real prompts", "",
-             f"Machine: {state['machine']['cpu']}, {state['machine']['physical_cores']} cores, torch "
+             f"Machine: {' and '.join(t['cpus'])} (each chunk on one), {state['machine']['physical_cores']} cores, torch "
              f"{state['machine']['torch']}. Command: `{state['command']}`. SmolLM2-135M-Instruct (GGUF, float32), "
              f"chat prompts of an instruction about a Shakespeare passage of 16-400 tokens, greedy, up to "
              f"{a['max_tokens']} new tokens with EOS respected, batch {a['batch']}, each run in its own process "
@@ -302,6 +302,7 @@ def main():
     os.makedirs(work, exist_ok=True)
     chunks, longest = make_chunks(args, work)
     state.update(command="python scripts/bench_dataset.py", machine=describe_machine(), global_longest=longest)
+    args.cpu = state["machine"]["cpu"]  # sessions may go on on another machine: each run notes its own
     ran = 0
     for c, chunk in enumerate(chunks):
         done = state["chunks"].setdefault(str(c), {})
