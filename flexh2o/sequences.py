@@ -95,8 +95,9 @@ class Sequences:
             self.finished[rows] |= self.row_limits[rows] <= i + 1
         self.ids[rows, self.prompt_len + i] = tokens
         if self.stop_check is not None:
-            for row in range(rows.start, rows.stop):
-                if not self.finished[row] and self.stop_check(row, self.ids[row, self.prompt_len: self.prompt_len + i + 1]):
+            new = self.ids[rows, self.prompt_len: self.prompt_len + i + 1]
+            for n, row in enumerate(range(rows.start, rows.stop)):
+                if not self.finished[row] and self.stop_check(row, new[n]):
                     self.finished[row] = True
         return tokens.unsqueeze(1).to(self.device)
 

@@ -98,7 +98,8 @@ def main():
     command = "python scripts/job_agreement.py" + (f" --prompts {args.prompts}" if args.prompts != 200 else "")
     if args.hh_ratio is not None:
         command += f" --hh-ratio {args.hh_ratio:g} --out {args.out}"
-    result = {"command": command, "hh_ratio": args.hh_ratio, "model": MODEL, "prompts": len(rows), "batch": args.batch, "max_tokens": args.max_tokens,
+    result = {"command": command, "hh_ratio": args.hh_ratio, "model": MODEL, "prompts": len(rows), "batch": args.batch,
+              "max_tokens": args.max_tokens,
               "identical": identical, "prompt_tokens": [min(lengths), max(lengths)], "machine": describe_machine(),
               "load": meter.result(), "rows": rows}
     write_results(args.out, result, markdown)

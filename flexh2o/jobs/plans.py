@@ -20,7 +20,6 @@ class FixedPlan:
 
     def __init__(self, policy):
         self.policy = policy
-        self.searched = 0
 
     def batch_for(self, prompt_len: int, gen_len: int) -> int:
         return self.policy.batch_size

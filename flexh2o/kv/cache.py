@@ -2,8 +2,9 @@
 
 K and V are [batch, kv_heads, capacity, head_dim]. Every slot of every (sequence, KV head) also
 records the absolute position of the token it holds (-1: empty, e.g. padding or not yet
-filled; -2: past the sequence's budget, never filled, kv/eviction.py) and, for policies that accumulate one, the token's score. Because an evicting policy
-chooses per head, the same position can be kept by one head and gone from another.
+filled; -2: past the sequence's budget, never filled, kv/eviction.py) and, for policies that
+accumulate one, the token's score. Because an evicting policy chooses per head, the same
+position can be kept by one head and gone from another.
 
 Slots start empty and zeroed: attention runs over all of them with the empty ones masked, and
 garbage there could turn 0 * NaN into NaN.

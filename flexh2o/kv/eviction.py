@@ -119,7 +119,7 @@ class Evicting(FullCache):
         """k, v [b, kv_heads, s, d]; pos [b, kv_heads, s] (-1 at padding); contribution [b, kv_heads, s].
         Each sequence keeps at most its own budget of tokens, stored in position order."""
         score = contribution if self.accumulates else None
-        capacity, window, first = (t.to(pos.device) for t in self.budgets((pos[:, 0] >= 0).sum(-1)))
+        capacity, window, first = self.budgets((pos[:, 0] >= 0).sum(-1))
         if pos.shape[-1] <= cache.capacity and bool((capacity == cache.capacity).all()):
             cache.fill_prompt(k, v, pos, score)
         else:
@@ -149,6 +149,6 @@ class Evicting(FullCache):
         # Decode step i puts the new token at position L + i - 1, L the sequence's real prompt tokens
         # (without ratios every sequence has the same budget and the step is not needed).
         real_len = pos[:, 0].long() - (0 if self.ratios is None else step.i - 1)
-        _, window, first = (t.to(pos.device) for t in self.budgets(real_len))
+        _, window, first = self.budgets(real_len)
         pri = self.ranked(self.priority(cache.pos, cache.score, held), cache.pos, pos[:, :, None], window, first)
         cache.put(lowest(pri, cache.pos), k, v, pos, new if self.accumulates else None)
