@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from .cached_attention import CachedAttention
 from .layer import Layer
+from .lm_head import logits
 
 
 def rms_norm(x, weight, eps: float):
@@ -171,4 +172,4 @@ class OutputEmbed(Layer):
     def forward(self, hidden, step):
         norm, head = self.weights
         x = rms_norm(hidden[:, -1], norm, self.spec.rms_norm_eps)  # only the last position predicts the next token
-        return step.choose_next(F.linear(x, head).float())
+        return step.choose_next(logits(x, head).float())

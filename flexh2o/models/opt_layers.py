@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from .cached_attention import CachedAttention
 from .layer import Layer
+from .lm_head import logits
 
 POSITION_OFFSET = 2  # OPT's learned position table starts at row 2
 
@@ -110,5 +111,4 @@ class OutputEmbed(Layer):
             x = _layer_norm(x, w.pop(0), w.pop(0))
         if s.embed_dim != s.hidden_size:
             x = F.linear(x, w.pop(0))
-        logits = F.linear(x, w.pop(0))
-        return step.choose_next(logits.float())
+        return step.choose_next(logits(x, w.pop(0)).float())
