@@ -91,6 +91,18 @@ def test_greedy_tokens_and_logits_match_transformers(llamas, tmp_path, name, nb)
     assert_same(run_engine(directory, ids, mask, tmp_path, 10, nb), ref.sequences[:, 12:], ref.scores)
 
 
+def test_a_padded_prompt_step_runs_its_real_tokens_only(llamas, tmp_path, monkeypatch):
+    from flexh2o.models import real_tokens
+    directory, _ = llamas["wide"]
+    ids, mask = padded_batch(4, 12, pads=[0, 3, 7, 11], seed=5)
+    packed = run_engine(directory, ids, mask, tmp_path, 6)
+    monkeypatch.setattr(real_tokens, "MIN_PADDING", 2.0)  # never: every position computed
+    full = run_engine(directory, ids, mask, tmp_path, 6)
+    assert torch.equal(packed.sequences, full.sequences)
+    for a, b in zip(packed.scores, full.scores):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("rope", [None, {"rope_type": "linear", "factor": 4.0}, LLAMA3,
                                   {**LLAMA3, "original_max_position_embeddings": 8192}])
 @pytest.mark.parametrize("head_dim,theta", [(8, 10000.0), (128, 500000.0)])

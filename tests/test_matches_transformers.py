@@ -62,3 +62,19 @@ def test_plain_tensor_result_shape(tiny_models):
     out = engine.generate(ids, mask, max_new_tokens=4, eos_token_id=None)
     assert isinstance(out, torch.Tensor) and out.shape == (3, 9) and out.dtype == torch.long
     assert torch.equal(out[:, :5], ids)
+
+
+def test_a_padded_prompt_step_runs_its_real_tokens_only(tiny_models, monkeypatch):
+    """The token-wise work of a padded prompt runs on its real tokens (models/real_tokens.py), and
+    gives what running it on every position gives."""
+    from flexh2o.models import real_tokens
+    directory, model = tiny_models["tiny"]
+    ids, mask = padded_batch(4, 12, pads=[0, 3, 7, 11], seed=5)
+    gathered = []
+    gather = real_tokens.RealTokens.gather
+    monkeypatch.setattr(real_tokens.RealTokens, "gather", lambda self, x: gathered.append(gather(self, x).shape[0])
+                        or gather(self, x))
+    packed = run_engine(directory, ids, mask, 6, gpu_batch_size=4)
+    assert int(mask.sum()) in gathered
+    monkeypatch.setattr(real_tokens, "MIN_PADDING", 2.0)  # never: every position computed
+    assert_same(packed, run_engine(directory, ids, mask, 6, gpu_batch_size=4))

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from .cached_attention import CachedAttention
 from .layer import Layer
 from .lm_head import logits
+from .real_tokens import real_tokens
 
 POSITION_OFFSET = 2  # OPT's learned position table starts at row 2
 
@@ -59,10 +60,12 @@ class SelfAttention(CachedAttention):
         ln_w, ln_b, qkv_w, qkv_b, out_w, out_b = self.weights
         s = self.spec
         b, n, _ = hidden.shape
-        x = _layer_norm(hidden, ln_w, ln_b) if s.do_layer_norm_before else hidden
-        qkv = F.linear(x, qkv_w, qkv_b).view(b, n, 3, s.num_heads, s.head_dim)
+        tokens = real_tokens(step)
+        x = tokens.gather(hidden)
+        x = _layer_norm(x, ln_w, ln_b) if s.do_layer_norm_before else x
+        qkv = tokens.scatter(F.linear(x, qkv_w, qkv_b), b, n).view(b, n, 3, s.num_heads, s.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [b, heads, n, head_dim]
-        hidden = hidden.add_(F.linear(self.attend(q, k, v, step), out_w, out_b))
+        hidden = tokens.add_into(hidden, F.linear(tokens.gather(self.attend(q, k, v, step)), out_w, out_b))
         return hidden if s.do_layer_norm_before else _layer_norm(hidden, ln_w, ln_b)
 
 
@@ -80,9 +83,11 @@ class MLP(Layer):
     def forward(self, hidden, step):
         ln_w, ln_b, fc1_w, fc1_b, fc2_w, fc2_b = self.weights
         pre = self.spec.do_layer_norm_before
-        x = _layer_norm(hidden, ln_w, ln_b) if pre else hidden
+        tokens = real_tokens(step)
+        x = tokens.gather(hidden)
+        x = _layer_norm(x, ln_w, ln_b) if pre else x
         x = F.linear(x, fc1_w, fc1_b).relu_()
-        hidden = hidden.add_(F.linear(x, fc2_w, fc2_b))
+        hidden = tokens.add_into(hidden, F.linear(x, fc2_w, fc2_b))
         return hidden if pre else _layer_norm(hidden, ln_w, ln_b)
 
 
