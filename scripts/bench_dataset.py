@@ -242,9 +242,11 @@ def markdown(state: dict, t: dict) -> str:
                      f"{rate / t['hf-sorted']['tokens_per_second']:.2f}x | "
                      f"{rate / t['hf-file-order']['tokens_per_second']:.2f}x | {s['padding_share']:.1%} | "
                      f"{s['slots_wasted_after_eos']:.1%} | {own} | {s['peak_bytes'] / 2**30:.2f} GiB |")
-    lines += ["", "Padding: prompt positions computed that held no prompt token (a block's shorter prompts, and "
-              "for the job its round-up to a multiple of 8). The job's own work: its reading, tokenizing, "
-              "block planning and writing, the wall time outside the engine's generate calls.", ""]
+    lines += ["", "Padding: prompt positions of the blocks that held no prompt token (a block's shorter prompts, "
+              "and for the job its round-up to a multiple of 8). Transformers computes every one of them; "
+              "flexh2o's attention does, but in a block padded by 1/16 or more its norms, projections and MLP "
+              "run on the real tokens only. The job's own work: its reading, tokenizing, block planning and "
+              "writing, the wall time outside the engine's generate calls.", ""]
     return "\n".join(lines)
 
 
