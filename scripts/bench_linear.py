@@ -23,7 +23,8 @@ from flexh2o.machine import describe_machine  # noqa: E402
 from flexh2o.models import lm_head  # noqa: E402
 from flexh2o.output import write_results  # noqa: E402
 
-MODEL = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_quality import MODEL  # noqa: E402
 
 SHAPES = {"q, k and v": (960, 576), "attention out": (576, 576), "gate and up": (3072, 576),
           "down": (576, 1536), "LM head": (49152, 576)}  # SmolLM2-135M: [out, in]

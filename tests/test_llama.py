@@ -98,9 +98,7 @@ def test_a_padded_prompt_step_runs_its_real_tokens_only(llamas, tmp_path, monkey
     packed = run_engine(directory, ids, mask, tmp_path, 6)
     monkeypatch.setattr(real_tokens, "MIN_PADDING", 2.0)  # never: every position computed
     full = run_engine(directory, ids, mask, tmp_path, 6)
-    assert torch.equal(packed.sequences, full.sequences)
-    for a, b in zip(packed.scores, full.scores):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+    assert_same(packed, full.sequences, full.scores)
 
 
 @pytest.mark.parametrize("rope", [None, {"rope_type": "linear", "factor": 4.0}, LLAMA3,

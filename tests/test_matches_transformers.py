@@ -72,8 +72,12 @@ def test_a_padded_prompt_step_runs_its_real_tokens_only(tiny_models, monkeypatch
     ids, mask = padded_batch(4, 12, pads=[0, 3, 7, 11], seed=5)
     gathered = []
     gather = real_tokens.RealTokens.gather
-    monkeypatch.setattr(real_tokens.RealTokens, "gather", lambda self, x: gathered.append(gather(self, x).shape[0])
-                        or gather(self, x))
+
+    def counted(self, x):
+        rows = gather(self, x)
+        gathered.append(rows.shape[0])
+        return rows
+    monkeypatch.setattr(real_tokens.RealTokens, "gather", counted)
     packed = run_engine(directory, ids, mask, 6, gpu_batch_size=4)
     assert int(mask.sum()) in gathered
     monkeypatch.setattr(real_tokens, "MIN_PADDING", 2.0)  # never: every position computed
