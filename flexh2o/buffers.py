@@ -10,6 +10,7 @@ remembered per buffer, never derived by comparing devices.
 """
 
 import threading
+import time
 import weakref
 
 import torch
@@ -18,6 +19,9 @@ from .disk import aligned_empty
 
 TIERS = ("gpu", "cpu", "disk")
 PAGE = 4096
+# How long asking for a pooled buffer may wait for one to come back. Buffers come back within a
+# step unless an I/O task hangs; a failed task wakes every waiter at once (see fail()).
+BUFFER_WAIT_SECONDS = 300.0
 
 
 def compute_device(device) -> torch.device:
@@ -42,6 +46,7 @@ class Buffers:
         self._limit: dict[tuple, int] = {}     # keys whose count was fixed by reserve()
         self._registered: dict[int, int] = {}  # data_ptr -> bytes, host memory pinned with cudaHostRegister
         self._lock = threading.Condition()  # the compute thread and the I/O threads share all of this
+        self.failure: BaseException | None = None  # the first error of an I/O task in this run
         # Pinned memory must be unregistered before it is freed, also when nobody called close().
         weakref.finalize(self, _unregister_all, self._registered)
 
@@ -121,8 +126,10 @@ class Buffers:
 
     def buffer(self, shape, dtype=None, tier: str = "gpu") -> torch.Tensor:
         """A pooled buffer on the compute device, or in CPU memory (pinned on CUDA).
-        Its contents are stale but finite: buffers start zeroed."""
+        Its contents are stale but finite: buffers start zeroed. Waiting for one to come back
+        raises the error of a failed I/O task at once, and gives up after BUFFER_WAIT_SECONDS."""
         key = (tuple(shape), dtype or self.dtype, tier)
+        deadline = time.monotonic() + BUFFER_WAIT_SECONDS
         with self._lock:
             while True:
                 free = self.free_buffers.get(key)
@@ -130,8 +137,22 @@ class Buffers:
                     return free.pop()
                 if self._made.get(key, 0) < self._limit.get(key, 1 << 62):
                     break
-                self._lock.wait()
+                if self.failure is not None:
+                    raise self.failure
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RuntimeError(f"no pooled {tier} buffer {list(shape)} came back in {BUFFER_WAIT_SECONDS:.0f} s: "
+                                       "an I/O task hangs or lost it")
+                self._lock.wait(left)
         return self._new_buffer(key)
+
+    def fail(self, error: BaseException):
+        """Notes an I/O task's error (the first one counts): whoever waits for a buffer, now or
+        later in this run, gets it instead of waiting for a buffer the failed task may still hold."""
+        with self._lock:
+            if self.failure is None:
+                self.failure = error
+            self._lock.notify_all()
 
     def _new_buffer(self, key) -> torch.Tensor:
         shape, dtype, tier = key
@@ -163,6 +184,7 @@ class Buffers:
         with self._lock:
             free, self.free_buffers = self.free_buffers, {}
             self._made, self._limit, self._pool_key = {}, {}, {}
+            self.failure = None
         for (_, _, tier), buffers in free.items():
             self.free(tier, buffers)
 

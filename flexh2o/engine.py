@@ -162,6 +162,10 @@ class Engine:
         """Removes this engine's offload files and stops its I/O threads."""
         self.tiers.close()
 
+    def _free_caches(self):
+        for layer in self.layers:
+            layer.free_cache()
+
     def __enter__(self):
         return self
 
@@ -227,9 +231,14 @@ class Engine:
             schedule = Schedule(self.layers, seqs, policy.num_gpu_batches, self.tiers, act_tier(policy))
             with torch.no_grad():
                 steps_done = schedule.run(max_new_tokens, progress)
+            self._free_caches()  # waits for the last stores
+            if self.tiers.failure is not None:  # an I/O task failed that nothing waited for
+                raise self.tiers.failure
+        except BaseException as error:
+            self.tiers.abandon(error)
+            raise
         finally:
-            for layer in self.layers:
-                layer.free_cache()
+            self._free_caches()  # after a failure nothing is running any more, and nothing is waited for
             self.tiers.clear_pool()
         times = schedule.step_seconds
         read = (self.tiers.disk.bytes_read if self.tiers.disk else 0) - read_before

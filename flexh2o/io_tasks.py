@@ -6,12 +6,28 @@ and stores inside `group()`, and they reach the I/O threads as one hand-off: one
 wake-up for the whole group, whose tasks the threads then take oldest first. A task still gets
 its own Pending: waiting for a cache load does not wait for a weight load queued after it. When
 everything is already where compute needs it, no task is queued and no thread is ever started.
+
+A task that fails raises IOTaskError (naming what it was doing) to whoever waits for it; the run
+then abandons the rest: the tasks not started are cancelled and the running ones finish, so
+nothing is left writing into buffers or files the run is about to free.
 """
 
 import threading
 from collections import deque
 from concurrent.futures import Future
 from contextlib import contextmanager
+
+
+class IOTaskError(RuntimeError):
+    """An I/O task failed: `what` it was doing, and why."""
+
+    def __init__(self, what: str, cause: BaseException):
+        if isinstance(cause, OSError) and cause.strerror:
+            reason = cause.strerror + (f" ({cause.filename})" if cause.filename else "")
+        else:
+            reason = str(cause) or type(cause).__name__
+        super().__init__(f"{what} failed: {reason}")
+        self.what, self.cause = what, cause
 
 
 class Pending:
@@ -39,6 +55,7 @@ class IOThreads:
         self._group = None    # [(fn, future)] queued inside group(), not yet handed off
         self._queue = deque()  # handed off, not yet taken by a thread
         self._ready = threading.Condition()
+        self._running = 0     # tasks taken by a thread and not yet finished
         self._closed = False
 
     def submit(self, fn) -> Future:
@@ -87,14 +104,31 @@ class IOThreads:
                 if not self._queue:
                     return
                 fn, future = self._queue.popleft()
-            if not future.set_running_or_notify_cancel():
-                continue
+                if not future.set_running_or_notify_cancel():
+                    continue
+                self._running += 1
             try:
                 fn()
             except BaseException as e:  # the waiter gets it, as from a task of its own
                 future.set_exception(e)
             else:
                 future.set_result(None)
+            finally:
+                with self._ready:
+                    self._running -= 1
+                    self._ready.notify_all()
+
+    def abandon(self):
+        """Cancels the tasks not started (their wait() raises) and waits for the running ones;
+        the threads stay for a later run."""
+        with self._ready:
+            left = list(self._queue)
+            self._queue.clear()
+        for _, future in left:
+            future.cancel()
+        with self._ready:
+            while self._running:
+                self._ready.wait()
 
     def close(self):
         """Waits for the running tasks; those not started are cancelled (their wait() raises)."""

@@ -13,6 +13,7 @@ import torch
 from .disk import OffloadError, check_offload_dir
 from .engine import default_device, parse_device, parse_dtype
 from .errors import OneLineErrorParser, UsageError
+from .io_tasks import IOTaskError
 from .memory import parse_size
 from .models import resolve_model
 from .kv import check_budget
@@ -129,6 +130,9 @@ def main(argv=None) -> int:
     except OffloadError as e:
         print(f"error: --offload-dir: {e.strerror}; the run stopped and its offload files were removed",
               file=sys.stderr)
+        return 1
+    except IOTaskError as e:
+        print(f"error: {e}; the run stopped and its offload files were removed", file=sys.stderr)
         return 1
 
 

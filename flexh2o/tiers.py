@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from .buffers import TIERS, Buffers
-from .io_tasks import IOThreads, Pending
+from .disk import OffloadError
+from .io_tasks import IOTaskError, IOThreads, Pending
 from .kv.cache import slot_grid
 from .quant import dequantize, quantize
 from .signals import deferred
@@ -122,19 +123,28 @@ class Tiers(Buffers):
         return Placed(tuple(tensor.shape), tensor.dtype, segments, decoded)
 
     # -- moving data ------------------------------------------------------------------------
-    def run_io(self, fn, value) -> Pending:
+    def run_io(self, fn, value, what: str) -> Pending:
         """Runs fn on an I/O thread (overlap on) or right here (overlap off). On CUDA its copies
-        follow the compute queued up to now, when the task is queued, not when a thread takes it."""
+        follow the compute queued up to now, when the task is queued, not when a thread takes it.
+        `what` it does names it in the error if it fails (IOTaskError; a full disk stays OffloadError)."""
         after = self.cuda.queued() if self.cuda else None
 
         def task():
             start = time.perf_counter()
-            with torch.no_grad():
-                if self.cuda:
-                    with self.cuda.task(after):
+            try:
+                with torch.no_grad():
+                    if self.cuda:
+                        with self.cuda.task(after):
+                            fn()
+                    else:
                         fn()
-                else:
-                    fn()
+            except (OffloadError, IOTaskError) as e:  # the cause itself, or an earlier task's that this one waited for
+                self.fail(e)
+                raise
+            except Exception as e:
+                error = IOTaskError(what, e)
+                self.fail(error)
+                raise error from e
             with self._lock:
                 self.io_seconds += time.perf_counter() - start
         self.io_tasks += 1
@@ -151,6 +161,13 @@ class Tiers(Buffers):
     def handoffs(self) -> int:
         """Hand-offs to the I/O threads so far."""
         return self.io.handoffs if self.io is not None else 0
+
+    def abandon(self, error: BaseException):
+        """Ends a failed or interrupted run's I/O: buffer waits raise `error`, tasks not started are
+        cancelled, running ones finish (nothing writes into what the run then frees)."""
+        self.fail(error)
+        if self.io is not None:
+            self.io.abandon()
 
     def used_in_place(self, placed: Placed) -> bool:
         """Whether compute reads `placed` where it lives: held whole by memory the compute device
@@ -169,7 +186,7 @@ class Tiers(Buffers):
         if in_place:
             return Pending(whole)
         buf = self.buffer(placed.shape, placed.dtype)
-        return self.run_io(lambda: self.fill(buf, placed.segments), buf)
+        return self.run_io(lambda: self.fill(buf, placed.segments), buf, "loading weights")
 
     def _load_compressed(self, placed: Placed, whole) -> Pending:
         """Its groups, moved to the compute device unless they are there, dequantized into a buffer."""
@@ -182,14 +199,16 @@ class Tiers(Buffers):
             self.reserve(placed.shape, placed.dtype, count=self.io_threads)
 
         def task():
-            packed = whole
-            if packed is None:
-                packed = self.buffer(placed.shape, placed.dtype)
+            if whole is not None:
+                self.dequantize(whole, out)
+                return
+            packed = self.buffer(placed.shape, placed.dtype)
+            try:
                 self.fill(packed, placed.segments)
-            self.dequantize(packed, out)
-            if packed is not whole:
+                self.dequantize(packed, out)
+            finally:
                 self.release(packed)
-        return self.run_io(task, out)
+        return self.run_io(task, out, "loading compressed weights")
 
     def _load_compressed_for_cpu(self, placed: Placed, whole, out) -> Pending:
         """Where the CPU computes, the compute thread dequantizes, when it waits for the load: on an
@@ -201,10 +220,17 @@ class Tiers(Buffers):
             return Pending(out, then=lambda: self.dequantize(whole, out))
         packed = self.buffer(placed.shape, placed.dtype)
 
+        def fill():
+            try:
+                self.fill(packed, placed.segments)
+            except BaseException:  # finish() will not run: the groups' buffer goes back here
+                self.release(packed)
+                raise
+
         def finish():
             self.dequantize(packed, out)
             self.release(packed)
-        pending = self.run_io(lambda: self.fill(packed, placed.segments), out)
+        pending = self.run_io(fill, out, "loading compressed weights")
         pending.then = finish
         return pending
 
@@ -306,7 +332,7 @@ class Tiers(Buffers):
             return hidden
         self.reserve(hidden.shape, hidden.dtype, "cpu", count=self.parked_slots)
         parked = self.buffer(hidden.shape, hidden.dtype, tier="cpu")
-        return self.run_io(lambda: self.to_host(parked, hidden), parked)
+        return self.run_io(lambda: self.to_host(parked, hidden), parked, "parking a hidden state in CPU memory")
 
     def load_act(self, parked):
         """Brings a parked hidden state back to the compute device."""
@@ -315,10 +341,12 @@ class Tiers(Buffers):
         out = torch.empty(parked.value.shape, dtype=parked.value.dtype, device=self.compute)
 
         def fill():
-            self.to_device(out, parked.wait())
-            self.cuda.drain()  # the copy reads the parked buffer: done before it goes back to the pool
-            self.release(parked.value)
-        return self.run_io(fill, out)
+            try:
+                self.to_device(out, parked.wait())
+                self.cuda.drain()  # the copy reads the parked buffer: done before it goes back to the pool
+            finally:
+                self.release(parked.value)
+        return self.run_io(fill, out, "loading a parked hidden state")
 
     def sync(self):
         """Waits for the compute queued so far (the copies on the side streams go on)."""

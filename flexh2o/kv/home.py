@@ -19,6 +19,7 @@ scores stay exact.
 """
 
 from collections import Counter
+from contextlib import suppress
 from dataclasses import dataclass
 
 import torch
@@ -144,8 +145,8 @@ class CacheHome:
                 self._read(part, buf, which)
         # K and V in two tasks, so both I/O threads read at once (one stream of reads from this
         # machine's disk ran at 0.65-0.77 GB/s, two at 1.1-1.3).
-        keys = self.tiers.run_io(lambda: fill("k"), None)
-        values = self.tiers.run_io(lambda: fill("v"), views)
+        keys = self.tiers.run_io(lambda: fill("k"), None, "loading the KV cache")
+        values = self.tiers.run_io(lambda: fill("v"), views, "loading the KV cache")
         values.then = keys.wait
         return values
 
@@ -163,15 +164,17 @@ class CacheHome:
         # Slot-major, as at home: slots [0, length) are one contiguous block there and here.
         window = dst[:, :, :length].permute(2, 0, 1, 3)
         block = tiers.buffer((capacity, n, self.shape[0], self.width), self.stored)
-        if file is not None:
-            tiers.read_disk(file, 0, block[:length])
-        else:
-            tiers.to_device(block[:length], mem[:length])
-        if self.compressed:
-            tiers.dequantize(block[:length], window)
-        else:
-            tiers.copy_on_device(window, block[:length])
-        tiers.release(block)
+        try:
+            if file is not None:
+                tiers.read_disk(file, 0, block[:length])
+            else:
+                tiers.to_device(block[:length], mem[:length])
+            if self.compressed:
+                tiers.dequantize(block[:length], window)
+            else:
+                tiers.copy_on_device(window, block[:length])
+        finally:
+            tiers.release(block)
 
     def store(self, views) -> Pending:
         """Writes what the step changed back home, then frees the buffers. Compressed, what the step
@@ -184,12 +187,15 @@ class CacheHome:
         groups = [self._quantize_written(part, buf) for part, buf in todo]
 
         def write():
-            for (part, buf), written in zip(todo, groups):
-                self._write(part, buf, written)
-                for t in buf.tensors():
-                    self.tiers.release(t)
+            try:
+                for (part, buf), written in zip(todo, groups):
+                    self._write(part, buf, written)
+            finally:  # also when a write failed: the next load must not wait for these forever
+                for _, buf in todo:
+                    for t in buf.tensors():
+                        self.tiers.release(t)
         if todo:
-            self.last_store = self.tiers.run_io(write, None)
+            self.last_store = self.tiers.run_io(write, None, "storing the KV cache")
         return self.last_store or Pending(None)
 
     def _quantize_written(self, part, buf):
@@ -240,10 +246,15 @@ class CacheHome:
             tiers.disk.write_rows(file, rows[order], data.flatten(0, 1)[order])  # [n * kv_heads, width]
 
     def close(self):
-        """Waits for the last write-back (its buffers go back to the pool) and frees the home."""
+        """Waits for the last write-back (its buffers go back to the pool) and frees the home. A
+        write-back that failed has noted its error as the run's (tiers.failure), which the engine
+        raises; one cancelled by tiers.abandon never ran."""
         if self.last_store is not None:
-            self.last_store.wait()
-        for part in self.parts:
+            with suppress(Exception):
+                self.last_store.wait()
+        self.last_store = None
+        parts, self.parts = self.parts, []  # closing again frees nothing twice
+        for part in parts:
             if part.home is not None:
                 self.tiers.free(part.tier, part.home.tensors())
                 continue

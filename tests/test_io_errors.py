@@ -1,0 +1,134 @@
+"""An error inside any I/O task ends the run within seconds: one line naming what failed, exit
+code 1, the offload files removed, no I/O thread left running. Before, a failed cache store kept
+its pooled buffers and the next load waited for them forever (issue 23, point 2)."""
+
+import errno
+import os
+import re
+import threading
+import time
+
+import pytest
+import torch
+
+from flexh2o import buffers, disk, tiers
+from flexh2o.buffers import Buffers
+from flexh2o.kv.home import CacheHome
+from flexh2o.run import main
+
+# 3 gpu-batches with overlap on: loads of one gpu-batch run while another's store is out.
+RUN = ["--prompt-len", "8", "--gen-len", "8", "--dtype", "float32", "--gpu-batch-size", "2",
+       "--num-gpu-batches", "3", "--overlap"]
+EIO = OSError(errno.EIO, os.strerror(errno.EIO))
+
+
+def fail_from(monkeypatch, owner, name, call: int, error: BaseException, when=lambda *args: True):
+    """owner.name raises `error` from its `call`-th call on (counted over every thread), among the
+    calls whose arguments `when` accepts."""
+    real, calls = getattr(owner, name), []
+    lock = threading.Lock()
+
+    def failing(*args, **kwargs):
+        if not when(*args):
+            return real(*args, **kwargs)
+        with lock:
+            calls.append(1)
+            n = len(calls)
+        if n >= call:
+            raise error
+        return real(*args, **kwargs)
+    monkeypatch.setattr(owner, name, failing)
+    return calls
+
+
+def last_line(stderr: str) -> str:
+    return re.split(r"[\r\n]", stderr.rstrip())[-1]
+
+
+def packed(tiers_, buf, segments):
+    return buf.dtype == torch.uint8
+
+
+# (what fails, where it is injected, from which call, placement, the line's cause)
+CASES = {
+    "weight-load-from-disk": (disk, "pread_all", 6, ["--weights", "cpu=50,disk=50"], "loading weights failed: "),
+    "compressed-weight-load": (tiers.Tiers, "fill", 6, ["--weights", "cpu=50,disk=50", "--compress-weight"],
+                               "loading compressed weights failed: ", packed),
+    "host-copy": (tiers, "copy_in_memory", 6, ["--weights", "gpu=50,cpu=50"], "loading weights failed: "),
+    "cache-load": (CacheHome, "_read", 10, ["--cache", "disk=100"], "loading the KV cache failed: "),
+    "cache-store": (CacheHome, "_write", 10, ["--cache", "cpu=0,disk=100"], "storing the KV cache failed: "),
+    "cache-read-from-disk": (disk, "pread_all", 10, ["--cache", "disk=100"], "loading the KV cache failed: "),
+    "cache-write-to-disk": (disk, "pwrite_all", 30, ["--cache", "disk=100"],
+                            "--offload-dir: cannot write the offload files in "),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", list(CASES))
+def test_an_io_task_error_ends_the_run_in_one_line(tiny_models, tmp_path, capsys, monkeypatch, case):
+    owner, name, call, placement, cause, *when = CASES[case]
+    calls = fail_from(monkeypatch, owner, name, call, EIO, *when)
+    model, _ = tiny_models["tiny"]
+    offload = tmp_path / "off"
+    offload.mkdir()
+    start = time.monotonic()
+    code = main(["--model", model, *RUN, *placement, "--offload-dir", str(offload)])
+    out, err = capsys.readouterr()
+    assert len(calls) >= call, "the error was never injected"
+    assert code == 1, err
+    assert time.monotonic() - start < 60
+    line = last_line(err)
+    assert line.startswith("error: " + cause), line
+    assert "Input/output error" in line
+    assert line.endswith("; the run stopped and its offload files were removed")
+    assert "Traceback" not in err and "total throughput" not in out
+    assert os.listdir(offload) == []
+    assert not [t for t in threading.enumerate() if t.name.startswith("flexh2o-io")]
+
+
+@pytest.mark.timeout(60)
+def test_an_engine_runs_again_after_a_failed_run(tiny_models, tmp_path, monkeypatch):
+    """The failure is the run's, not the engine's: the pool and the I/O threads serve the next run."""
+    from flexh2o import Engine
+    from flexh2o.policy import Policy
+    from flexh2o.io_tasks import IOTaskError
+    model, _ = tiny_models["tiny"]
+    policy = Policy(2, 3, 100, 0, 0, 0, 100, 0, overlap=True)  # cache on disk
+    ids = torch.randint(3, 100, (6, 8), generator=torch.Generator().manual_seed(0))
+    with Engine.from_pretrained(model, policy, dtype=torch.float32, offload_dir=str(tmp_path)) as engine:
+        expected = engine.generate(ids, max_new_tokens=6)
+        with monkeypatch.context() as m:
+            fail_from(m, CacheHome, "_write", 8, RuntimeError("injected"))
+            with pytest.raises(IOTaskError, match="storing the KV cache failed: injected"):
+                engine.generate(ids, max_new_tokens=6)
+        assert torch.equal(engine.generate(ids, max_new_tokens=6), expected)
+
+
+def test_a_buffer_wait_gives_up_after_its_timeout(monkeypatch):
+    monkeypatch.setattr(buffers, "BUFFER_WAIT_SECONDS", 0.2)
+    pool = Buffers("cpu", torch.float32)
+    pool.reserve((4,), count=1)
+    pool.buffer((4,))
+    with pytest.raises(RuntimeError, match=r"no pooled gpu buffer \[4\] came back in 0 s"):
+        pool.buffer((4,))
+
+
+def test_a_failed_task_wakes_whoever_waits_for_a_buffer():
+    pool = Buffers("cpu", torch.float32)
+    pool.reserve((4,), count=1)
+    pool.buffer((4,))
+    got = []
+
+    def wait():
+        try:
+            pool.buffer((4,))
+        except OSError as e:
+            got.append(e)
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.1)
+    pool.fail(EIO)
+    waiter.join(5)
+    assert got == [EIO]
+    pool.clear_pool()
+    assert pool.failure is None
