@@ -73,6 +73,8 @@ class GenerationStats:
     step_dequant_seconds: list | None = None  # dequantizing during each token step, summed over threads
     step_io_tasks: list | None = None  # I/O tasks queued during each token step
     step_handoffs: list | None = None  # hand-offs to the I/O threads during each token step
+    step_h2d_bytes: list | None = None  # bytes copied to the compute device during each token step
+    finish_seconds: float = 0.0  # after the last token step, until its cache stores were done
 
 
 def act_tier(policy: Policy) -> str:
@@ -231,7 +233,6 @@ class Engine:
             schedule = Schedule(self.layers, seqs, policy.num_gpu_batches, self.tiers, act_tier(policy))
             with torch.no_grad():
                 steps_done = schedule.run(max_new_tokens, progress)
-            self._free_caches()  # waits for the last stores
             if self.tiers.failure is not None:  # an I/O task failed that nothing waited for
                 raise self.tiers.failure
         except BaseException as error:
@@ -246,7 +247,7 @@ class Engine:
                                           sum(times[1:]), schedule.compute_seconds,
                                           self.tiers.io_seconds - io_before, read, schedule.step_allocations,
                                           schedule.step_dequant_seconds, schedule.step_io_tasks,
-                                          schedule.step_handoffs)
+                                          schedule.step_handoffs, schedule.step_h2d_bytes, schedule.finish_seconds)
         if forced_tokens is not None:
             return GenerateOutput(seqs.ids, seqs.score_list(steps_done) if output_scores else None,
                                   seqs.forced_logprobs, seqs.greedy)

@@ -24,7 +24,10 @@ class Schedule:
         self.step_handoffs = []  # hand-offs to the I/O threads during each token step
         self.step_allocations = []  # tensors allocated during each token step (none after the first decode step)
         self.step_dequant_seconds = []  # time spent dequantizing during each token step (summed over threads)
-        self.per_step = (self.step_io_tasks, self.step_handoffs, self.step_allocations, self.step_dequant_seconds)
+        self.step_h2d_bytes = []  # bytes copied to the compute device during each token step
+        self.per_step = (self.step_io_tasks, self.step_handoffs, self.step_allocations, self.step_dequant_seconds,
+                         self.step_h2d_bytes)
+        self.finish_seconds = 0.0  # after the last token step, until its cache stores are done
         self.compute_seconds = 0.0  # forward passes only, without waiting for their inputs
 
     def run(self, gen_len: int, progress: bool = False) -> int:
@@ -56,14 +59,19 @@ class Schedule:
                 self.layers[0].release_weight()  # the next token's first weights may be loading
                 steps_done = i + 1
                 break
+        start = time.perf_counter()
         self.store_cache(steps_done, 0, -1)  # the last (layer, gpu-batch)'s cache
         self.sync()
+        for layer in self.layers:
+            layer.wait_stores()
+        self.finish_seconds = time.perf_counter() - start
         return steps_done
 
     def counts(self) -> tuple:
-        """Running totals kept per token step: I/O tasks, hand-offs, allocations, dequantizing seconds."""
+        """Running totals kept per token step: I/O tasks, hand-offs, allocations, dequantizing seconds,
+        bytes copied to the compute device."""
         t = self.tiers
-        return t.io_tasks, t.handoffs, t.allocations, t.dequant_seconds
+        return t.io_tasks, t.handoffs, t.allocations, t.dequant_seconds, t.h2d_bytes
 
     def _at(self, i, j, k):
         """(i, j, k) with k or j one step out of range moved to its zig-zag neighbour; None past the ends."""

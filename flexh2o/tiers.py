@@ -90,6 +90,8 @@ class Tiers(Buffers):
         self.parked_slots = 1  # hidden states parked in CPU memory at once: one per gpu-batch (set by the schedule)
         self.io_seconds = 0.0  # summed over I/O tasks (with overlap off: time the schedule waits for I/O)
         self.dequant_seconds = 0.0  # spent dequantizing, on any thread (on CUDA: queueing the kernels)
+        self.h2d_bytes = 0  # copied to the compute device (disk reads included), on any thread
+        self.d2h_bytes = 0  # copied from it to CPU memory
         self.cuda = None
         if self.on_cuda:
             from .cuda_io import CudaCopies
@@ -267,6 +269,7 @@ class Tiers(Buffers):
     def read_disk(self, file, offset: int, out: torch.Tensor):
         """Reads a file range into `out` (contiguous): on CUDA through a pinned staging block."""
         if not self.on_cuda:
+            self.count_moved("h2d_bytes", out)
             self.disk.read(file, offset, out)
             return
         with self.cuda.stage(out.shape, out.dtype) as staged:
@@ -283,8 +286,13 @@ class Tiers(Buffers):
             self.to_host(staged, data)
             self.disk.write(file, offset, staged)
 
+    def count_moved(self, direction: str, t: torch.Tensor):
+        with self._lock:
+            setattr(self, direction, getattr(self, direction) + t.numel() * t.element_size())
+
     def to_device(self, dst: torch.Tensor, src: torch.Tensor):
         """dst on the compute device <- src in CPU memory."""
+        self.count_moved("h2d_bytes", dst)
         if self.on_cuda:
             self.cuda.to_device(dst, src)
         else:
@@ -292,6 +300,7 @@ class Tiers(Buffers):
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor):
         """dst in CPU memory <- src on the compute device (done when this returns)."""
+        self.count_moved("d2h_bytes", dst)
         if self.on_cuda:
             self.cuda.to_host(dst, src)
         else:
@@ -307,13 +316,18 @@ class Tiers(Buffers):
 
     def host(self, src: torch.Tensor) -> torch.Tensor:
         """A small compute-device tensor (e.g. the slots a step wrote) in CPU memory."""
-        return self.cuda.gather_to_host(src) if self.on_cuda else src
+        if not self.on_cuda:
+            return src
+        self.count_moved("d2h_bytes", src)
+        return self.cuda.gather_to_host(src)
 
     def gather_slots(self, src: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """src [b, kv_heads, capacity, ...] at one slot per (sequence, KV head), slots [b, kv_heads],
         in CPU memory: [b, kv_heads, ...]."""
         if self.on_cuda:
-            return self.cuda.gather_to_host(src, slots)
+            out = self.cuda.gather_to_host(src, slots)
+            self.count_moved("d2h_bytes", out)
+            return out
         seq, head = slot_grid(slots)
         return src[seq, head, slots]
 

@@ -26,6 +26,9 @@ class RecordingLayer:
     def wait_inputs(self, k):
         pass
 
+    def wait_stores(self):
+        self.log.append(("wait_stores", self.j))
+
     def release_weight(self):
         self.log.append(("release_weight", self.j))
 
@@ -61,6 +64,8 @@ def test_zig_zag_order():
         if k == 0 and j + 1 < 3:  # the next layer's weights load while gpu-batch 0 computes
             loads_before = [e for e in log[:position] if e[0] == "load_weight"]
             assert loads_before[-1] == ("load_weight", j + 1)
+    # The run ends once every store is done: the last (layer, gpu-batch)'s, then each layer's waited for.
+    assert log[-4:] == [("store_cache", 1, 2, 1)] + [("wait_stores", j) for j in range(3)]
 
 
 def test_full_cache_writes_slots_in_place():

@@ -54,6 +54,11 @@ class CachedAttention(Layer):
         self.homes[k].store(self.loading[k].wait())
         self.loading[k] = None
 
+    def wait_stores(self):
+        for home in self.homes:
+            if home.last_store is not None:
+                home.last_store.wait()
+
     # -- attention -------------------------------------------------------------------------------
     def attend(self, q, k, v, step) -> torch.Tensor:
         """q [b, heads, n, d], k and v [b, kv_heads, n, d] (positions already applied) -> the

@@ -82,5 +82,8 @@ class Layer:
     def store_cache(self, i: int, k: int):
         pass
 
+    def wait_stores(self):
+        """Blocks until every cache store queued so far is done (raising a failed one's error)."""
+
     def forward(self, hidden, step):
         raise NotImplementedError
