@@ -9,6 +9,8 @@ up to a power of two). Pooled buffers are keyed by shape, dtype and the tier the
 remembered per buffer, never derived by comparing devices.
 """
 
+import bisect
+import sys
 import threading
 import time
 import weakref
@@ -19,6 +21,7 @@ from .disk import aligned_empty
 
 TIERS = ("gpu", "cpu", "disk")
 PAGE = 4096
+HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, as torch's own pinning does
 # How long asking for a pooled buffer may wait for one to come back. Buffers come back within a
 # step unless an I/O task hangs; a failed task wakes every waiter at once (see fail()).
 BUFFER_WAIT_SECONDS = 300.0
@@ -45,6 +48,8 @@ class Buffers:
         self._made: dict[tuple, int] = {}      # pooled buffers per key
         self._limit: dict[tuple, int] = {}     # keys whose count was fixed by reserve()
         self._registered: dict[int, int] = {}  # data_ptr -> bytes, host memory pinned with cudaHostRegister
+        self._host_allocated: dict[int, int] = {}  # data_ptr -> bytes, pinned by torch's allocator instead
+        self._starts: list[int] = []  # the data_ptrs of both, sorted: is_pinned's lookup on every copy
         self._lock = threading.Condition()  # the compute thread and the I/O threads share all of this
         self.failure: BaseException | None = None  # the first error of an I/O task in this run
         # Pinned memory must be unregistered before it is freed, also when nobody called close().
@@ -83,18 +88,37 @@ class Buffers:
         raw = torch.empty(size + PAGE, dtype=torch.uint8)
         start = -raw.data_ptr() % PAGE
         t = raw[start: start + nbytes].view(dtype).view(shape)
-        error = torch.cuda.cudart().cudaHostRegister(raw.data_ptr() + start, size, 0)
-        if int(error) != 0:  # e.g. the memlock limit: copies would silently turn synchronous
-            raise RuntimeError(f"cudaHostRegister of {size} bytes failed with CUDA error {int(error)}")
-        with self._lock:
-            self._registered[raw.data_ptr() + start] = size
+        cudart = torch.cuda.cudart()
+        error = int(cudart.cudaHostRegister(raw.data_ptr() + start, size, HOST_REGISTER_PORTABLE))
+        if error == 0:
+            self.note_pinned(raw.data_ptr() + start, size)
+            return t
+        # E.g. the memlock limit. Unpinned, every copy would silently turn synchronous: torch's pinned
+        # host allocator instead (it rounds each block up to a power of two).
+        if hasattr(cudart, "cudaGetLastError"):
+            cudart.cudaGetLastError()  # not left for a later kernel launch's check to report
+        if not self._host_allocated:
+            print(f"flexh2o: cudaHostRegister of {size} bytes failed with CUDA error {error} (is `ulimit -l` too "
+                  "low?); pinned host memory comes from torch's allocator instead", file=sys.stderr)
+        t = torch.empty(shape, dtype=dtype, pin_memory=True)
+        self.note_pinned(t.data_ptr(), nbytes, registered=False)
         return t
 
-    def is_pinned(self, t: torch.Tensor) -> bool:
-        """Whether t lies in host memory this run page-locked."""
-        ptr = t.data_ptr()
+    def note_pinned(self, ptr: int, size: int, registered: bool = True):
+        """Notes a page-locked range: registered by us (unregistered when freed), or torch's."""
         with self._lock:
-            return any(start <= ptr < start + size for start, size in self._registered.items())
+            (self._registered if registered else self._host_allocated)[ptr] = size
+            bisect.insort(self._starts, ptr)
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        """Whether t lies whole in host memory this run page-locked (a binary search)."""
+        ptr, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+        with self._lock:
+            i = bisect.bisect_right(self._starts, ptr) - 1
+            if i < 0:
+                return False
+            start = self._starts[i]
+            return end <= start + self._registered.get(start, self._host_allocated.get(start, 0))
 
     def free(self, tier: str, tensors):
         """Gives back what `alloc` made (not pooled buffers): untracks it and unpins it; the caller
@@ -108,6 +132,8 @@ class Buffers:
     def _unpin(self, ptr: int):
         with self._lock:
             pinned = self._registered.pop(ptr, None)
+            if pinned or self._host_allocated.pop(ptr, None):
+                self._starts.remove(ptr)
         if pinned:
             torch.cuda.cudart().cudaHostUnregister(ptr)
 
@@ -176,7 +202,7 @@ class Buffers:
 
     def pinned_bytes(self) -> int:
         with self._lock:
-            return sum(self._registered.values())
+            return sum(self._registered.values()) + sum(self._host_allocated.values())
 
     def clear_pool(self):
         """Gives back the pooled buffers at the end of a run: a later run, with other shapes,

@@ -21,13 +21,18 @@ from .kv.cache import slot_grid
 class CudaCopies:
     def __init__(self, tiers, stages: int):
         self.tiers = tiers
-        device = tiers.compute
-        self.compute_stream = torch.cuda.current_stream(device)
+        self.device = device = tiers.compute
         self.load_stream = torch.cuda.Stream(device)
         self.store_stream = torch.cuda.Stream(device)
         self.stage_count, self.stage_bytes, self.free_stages = stages, 0, []
         self.lock = threading.Lock()
         self.local = threading.local()
+
+    @property
+    def compute_stream(self) -> torch.cuda.Stream:
+        """The stream the compute thread queues on now: looked up when used, so that a caller
+        running the engine under its own `torch.cuda.stream(...)` keeps the copies ordered."""
+        return torch.cuda.current_stream(self.device)
 
     # -- set-up -----------------------------------------------------------------------------
     def reserve_staging(self, nbytes: int):
@@ -60,7 +65,7 @@ class CudaCopies:
     # -- tasks ------------------------------------------------------------------------------
     def queued(self) -> torch.cuda.Event:
         """An event marking the compute queued so far (recorded by the compute thread)."""
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(blocking=True)  # a waiting thread sleeps instead of spinning on a core
         event.record(self.compute_stream)
         return event
 
@@ -81,7 +86,7 @@ class CudaCopies:
         return torch.cuda.stream(stream)
 
     def _finish(self, stream, wait_now: bool):
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(blocking=True)
         event.record(stream)
         pending = getattr(self.local, "pending", None)
         if wait_now or pending is None:
@@ -142,7 +147,7 @@ class CudaCopies:
             host = torch.empty(t.shape, dtype=cast(t).dtype, pin_memory=True)
             host.copy_(t, non_blocking=True)
             out.append(host)
-        done = torch.cuda.Event()
+        done = torch.cuda.Event(blocking=True)
         done.record(self.compute_stream)
         return Copied(out, done)
 

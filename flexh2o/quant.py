@@ -59,7 +59,9 @@ def _round_float16(x: torch.Tensor, up: bool) -> torch.Tensor:
     bits = y.view(torch.int16)
     away_from_zero = (y > 0) if up else (y < 0)  # one step further from zero: magnitude bits + 1
     step = torch.where(away_from_zero, 1, -1).to(torch.int16)
-    smallest = torch.tensor(1 if up else -32767, dtype=torch.int16, device=x.device)  # +-2^-24, bits 0x0001 / 0x8001
+    # +-2^-24 (bits 0x0001 / 0x8001), as a Python number: a tensor made for it would be a blocking
+    # host-to-device copy on CUDA at every quantize.
+    smallest = 1 if up else -32767
     neighbour = torch.where(y == 0, smallest, bits + step).view(torch.float16)
     return torch.where(wrong, neighbour, y)
 

@@ -42,7 +42,8 @@ def prompt_attention_observed(q, k, v, mask, real, scale: float, contribution):
     for start in range(0, rows, chunk):
         r = slice(start, min(start + chunk, rows))
         seq = torch.arange(r.start, r.stop, device=q.device) // heads  # the sequence of each row
-        logits = torch.bmm(qf[r], kf[r].transpose(1, 2)).float().mul_(scale)
+        # q scaled first: in float16 the unscaled q.k can overflow to inf (and the softmax to NaN).
+        logits = torch.bmm(qf[r] * scale, kf[r].transpose(1, 2)).float()
         logits.masked_fill_(~(causal if mask is None else mask[seq, 0]), float("-inf"))
         probs = torch.softmax(logits, dim=-1)
         out[r] = torch.bmm(probs.to(v.dtype), vf[r])
