@@ -176,7 +176,10 @@ def make_chunks(args, work: str) -> tuple[list[str], int]:
     return paths, longest
 
 
-def run_contender(name: str, chunk: str, args, work: str, longest: int) -> dict:
+def run_contender(name: str, chunk: str, args, work: str, longest: int, batch: int | None = None) -> dict:
+    """One contender on one chunk. Transformers killed by the cgroup at --batch is run again at half
+    of it (its best configuration under the cap is a smaller batch; the result notes the batch)."""
+    batch = batch or args.batch
     out = os.path.join(work, f"{name}.{os.path.basename(chunk)}.out.jsonl")
     if name.startswith("job"):
         summary = os.path.join(work, "summary.json")
@@ -186,8 +189,12 @@ def run_contender(name: str, chunk: str, args, work: str, longest: int) -> dict:
         argv += ["--hh-ratio", "0.2"] if name == "job-h2o" else []
     else:
         argv = [sys.executable, __file__, "--child", name, "--chunk-file", chunk, "--out-file", out,
-                "--batch", str(args.batch), "--max-tokens", str(args.max_tokens), "--global-longest", str(longest)]
+                "--batch", str(batch), "--max-tokens", str(args.max_tokens), "--global-longest", str(longest)]
     run = run_in_budget(argv, args.memory, f"flexh2o-dataset-{name}", timeout=3 * 3600)
+    if run.oom_killed and name.startswith("hf") and batch > 1:
+        print(f"  {name} at batch {batch}: killed by the cgroup ({run.peak_bytes / 2**30:.2f} GiB); again at "
+              f"batch {batch // 2}", flush=True)
+        return {**run_contender(name, chunk, args, work, longest, batch // 2), "oom_at_batch": batch}
     if run.returncode != 0 or run.oom_killed or run.timed_out:
         return {"failed": True, "returncode": run.returncode, "oom_killed": run.oom_killed,
                 "timed_out": run.timed_out, "peak_bytes": run.peak_bytes}
@@ -197,7 +204,7 @@ def run_contender(name: str, chunk: str, args, work: str, longest: int) -> dict:
                                       "generated_tokens", "decode_slots", "generate_seconds", "job_own_seconds")}
     else:
         result = run.result
-    return {**result, "peak_bytes": run.peak_bytes, "cpu": args.cpu}
+    return {**result, "peak_bytes": run.peak_bytes, "cpu": args.cpu, "batch": batch}
 
 
 def totals(state: dict) -> dict:
@@ -247,6 +254,11 @@ def markdown(state: dict, t: dict) -> str:
               "flexh2o's attention does, but in a block padded by 1/16 or more its norms, projections and MLP "
               "run on the real tokens only. The job's own work: its reading, tokenizing, block planning and "
               "writing, the wall time outside the engine's generate calls.", ""]
+    smaller = [f"{LABELS[name]} on chunk {c} (killed by the cgroup at batch {r['oom_at_batch']}, "
+               f"run at {r['batch']})" for c, chunk in sorted(state["chunks"].items()) for name, r in chunk.items()
+               if r.get("oom_at_batch")]
+    if smaller:
+        lines += ["Run at a smaller batch to fit the memory cgroup: " + "; ".join(smaller) + ".", ""]
     return "\n".join(lines)
 
 
