@@ -164,10 +164,6 @@ class Engine:
         """Removes this engine's offload files and stops its I/O threads."""
         self.tiers.close()
 
-    def _free_caches(self):
-        for layer in self.layers:
-            layer.free_cache()
-
     def __enter__(self):
         return self
 
@@ -239,7 +235,8 @@ class Engine:
             self.tiers.abandon(error)
             raise
         finally:
-            self._free_caches()  # after a failure nothing is running any more, and nothing is waited for
+            for layer in self.layers:  # after a failure nothing is running any more, and nothing is waited for
+                layer.free_cache()
             self.tiers.clear_pool()
         times = schedule.step_seconds
         read = (self.tiers.disk.bytes_read if self.tiers.disk else 0) - read_before

@@ -127,12 +127,9 @@ def main(argv=None) -> int:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except OffloadError as e:
-        print(f"error: --offload-dir: {e.strerror}; the run stopped and its offload files were removed",
-              file=sys.stderr)
-        return 1
-    except IOTaskError as e:
-        print(f"error: {e}; the run stopped and its offload files were removed", file=sys.stderr)
+    except (OffloadError, IOTaskError) as e:  # a full disk names the flag; any other I/O failure its task
+        cause = f"--offload-dir: {e.strerror}" if isinstance(e, OffloadError) else str(e)
+        print(f"error: {cause}; the run stopped and its offload files were removed", file=sys.stderr)
         return 1
 
 

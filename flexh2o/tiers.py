@@ -91,7 +91,6 @@ class Tiers(Buffers):
         self.io_seconds = 0.0  # summed over I/O tasks (with overlap off: time the schedule waits for I/O)
         self.dequant_seconds = 0.0  # spent dequantizing, on any thread (on CUDA: queueing the kernels)
         self.h2d_bytes = 0  # copied to the compute device (disk reads included), on any thread
-        self.d2h_bytes = 0  # copied from it to CPU memory
         self.cuda = None
         if self.on_cuda:
             from .cuda_io import CudaCopies
@@ -269,7 +268,7 @@ class Tiers(Buffers):
     def read_disk(self, file, offset: int, out: torch.Tensor):
         """Reads a file range into `out` (contiguous): on CUDA through a pinned staging block."""
         if not self.on_cuda:
-            self.count_moved("h2d_bytes", out)
+            self.count_h2d(out)
             self.disk.read(file, offset, out)
             return
         with self.cuda.stage(out.shape, out.dtype) as staged:
@@ -286,13 +285,13 @@ class Tiers(Buffers):
             self.to_host(staged, data)
             self.disk.write(file, offset, staged)
 
-    def count_moved(self, direction: str, t: torch.Tensor):
+    def count_h2d(self, t: torch.Tensor):
         with self._lock:
-            setattr(self, direction, getattr(self, direction) + t.numel() * t.element_size())
+            self.h2d_bytes += t.numel() * t.element_size()
 
     def to_device(self, dst: torch.Tensor, src: torch.Tensor):
         """dst on the compute device <- src in CPU memory."""
-        self.count_moved("h2d_bytes", dst)
+        self.count_h2d(dst)
         if self.on_cuda:
             self.cuda.to_device(dst, src)
         else:
@@ -300,7 +299,6 @@ class Tiers(Buffers):
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor):
         """dst in CPU memory <- src on the compute device (done when this returns)."""
-        self.count_moved("d2h_bytes", dst)
         if self.on_cuda:
             self.cuda.to_host(dst, src)
         else:
@@ -316,18 +314,13 @@ class Tiers(Buffers):
 
     def host(self, src: torch.Tensor) -> torch.Tensor:
         """A small compute-device tensor (e.g. the slots a step wrote) in CPU memory."""
-        if not self.on_cuda:
-            return src
-        self.count_moved("d2h_bytes", src)
-        return self.cuda.gather_to_host(src)
+        return self.cuda.gather_to_host(src) if self.on_cuda else src
 
     def gather_slots(self, src: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """src [b, kv_heads, capacity, ...] at one slot per (sequence, KV head), slots [b, kv_heads],
         in CPU memory: [b, kv_heads, ...]."""
         if self.on_cuda:
-            out = self.cuda.gather_to_host(src, slots)
-            self.count_moved("d2h_bytes", out)
-            return out
+            return self.cuda.gather_to_host(src, slots)
         seq, head = slot_grid(slots)
         return src[seq, head, slots]
 

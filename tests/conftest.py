@@ -1,5 +1,7 @@
 import json
 import os
+import re
+import threading
 
 import pytest
 import torch
@@ -115,3 +117,27 @@ def test_cache_home(tmp_path_factory):
         os.environ.pop("XDG_CACHE_HOME")
     else:
         os.environ["XDG_CACHE_HOME"] = before
+
+
+def fail_from(monkeypatch, owner, name, call: int, error: BaseException, when=lambda *args: True):
+    """owner.name raises `error` from its `call`-th call on (counted over every thread), among the
+    calls whose arguments `when` accepts; returns the list of those calls."""
+    real, calls = getattr(owner, name), []
+    lock = threading.Lock()
+
+    def failing(*args, **kwargs):
+        if not when(*args):
+            return real(*args, **kwargs)
+        with lock:
+            calls.append(1)
+            n = len(calls)
+        if n >= call:
+            raise error
+        return real(*args, **kwargs)
+    monkeypatch.setattr(owner, name, failing)
+    return calls
+
+
+def last_line(stderr: str) -> str:
+    """The last line, past the progress bar's carriage returns."""
+    return re.split(r"[\r\n]", stderr.rstrip())[-1]

@@ -4,7 +4,6 @@ real on a small tmpfs where this machine lets the test mount one."""
 
 import errno
 import os
-import re
 import subprocess
 import sys
 
@@ -12,27 +11,9 @@ import pytest
 
 from flexh2o import disk
 from flexh2o.run import main
-from conftest import REPO
+from conftest import REPO, fail_from, last_line
 
 RUN = ["--prompt-len", "8", "--gen-len", "4", "--dtype", "float32", "--gpu-batch-size", "2"]
-
-
-def fail_after(monkeypatch, writes):
-    """The disk store's writes fail with ENOSPC from the `writes`-th on."""
-    real, calls = disk.pwrite_all, []
-
-    def write(*args):
-        calls.append(1)
-        if len(calls) >= writes:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(*args)
-    monkeypatch.setattr(disk, "pwrite_all", write)
-    return calls
-
-
-def last_line(stderr: str) -> str:
-    """The last line, past the progress bar's carriage returns."""
-    return re.split(r"[\r\n]", stderr.rstrip())[-1]
 
 
 # The run below writes 17 times while placing the weights, then the cache: the prompt's, then each token's.
@@ -40,7 +21,7 @@ def last_line(stderr: str) -> str:
                          ids=["placing-weights", "prompt-cache", "decode-cache"])
 def test_a_full_disk_mid_run_is_one_line_and_leaves_nothing(tiny_models, tmp_path, capsys, monkeypatch,
                                                             writes, overlap):
-    calls = fail_after(monkeypatch, writes)
+    calls = fail_from(monkeypatch, disk, "pwrite_all", writes, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
     model, _ = tiny_models["tiny"]
     offload = tmp_path / "off"
     offload.mkdir()

@@ -4,7 +4,6 @@ its pooled buffers and the next load waited for them forever (issue 23, point 2)
 
 import errno
 import os
-import re
 import threading
 import time
 
@@ -15,34 +14,12 @@ from flexh2o import buffers, disk, tiers
 from flexh2o.buffers import Buffers
 from flexh2o.kv.home import CacheHome
 from flexh2o.run import main
+from conftest import fail_from, last_line
 
 # 3 gpu-batches with overlap on: loads of one gpu-batch run while another's store is out.
 RUN = ["--prompt-len", "8", "--gen-len", "8", "--dtype", "float32", "--gpu-batch-size", "2",
        "--num-gpu-batches", "3", "--overlap"]
 EIO = OSError(errno.EIO, os.strerror(errno.EIO))
-
-
-def fail_from(monkeypatch, owner, name, call: int, error: BaseException, when=lambda *args: True):
-    """owner.name raises `error` from its `call`-th call on (counted over every thread), among the
-    calls whose arguments `when` accepts."""
-    real, calls = getattr(owner, name), []
-    lock = threading.Lock()
-
-    def failing(*args, **kwargs):
-        if not when(*args):
-            return real(*args, **kwargs)
-        with lock:
-            calls.append(1)
-            n = len(calls)
-        if n >= call:
-            raise error
-        return real(*args, **kwargs)
-    monkeypatch.setattr(owner, name, failing)
-    return calls
-
-
-def last_line(stderr: str) -> str:
-    return re.split(r"[\r\n]", stderr.rstrip())[-1]
 
 
 def packed(tiers_, buf, segments):

@@ -245,13 +245,17 @@ class CacheHome:
         for file, data in zip((part.k_file, part.v_file), values):
             tiers.disk.write_rows(file, rows[order], data.flatten(0, 1)[order])  # [n * kv_heads, width]
 
+    def wait_store(self):
+        """Waits for the last write-back (raising its error if it failed)."""
+        if self.last_store is not None:
+            self.last_store.wait()
+
     def close(self):
         """Waits for the last write-back (its buffers go back to the pool) and frees the home. A
         write-back that failed has noted its error as the run's (tiers.failure), which the engine
         raises; one cancelled by tiers.abandon never ran."""
-        if self.last_store is not None:
-            with suppress(Exception):
-                self.last_store.wait()
+        with suppress(Exception):
+            self.wait_store()
         self.last_store = None
         parts, self.parts = self.parts, []  # closing again frees nothing twice
         for part in parts:

@@ -56,8 +56,7 @@ class CachedAttention(Layer):
 
     def wait_stores(self):
         for home in self.homes:
-            if home.last_store is not None:
-                home.last_store.wait()
+            home.wait_store()
 
     # -- attention -------------------------------------------------------------------------------
     def attend(self, q, k, v, step) -> torch.Tensor:
