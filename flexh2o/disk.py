@@ -287,6 +287,15 @@ class DiskStore:
         with self._count:
             self.bytes_written += len(view)
 
+    def read_rows(self, f: DiskFile, rows: torch.Tensor, out: torch.Tensor):
+        """Fills out[i] (a contiguous CPU tensor [n, ...]) from row rows[i] of a file of equal-sized
+        rows; rows sorted ascending. Neighbouring rows come in one read."""
+        row_bytes = out[0].numel() * out.element_size()
+        r = rows.tolist()
+        breaks = [0] + [i for i in range(1, len(r)) if r[i] != r[i - 1] + 1] + [len(r)]
+        for a, b in zip(breaks, breaks[1:]):
+            self.read(f, r[a] * row_bytes, out[a:b])
+
     def write_rows(self, f: DiskFile, rows: torch.Tensor, data: torch.Tensor):
         """Writes data[i] (a contiguous CPU tensor [n, ...]) at row rows[i] of a file of equal-sized rows;
         rows sorted ascending. Neighbouring rows go out in one system call. One token's slots: buffered,

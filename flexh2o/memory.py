@@ -16,7 +16,7 @@ import torch
 from .disk import existing_ancestor
 from .errors import UsageError
 from .kv import POLICIES, budget, cache_bytes, slot_bytes
-from .kv.compressed import WORKING_BYTES
+from .kv.compressed import working_bytes
 from .kv.home import IN_FLIGHT, batch_split, cpu_attention_dtype
 from .models.attention import PROBS_CHUNK_BYTES
 from .quant import compressible, stored_row_bytes
@@ -118,7 +118,7 @@ def buffered(layer, dtype_bytes: int, policy, device) -> Counter:
     weight the layer cannot use in place, and every compressed one (dequantized into a buffer,
     its groups first moved into one unless they are on the compute device)."""
     out = Counter()
-    for shape, compressed, rb, rows in split_as_placed(layer, dtype_bytes, policy):
+    for shape, compressed, rb, rows in split_as_placed(layer, dtype_bytes, policy)[layer.gathered:]:
         whole = [tier for tier, n in rows.items() if n == shape[0]]
         in_place = bool(whole) and (whole[0] == "gpu" or (whole[0] == "cpu" and device.type == "cpu"))
         if compressed or not in_place:
@@ -170,10 +170,11 @@ def run_need(spec, policy, dtype_bytes: int, prompt_len: int, gen_len: int, devi
     need["gpu"] += IN_FLIGHT * loaded * (2 * k_values + state)
     moved = [n for n in (rows["disk"], 0 if policy.cpu_cache_compute else rows["cpu"] if on_cuda else 0) if n]
     need["gpu"] += io_threads * sum(n * k_bytes for n in set(moved))
-    if on_cuda and (rows["cpu"] or rows["disk"]):
-        need["cpu"] += (io_threads + 1) * max(rows["cpu"], rows["disk"]) * k_bytes  # pinned staging blocks
+    wide = cpu_attention_dtype(DTYPE_OF[dtype_bytes]).itemsize if policy.cpu_cache_compute else dtype_bytes
+    if on_cuda and (rows["cpu"] or rows["disk"]):  # pinned staging blocks: a K part, as it goes home
+        need["cpu"] += (io_threads + 1) * max(rows["cpu"] * wide // dtype_bytes, rows["disk"]) * k_bytes
     if policy.compress_cache:  # loaded parts' K and V groups on their way home; the working copies of one block
-        need["gpu"] += IN_FLIGHT * loaded * 2 * k_bytes + WORKING_BYTES
+        need["gpu"] += IN_FLIGHT * loaded * 2 * k_bytes + working_bytes(device)
     hidden = spec.hidden_bytes(b, prompt_len, dtype_bytes)
     # The prompt's attention works in blocks (fused kernels, or PROBS_CHUNK_BYTES of probabilities).
     attention = min(b * spec.num_heads * prompt_len * prompt_len * 4, PROBS_CHUNK_BYTES)
@@ -185,7 +186,6 @@ def run_need(spec, policy, dtype_bytes: int, prompt_len: int, gen_len: int, devi
     if on_cuda and (rows["cpu"] or rows["disk"]):
         # The prompt's K or V goes home through a contiguous copy on the device, one per I/O thread
         # (in the CPU-attended cache's dtype, where that is wider).
-        wide = cpu_attention_dtype(DTYPE_OF[dtype_bytes]).itemsize if policy.cpu_cache_compute else dtype_bytes
         need["gpu"] += io_threads * max(rows["cpu"], rows["disk"]) * k_bytes * prompt_len // capacity * wide // dtype_bytes
     if policy.act_gpu_percent == 100 or nb == 1:
         need["gpu"] += nb * hidden

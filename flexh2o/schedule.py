@@ -42,16 +42,17 @@ class Schedule:
             self.steps = self.seqs.steps(i, nb)
             for j in range(num_layers):
                 for k in range(nb):
-                    queued = self.tiers.io_tasks
+                    # No synchronize per (layer, gpu-batch): on CUDA every copy waits for an event of
+                    # the compute queued before it (cuda_io.py). A store goes first: the load after it
+                    # takes the KV buffer set that the store queued one step earlier gives back, and
+                    # the I/O threads take tasks oldest first.
                     with self.tiers.io_group():  # one hand-off to the I/O threads at most
+                        self.store_cache(i, j, k - 1)
                         self.load_weight(i, j + 1, k)
                         self.load_cache(i, j, k + 1)
                         self.store_hidden(i, j, k - 1)
                         self.load_hidden(i, j, k + 1)
-                        self.store_cache(i, j, k - 1)
                     self.compute(i, j, k)
-                    if self.tiers.io_tasks > queued:  # with nothing queued there is nothing to wait for
-                        self.sync()
             self.step_seconds.append(time.perf_counter() - start)
             for per_step, before, now in zip(self.per_step, counts, self.counts()):
                 per_step.append(now - before)

@@ -24,6 +24,8 @@ class Step:
     choose_next: Callable[[torch.Tensor], torch.Tensor]
     padded: bool = False             # some prompt of this gpu-batch has padding (empty slots among the filled)
     memo: dict = field(default_factory=dict)  # what layers compute once per step and share (rotary phases)
+    host_token_ids: torch.Tensor | None = None  # token_ids and positions in CPU memory (embedding lookups)
+    host_positions: torch.Tensor | None = None
 
 
 class Sequences:
@@ -69,11 +71,13 @@ class Sequences:
                 # A padding query attends to itself only, so its row stays finite and unused.
                 mask = (causal & valid[:, None, None, :]) | torch.eye(s, dtype=torch.bool)
                 mask = mask.to(dev)
-            return Step(i, k, True, self.ids[rows, : self.prompt_len].to(dev), positions.to(dev),
-                        valid.to(dev), mask, choose, padded)
+            ids = self.ids[rows, : self.prompt_len]
+            return Step(i, k, True, ids.to(dev), positions.to(dev), valid.to(dev), mask, choose, padded,
+                        host_token_ids=ids, host_positions=positions)
         col = self.prompt_len + i - 1
-        positions = (self.real_prompt_len[rows] + i - 1).unsqueeze(1)
-        return Step(i, k, False, self.ids[rows, col: col + 1].to(dev), positions.to(dev), None, None, choose, padded)
+        ids, positions = self.ids[rows, col: col + 1], (self.real_prompt_len[rows] + i - 1).unsqueeze(1)
+        return Step(i, k, False, ids.to(dev), positions.to(dev), None, None, choose, padded,
+                    host_token_ids=ids, host_positions=positions)
 
     def _choose_next(self, i, k, logits):
         rows = self.rows(k)

@@ -189,6 +189,41 @@ class Tiers(Buffers):
         buf = self.buffer(placed.shape, placed.dtype)
         return self.run_io(lambda: self.fill(buf, placed.segments), buf, "loading weights")
 
+    def gather_rows(self, placed: Placed, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (a CPU tensor of row indices, any shape) of a placed matrix, as a compute-device
+        tensor [*ids.shape, columns]: an embedding's lookup, where only the rows looked up move,
+        each once, on the compute thread (a few rows: no I/O task, no pooled buffer). A matrix
+        used in place is simply indexed."""
+        if self.used_in_place(placed):
+            return placed.resident()[ids.to(self.compute)]
+        rows, inverse = torch.unique(ids.flatten(), return_inverse=True)  # sorted
+        picked = torch.empty(len(rows), placed.shape[1], dtype=placed.dtype)
+        on_device = []  # (positions in `rows`, the rows themselves) of a segment on the compute device
+        for seg in placed.segments:
+            inside = ((rows >= seg.start) & (rows < seg.stop)).nonzero().flatten()
+            if not len(inside):
+                continue
+            local = rows[inside] - seg.start
+            if seg.tier == "gpu" and self.on_cuda:
+                on_device.append((inside, seg.data[local.to(self.compute)]))
+            elif seg.tier == "disk":
+                got = torch.empty(len(local), placed.shape[1], dtype=placed.dtype)
+                try:
+                    self.disk.read_rows(seg.file, local, got)
+                except OSError as e:
+                    raise IOTaskError("loading weights", e) from e
+                picked[inside] = got
+            else:
+                picked[inside] = seg.data[local]
+        self.count_h2d(picked)
+        picked = picked.to(self.compute)
+        for inside, data in on_device:
+            picked[inside.to(self.compute)] = data
+        if placed.decoded_shape is not None:
+            values = torch.empty(len(rows), placed.decoded_shape[1], dtype=self.dtype, device=self.compute)
+            picked = dequantize(picked, values.shape[-1], values)
+        return picked[inverse.to(self.compute)].view(*ids.shape, -1)
+
     def _load_compressed(self, placed: Placed, whole) -> Pending:
         """Its groups, moved to the compute device unless they are there, dequantized into a buffer."""
         out = self.buffer(placed.decoded_shape)
@@ -239,7 +274,7 @@ class Tiers(Buffers):
         """out <- the values of `packed`, on the device both are on; on CUDA after the loads queued
         before it, and done when this returns (packed may be a buffer going back to the pool)."""
         start = time.perf_counter()
-        if self.on_cuda and out.device.type == "cuda":
+        if self.on_cuda:  # where both always are on CUDA: only compute buffers are dequantized into
             self.cuda.on_device_run(lambda: dequantize(packed, out.shape[-1], out))
         else:
             dequantize(packed, out.shape[-1], out)

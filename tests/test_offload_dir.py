@@ -2,6 +2,7 @@
 there, and what a run created for it is removed at the end (a dir that was there stays)."""
 
 import os
+import re
 import shutil
 import tempfile
 
@@ -23,7 +24,7 @@ def test_the_default_offload_dir_is_not_created_when_the_fitted_placement_keeps_
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     model, _ = tiny_models["tiny"]
     assert main(["--model", model, *RUN, "--gpu-mem", "100KB"]) == 0
-    assert "placing --weights gpu=0,cpu=100,disk=0" in capsys.readouterr().err
+    assert re.search(r"placing --weights gpu=\d+,cpu=\d+,disk=0 ", capsys.readouterr().err)
     assert not (tmp_path / "flexh2o_offload").exists()
 
 

@@ -21,6 +21,7 @@ def slot_grid(slots):
 
 class KVCache:
     lossless = True  # holds K and V as given (a new token read back from it is the token itself)
+    cpu_attended = False  # on CUDA, a home in CPU memory that the CPU attends over (cpu_cache_compute)
 
     def __init__(self, k, v, pos, score=None, length: int = 0):
         self.k, self.v, self.pos, self.score = k, v, pos, score

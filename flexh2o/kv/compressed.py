@@ -14,20 +14,31 @@ import torch
 from ..quant import dequantize, packed_width, quantize
 from .cache import KVCache
 
-BLOCK_VALUES = 1 << 20  # values of K or V dequantized (or quantized) at once
-WORKING_BYTES = 12 * BLOCK_VALUES  # the float32 working copies that takes, at most
+# Values of K or V dequantized (or quantized) at once. A CPU's block stays in its caches; a GPU
+# launches a few kernels per block, and at 1M values a large cache took ~1.5k launches per layer
+# per decode step.
+BLOCK_VALUES = {"cpu": 1 << 20, "cuda": 1 << 24}
+WORKING_BYTES_PER_VALUE = 12  # the float32 working copies a block takes, at most
 
 
-def slots_per_block(b: int, kv_heads: int, head_dim: int) -> int:
-    """Slots of K or V [b, kv_heads, slots, head_dim] that make up one block of BLOCK_VALUES."""
-    return max(1, BLOCK_VALUES // (b * kv_heads * head_dim))
+def block_values(device) -> int:
+    return BLOCK_VALUES["cuda" if torch.device(device).type == "cuda" else "cpu"]
+
+
+def working_bytes(device) -> int:
+    return WORKING_BYTES_PER_VALUE * block_values(device)
+
+
+def slots_per_block(b: int, kv_heads: int, head_dim: int, device) -> int:
+    """Slots of K or V [b, kv_heads, slots, head_dim] that make up one block on `device`."""
+    return max(1, block_values(device) // (b * kv_heads * head_dim))
 
 
 def quantize_slot_major(src: torch.Tensor, dst: torch.Tensor):
     """dst[:s] <- the groups of src [b, kv_heads, s, d], slot-major ([s, b, kv_heads, width]), a
     block at a time so that quantize's float32 copies stay small."""
     b, kv_heads, s, d = src.shape
-    step = slots_per_block(b, kv_heads, d)
+    step = slots_per_block(b, kv_heads, d, src.device)
     for start in range(0, s, step):
         stop = min(start + step, s)
         dst[start:stop] = quantize(src[:, :, start:stop], check=False).permute(2, 0, 1, 3)
@@ -68,7 +79,7 @@ class CompressedKVCache(KVCache):
         """(start, stop, values [b, kv_heads, stop - start, head_dim]) over the filled slots of K or V."""
         groups = self.k if which == "k" else self.v
         _, b, kv_heads, _ = groups.shape
-        step = slots_per_block(b, kv_heads, self.head_dim)
+        step = slots_per_block(b, kv_heads, self.head_dim, groups.device)
         for start in range(0, self.length, step):
             stop = min(start + step, self.length)
             began = time.perf_counter()

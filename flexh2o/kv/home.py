@@ -85,6 +85,7 @@ class CacheHome:
                 dtype = cpu_attention_dtype(tiers.dtype) if part.cpu_attends else None
                 kind = CompressedKVCache if compressed else KVCache
                 part.home = kind.allocate(tiers, n, kv_heads, head_dim, capacity, with_score, tier, dtype)
+                part.home.cpu_attended = part.cpu_attends
                 part.pos, part.score = part.home.pos, part.home.score
             else:
                 if tier == "disk":
@@ -93,8 +94,8 @@ class CacheHome:
                 else:
                     part.k_mem, part.v_mem = (tiers.alloc("cpu", slot_major, self.stored) for _ in "kv")
                 part.pos, part.score = KVCache.allocate_state(tiers, n, kv_heads, capacity, with_score, "cpu")
-            if tier != "gpu":
-                tiers.reserve_staging(nbytes)
+            if tier != "gpu":  # the widest this part's data is on its way (the CPU-attended cache may be wider)
+                tiers.reserve_staging(nbytes if part.home is None else part.home.k.nbytes)
             self.parts.append(part)
             start += n
         self.length = 0       # slots in use, as of the last store

@@ -76,7 +76,7 @@ class CachedAttention(Layer):
         # A part the CPU attends over (cpu_cache_compute): its q and new K/V start towards the
         # CPU first, so that copy and the CPU's attention overlap the device's own parts.
         on_cpu = {n: self.tiers.start_host_copy([t[rows] for t in (q, k, v, step.positions)], cache.k.dtype)
-                  for n, (rows, cache) in enumerate(parts) if cache.k.device != q.device}
+                  for n, (rows, cache) in enumerate(parts) if cache.cpu_attended}
         outs = [None if n in on_cpu else self._decode(q[rows], k[rows], v[rows], step.positions[rows], cache,
                                                       scale, step)
                 for n, (rows, cache) in enumerate(parts)]

@@ -14,6 +14,11 @@ from ..tiers import split_rows
 class Layer:
     """Base class: weights listed by checkpoint name, placed once, loaded once per token."""
 
+    # The first `gathered` weights are tables looked up by rows (an embedding): never loaded whole,
+    # forward gathers the rows it needs (Tiers.gather_rows). A tied table is then moved once per
+    # token, by the LM head, and an input embedding moves a row per token instead of the vocabulary.
+    gathered = 0
+
     def weight_specs(self) -> list[tuple[str, tuple]]:
         """(checkpoint name, shape) of every weight this layer reads."""
         raise NotImplementedError
@@ -42,17 +47,22 @@ class Layer:
         self.home = [tiers.place(t, r, c) for t, r, c in zip(tensors, rows, compressed)]
         self._loading = None
         # Weights all used where they live: every token's "load" is this same list, nothing moves.
-        in_place = all(tiers.used_in_place(h) for h in self.home)
-        self._in_place = [tiers.load(h) for h in self.home] if in_place else None
+        loaded = self.home[self.gathered:]
+        self._in_place = [tiers.load(h) for h in loaded] if all(tiers.used_in_place(h) for h in loaded) else None
 
     def load_weight(self, k: int):
         """Starts bringing the weights to the compute device; once per token, at gpu-batch 0."""
         if k == 0:
-            self._loading = self._in_place or [self.tiers.load(h) for h in self.home]
+            self._loading = self._in_place or [self.tiers.load(h) for h in self.home[self.gathered:]]
 
     @property
     def weights(self) -> list[torch.Tensor]:
+        """The loaded weights (all but the gathered tables)."""
         return [p.wait() for p in self._loading]
+
+    def rows(self, index: int, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (a CPU tensor) of gathered table `index`, on the compute device: [*ids.shape, columns]."""
+        return self.tiers.gather_rows(self.home[index], ids)
 
     def wait_inputs(self, k: int):
         """Blocks until this layer's weights (and cache of gpu-batch k) are on the compute device."""
@@ -64,7 +74,7 @@ class Layer:
         if self._loading is None or self._loading is self._in_place:
             self._loading = None
             return
-        for home, pending in zip(self.home, self._loading):
+        for home, pending in zip(self.home[self.gathered:], self._loading):
             if pending.value is not home.resident():
                 self.tiers.release(pending.wait())
         self._loading = None

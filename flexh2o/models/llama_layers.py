@@ -79,6 +79,8 @@ def rotate(x, cos, sin):
 
 
 class InputEmbed(Layer):
+    gathered = 1  # the token table
+
     def __init__(self, spec):
         self.spec = spec
 
@@ -86,7 +88,7 @@ class InputEmbed(Layer):
         return [("embed_tokens.weight", (self.spec.vocab_size, self.spec.hidden_size))]
 
     def forward(self, hidden, step):
-        return F.embedding(step.token_ids, self.weights[0])
+        return self.rows(0, step.host_token_ids)
 
 
 class SelfAttention(CachedAttention):

@@ -20,6 +20,8 @@ def _layer_norm(x, weight, bias):
 
 
 class InputEmbed(Layer):
+    gathered = 2  # the token and position tables
+
     def __init__(self, spec):
         self.spec = spec
 
@@ -32,11 +34,10 @@ class InputEmbed(Layer):
         return specs
 
     def forward(self, hidden, step):
-        tokens, positions, *project_in = self.weights
-        x = F.embedding(step.token_ids, tokens)
-        if project_in:
-            x = F.linear(x, project_in[0])
-        return x + F.embedding(step.positions + POSITION_OFFSET, positions)
+        x = self.rows(0, step.host_token_ids)
+        if self.weights:  # project_in
+            x = F.linear(x, self.weights[0])
+        return x + self.rows(1, step.host_positions + POSITION_OFFSET)
 
 
 class SelfAttention(CachedAttention):

@@ -184,7 +184,8 @@ class CostModel:
 
     def _layer_weight_io(self, layer, policy) -> Channels:
         hw, ch = self.hw, Channels()
-        for shape, compressed, row_bytes, rows in split_as_placed(layer, self.dtype_bytes, policy):
+        # A table looked up by rows (an input embedding) moves a few rows: left out.
+        for shape, compressed, row_bytes, rows in split_as_placed(layer, self.dtype_bytes, policy)[layer.gathered:]:
             whole = [tier for tier, n in rows.items() if n == shape[0]]
             in_place = bool(whole) and (whole[0] == "gpu" or (whole[0] == "cpu" and not self.on_cuda))
             if compressed:  # dequantized into a buffer at every load, wherever its groups are
