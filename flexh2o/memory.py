@@ -19,12 +19,18 @@ from .kv import POLICIES, budget, cache_bytes, slot_bytes
 from .kv.compressed import working_bytes
 from .kv.home import IN_FLIGHT, batch_split, cpu_attention_dtype
 from .models.attention import PROBS_CHUNK_BYTES
-from .quant import compressible, stored_row_bytes
+from .quant import DEQUANT_WORKING_BYTES, compressible, stored_row_bytes
 from .tiers import split_rows
 
 GB = 1 << 30
 RUNTIME_RESERVE = 1 << 30  # memory the process itself needs beyond its tensors (Python, torch, allocator)
-CUDA_HEADROOM = 576 << 20  # the CUDA context (outside torch's allocator) and cuBLAS workspaces
+# CUDA memory outside torch's allocator: the context, then the kernels loaded lazily as first used.
+# The free memory read on a device comes after its context exists; a profile's total comes before.
+CUDA_CONTEXT_BYTES = 512 << 20
+CUDA_LAZY_KERNELS_BYTES = 256 << 20
+# Inside the allocator (so in the projection checked against its reserved peak): cuBLAS's and
+# cuBLASLt's workspaces, made per (handle, stream) that multiplies: the compute thread's.
+CUBLAS_WORKSPACE_BYTES = 64 << 20
 IO_THREADS = 2             # Tiers' default I/O threads
 DTYPE_OF = {2: torch.float16, 4: torch.float32}  # a run's dtype from its size (2 bytes: float16 on CUDA)
 UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
@@ -47,11 +53,16 @@ def capacities(device: torch.device, offload_dir: str | None, gpu_mem=None, cpu_
     available = psutil.virtual_memory().available
     given = tuple(tier for tier, cap in (("gpu", gpu_mem), ("cpu", cpu_mem), ("disk", disk_mem)) if cap is not None)
     if gpu_mem is None:
-        gpu_mem = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available
+        gpu_mem = torch.cuda.mem_get_info(device)[0] - outside_allocator(True) if device.type == "cuda" else available
     if disk_mem is None:
         disk_mem = shutil.disk_usage(existing_ancestor(offload_dir)).free if offload_dir else 0
     return {"gpu": gpu_mem, "cpu": available if cpu_mem is None else cpu_mem, "disk": disk_mem, "ram": available,
             "given": given}
+
+
+def outside_allocator(context_exists: bool) -> int:
+    """GPU memory a run takes outside torch's allocator, beyond what was free when read."""
+    return CUDA_LAZY_KERNELS_BYTES + (0 if context_exists else CUDA_CONTEXT_BYTES)
 
 
 _PREPARED = {}  # (layer class, weight shapes) -> the shapes prepare() makes of them
@@ -195,7 +206,13 @@ def run_need(spec, policy, dtype_bytes: int, prompt_len: int, gen_len: int, devi
     if output_scores:  # one [batch, vocab] float32 row of logits per generated token, kept in CPU memory
         need["cpu"] += gen_len * nb * b * spec.vocab_size * 4
     if on_cuda:
-        need["gpu"] += CUDA_HEADROOM
+        need["gpu"] += CUBLAS_WORKSPACE_BYTES
+        # The load stream's dequantize temporaries (float32 working copies), which the allocator
+        # keeps cached for that stream: one set per I/O thread.
+        if (policy.compress_weight and policy.w_gpu_percent < 100) or (policy.compress_cache and loaded):
+            need["gpu"] += io_threads * DEQUANT_WORKING_BYTES
+        if spec.num_kv_heads != spec.num_heads:  # a padded prompt's attention expands K and V (attention.py)
+            need["gpu"] += 2 * b * spec.num_heads * prompt_len * spec.head_dim * dtype_bytes
     return need
 
 

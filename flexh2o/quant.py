@@ -21,6 +21,7 @@ LEVELS = 15                 # codes 0..15
 GROUP_BYTES = GROUP // 2 + 4  # the codes, then the float16 scale and minimum
 FLOAT16_MAX = 65504.0
 BLOCK_VALUES = 1 << 22  # values quantized, or dequantized into an `out`, at once: bounds the temporaries
+DEQUANT_WORKING_BYTES = 8 * BLOCK_VALUES  # a block's float32 values, its codes unpacked, scales and minima
 
 
 def groups(n: int) -> int:

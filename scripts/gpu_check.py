@@ -113,11 +113,13 @@ def projection(engine, batch: int, prompt_len: int, gen_len: int) -> dict:
 
 
 def largest_batch(engine, prompt_len: int, gen_len: int) -> tuple[int, str]:
-    """The largest gpu-batch size whose projection fits a T4's memory (and this check's limits
-    on CPU memory and disk), and which limit stopped it."""
+    """The largest gpu-batch size whose projection fits a T4's memory (less what CUDA takes
+    outside torch's allocator; and this check's limits on CPU memory and disk), and which limit
+    stopped it."""
+    from flexh2o.memory import outside_allocator
     def limit(b):
         p = projection(engine, b, prompt_len, gen_len)
-        for tier, cap in (("gpu", T4_BYTES), ("cpu", CPU_LIMIT), ("disk", DISK_LIMIT)):
+        for tier, cap in (("gpu", T4_BYTES - outside_allocator(False)), ("cpu", CPU_LIMIT), ("disk", DISK_LIMIT)):
             if p[tier] > cap:
                 return tier
         return None
@@ -135,7 +137,6 @@ def largest_batch(engine, prompt_len: int, gen_len: int) -> tuple[int, str]:
 def allocator_section(section, offload_dir):
     import torch
     from flexh2o import Engine
-    from flexh2o.memory import CUDA_HEADROOM
     from flexh2o.prompts import synthetic_prompts
     prompt_len, gen_len = 512, 4
     total = torch.cuda.get_device_properties(0).total_memory
@@ -153,7 +154,7 @@ def allocator_section(section, offload_dir):
                 if batch == 0:
                     raise RuntimeError(f"batch 1 does not fit: {limited_by}")
                 engine.use_policy(gpu_batch_size=batch)
-                projected = projection(engine, batch, prompt_len, gen_len)["gpu"] - CUDA_HEADROOM
+                projected = projection(engine, batch, prompt_len, gen_len)["gpu"]  # what the allocator holds
                 cap = min(T4_BYTES, int(projected * 1.10))
                 row.update(projected=projected, enforced_cap=cap)
                 ids, _ = synthetic_prompts(engine.policy.batch_size, prompt_len, engine.spec.vocab_size, seed=0)

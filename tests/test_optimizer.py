@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flexh2o.kv import budget
-from flexh2o.memory import add, run_need, split_as_placed, weight_need
+from flexh2o.memory import CUBLAS_WORKSPACE_BYTES, add, outside_allocator, run_need, split_as_placed, weight_need
 from flexh2o.models.opt import PRESETS, OPTSpec
 from flexh2o.optimizer.cost_model import CostModel, predict
 from flexh2o.optimizer.hardware import HardwareProfile, from_dict, load_profile, shipped
@@ -188,12 +188,13 @@ def test_moves_the_cache_before_the_weights_when_that_is_cheaper():
     """The GPU holds the weights or a long prompt's cache, not both. Attention on the CPU is fast
     here, so a cache in CPU memory costs little; weights in CPU memory cross a slow bus every step."""
     spec = PRESETS["opt-350m"]  # 0.66 GB of weights; the cache of 16 x (1024 + 16) tokens: 1.6 GB
-    hw = gpu_profile(gpu_mem=int(2.5 * GB), h2d=2e9, cpu_attention_bandwidth=1e11)
+    gpu_mem = int(1.94 * GB) + outside_allocator(False) + CUBLAS_WORKSPACE_BYTES  # 1.94 GB for the run itself
+    hw = gpu_profile(gpu_mem=gpu_mem, h2d=2e9, cpu_attention_bandwidth=1e11)
     plan = search(spec, 1024, 16, hw, caps_of(hw), Policy(), total_batch=16)
     assert plan.policy.w_gpu_percent == 100 and plan.policy.cache_gpu_percent < 100
     # ... and the weights first where they are the cheaper to move: attention on the CPU is slow, so a
     # cache in CPU memory crosses the bus every step, and it is more bytes than the weights.
-    hw = gpu_profile(gpu_mem=int(2.5 * GB), h2d=2e9, cpu_attention_bandwidth=1e8)
+    hw = gpu_profile(gpu_mem=gpu_mem, h2d=2e9, cpu_attention_bandwidth=1e8)
     plan = search(spec, 1024, 16, hw, caps_of(hw), Policy(), total_batch=16)
     assert plan.policy.cache_gpu_percent == 100 and plan.policy.w_gpu_percent < 100
 
@@ -229,8 +230,10 @@ def brute_force(spec, prompt_len, gen_len, hw, caps, base, batch_sizes, gpu_batc
 @pytest.mark.parametrize("kv", [{}, {"hh_ratio": 0.2}])
 def test_search_finds_what_brute_force_finds(device, kv):
     # Tight enough that the weights (8 MB in float16) and a batch's cache compete for the fast tiers,
-    # beyond what the pre-flight sets aside (the CUDA context; the process itself on a CPU).
-    hw = gpu_profile(gpu_mem=(576 << 20) + (6 << 20), cpu_mem=24 << 20, h2d=2e9) if device == "cuda" else \
+    # beyond what the pre-flight sets aside (CUDA's memory outside the allocator and cuBLAS's
+    # workspaces; the process itself on a CPU).
+    set_aside = outside_allocator(False) + CUBLAS_WORKSPACE_BYTES
+    hw = gpu_profile(gpu_mem=set_aside + (6 << 20), cpu_mem=24 << 20, h2d=2e9) if device == "cuda" else \
         cpu_profile(gpu_mem=6 << 20, cpu_mem=(1 << 30) + (14 << 20), disk_read=3e8)
     caps = caps_of(hw)
     base = Policy(**kv)

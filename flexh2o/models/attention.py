@@ -19,6 +19,10 @@ def prompt_attention(q, k, v, mask, scale: float) -> torch.Tensor:
     """q [b, heads, s, d], k and v [b, kv_heads, s, d]; mask bool [b, 1, s, s] (True = may attend),
     None for plain causal."""
     grouped = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+    if grouped and mask is not None and q.is_cuda:
+        # No fused CUDA kernel takes both a mask and grouped heads: the fallback would build the
+        # [b, heads, s, s] scores. K and V expanded to every head take the memory-efficient one.
+        k, v, grouped = repeat_kv_heads(k, q.shape[1]), repeat_kv_heads(v, q.shape[1]), {}
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, **grouped)
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..kv.home import batch_split
-from ..memory import RUNTIME_RESERVE, run_need, weight_need
+from ..memory import RUNTIME_RESERVE, outside_allocator, run_need, weight_need
 from .cost_model import DTYPE_BYTES, Channels, CostModel, Prediction, stage_time
 
 TIERS = ("gpu", "cpu", "disk")
@@ -183,7 +183,8 @@ def search(spec, prompt_len: int, gen_len: int, profile, caps: dict, base, dtype
 
 def caps_of(profile, gpu_mem=None, cpu_mem=None, disk_mem=None) -> dict:
     """A profile's capacities as memory.capacities gives them, with the caps given in their place."""
-    caps = {"gpu": profile.gpu_mem if gpu_mem is None else gpu_mem,
+    device_total = profile.gpu_mem - (outside_allocator(False) if profile.device == "cuda" else 0)
+    caps = {"gpu": device_total if gpu_mem is None else gpu_mem,
             "cpu": profile.cpu_mem if cpu_mem is None else cpu_mem,
             "disk": profile.disk_mem if disk_mem is None else disk_mem,
             "given": tuple(t for t, v in (("gpu", gpu_mem), ("cpu", cpu_mem), ("disk", disk_mem)) if v is not None)}
