@@ -215,7 +215,6 @@ def _config(reader, arch, path, tensors):
         "num_hidden_layers": number("block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": number("attention.head_count_kv", heads),
-        "head_dim": number("attention.key_length", number("rope.dimension_count", hidden // heads)),
         "intermediate_size": number("feed_forward_length"),
         "vocab_size": number("vocab_size", _rows(tensors, "embed_tokens.weight", path)),
         "max_position_embeddings": number("context_length"),
@@ -226,10 +225,16 @@ def _config(reader, arch, path, tensors):
         "mlp_bias": False,
         "tie_word_embeddings": "lm_head.weight" not in tensors,
     }
+    head_dim = number("attention.key_length", number("rope.dimension_count", None))
+    if head_dim is not None:
+        config["head_dim"] = head_dim
     for field in ("bos", "eos", "padding"):
         token_id = _scalar(reader, f"tokenizer.ggml.{field}_token_id", path, None)
         if token_id is not None:
             config[f"{field.replace('padding', 'pad')}_token_id"] = token_id
+    from .models.llama import spec_from_hf_config
+    spec_from_hf_config(config, path, FLAG)  # impossible shapes refused here, as a config.json's would be
+    config.setdefault("head_dim", hidden // heads)
     rope_scaling = _rope_scaling(reader, arch, path, config)
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling

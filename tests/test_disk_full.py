@@ -6,6 +6,8 @@ import errno
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -17,8 +19,9 @@ RUN = ["--prompt-len", "8", "--gen-len", "4", "--dtype", "float32", "--gpu-batch
 
 
 # The run below writes 17 times while placing the weights, then the cache: the prompt's, then each token's.
-@pytest.mark.parametrize("writes,overlap", [(3, "--overlap"), (20, "--overlap"), (30, "--no-overlap")],
-                         ids=["placing-weights", "prompt-cache", "decode-cache"])
+@pytest.mark.parametrize("writes,overlap", [(3, "--overlap"), (20, "--overlap"), (30, "--overlap"),
+                                            (30, "--no-overlap")],
+                         ids=["placing-weights", "prompt-cache", "decode-cache", "decode-cache-no-overlap"])
 def test_a_full_disk_mid_run_is_one_line_and_leaves_nothing(tiny_models, tmp_path, capsys, monkeypatch,
                                                             writes, overlap):
     calls = fail_from(monkeypatch, disk, "pwrite_all", writes, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
@@ -35,6 +38,42 @@ def test_a_full_disk_mid_run_is_one_line_and_leaves_nothing(tiny_models, tmp_pat
                     "the run stopped and its offload files were removed")
     assert "Traceback" not in err and "total throughput" not in out
     assert os.listdir(offload) == []
+    assert not [t for t in threading.enumerate() if t.name.startswith("flexh2o-io")], "I/O threads left running"
+
+
+# The process itself, with the fault injected by a wrapper: exits 1 within seconds of it, no fatal-error
+# dump from the interpreter's shutdown while a thread still ran.
+INJECTED = """
+import errno, os, sys, time
+from flexh2o import disk
+real, calls = disk.pwrite_all, []
+def failing(*args, **kwargs):
+    calls.append(1)
+    if len(calls) >= {writes}:
+        with open({stamp!r}, "w") as f:
+            f.write(repr(time.time()))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return real(*args, **kwargs)
+disk.pwrite_all = failing
+from flexh2o.run import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("overlap", ["--overlap", "--no-overlap"])
+def test_a_process_whose_disk_fills_during_decode_exits_at_once(tiny_models, tmp_path, overlap):
+    model, _ = tiny_models["tiny"]
+    offload, stamp = tmp_path / "off", str(tmp_path / "fault")
+    offload.mkdir()
+    r = subprocess.run([sys.executable, "-c", INJECTED.format(writes=30, stamp=stamp), "--model", model, *RUN,
+                        "--gen-len", "12", "--weights", "cpu=50,disk=50", "--cache", "disk=100", overlap,
+                        "--offload-dir", str(offload)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    ended = time.time()
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr and "Fatal Python error" not in r.stderr
+    assert last_line(r.stderr).endswith("the disk is full; the run stopped and its offload files were removed")
+    assert os.listdir(offload) == []
+    assert ended - float(open(stamp).read()) < 10
 
 
 @pytest.fixture

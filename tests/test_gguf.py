@@ -155,15 +155,17 @@ def stored(name, weights, arch):
     return gguf.quants.quantize(weights, qtype), qtype
 
 
-def write_tiny(path, arch="llama", untied=False, biases=False, rope_freqs=None, scaling=None):
-    """Writes a tiny model; gives the float32 tensors, in Hugging Face layout, that reading should return."""
+def write_tiny(path, arch="llama", untied=False, biases=False, rope_freqs=None, scaling=None, header=None):
+    """Writes a tiny model; gives the float32 tensors, in Hugging Face layout, that reading should return.
+    header: metadata in place of the tensors' own shapes (layers, hidden, heads, kv_heads)."""
+    header = {"layers": LAYERS, "hidden": HIDDEN, "heads": HEADS, "kv_heads": KV_HEADS} | (header or {})
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(LAYERS)
+    writer.add_block_count(header["layers"])
     writer.add_context_length(256)
-    writer.add_embedding_length(HIDDEN)
+    writer.add_embedding_length(header["hidden"])
     writer.add_feed_forward_length(FFN)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
+    writer.add_head_count(header["heads"])
+    writer.add_head_count_kv(header["kv_heads"])
     writer.add_rope_freq_base(500000.0)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_bos_token_id(3)
@@ -255,3 +257,18 @@ def test_a_file_is_parsed_once_while_it_stays_the_same(tmp_path, monkeypatch):
     assert torch.equal(first.tensor("layers.0.mlp.up_proj.weight"), second.tensor("layers.0.mlp.up_proj.weight"))
     write_tiny(path, arch="qwen2", biases=True)  # the same path, another file
     assert read_gguf(path).config["model_type"] == "qwen2" and len(opened) == 2
+
+
+@pytest.mark.parametrize("header,says", [
+    ({"heads": 0}, "num_attention_heads must be a positive integer"),
+    ({"layers": 0}, "num_hidden_layers must be a positive integer"),
+    ({"kv_heads": 0}, "num_key_value_heads must be a positive integer"),
+    ({"heads": 3}, "hidden_size is not a multiple of num_attention_heads"),
+    ({"heads": 4, "kv_heads": 3}, "num_attention_heads (4) is not a multiple of num_key_value_heads (3)"),
+    ({"hidden": 0}, "hidden_size must be a positive integer"),
+])
+def test_an_impossible_gguf_header_is_one_line(tmp_path, header, says):
+    write_tiny(tmp_path / "bad.gguf", header=header)
+    with pytest.raises(UsageError) as e:
+        read_gguf(str(tmp_path / "bad.gguf"))
+    assert e.value.flag == "--model" and says in e.value.message

@@ -28,12 +28,13 @@ import torch
 from ..kv.cache import KVCache
 from ..kv.h2o import HeavyHitters
 from ..models.attention import attend_filled, decode_attention, prompt_attention, prompt_attention_observed
+from .hardware import ATTENTION_CALLS
 
 HEAD_DIM = 64
 HEADS = 12              # query heads, all with their own KV head, of the measured calls
 DECODE_BATCH = 8        # sequences of a measured decode call
 SMALL_PROMPT, SMALL_DECODE = 32, 16  # tokens, slots of the small calls
-CALLS = ("prompt_fused", "prompt_observed", "decode_fused", "decode_evicting")
+CALLS = ATTENTION_CALLS
 
 
 def seconds(line, units: float):

@@ -68,13 +68,78 @@ class HardwareProfile:
         return asdict(self)
 
 
+DEVICES = ("cuda", "cpu")
+DTYPES = ("float16", "bfloat16", "float32")
+SPEEDS = ("device_bandwidth", "cpu_attention_bandwidth", "memcpy", "disk_read", "disk_write", "dequant")
+COPIES = ("h2d", "d2h", "h2d_pageable", "d2h_pageable")  # 0 where the CPU computes
+ATTENTION_CALLS = ("prompt_fused", "prompt_observed", "decode_fused", "decode_evicting")  # attention_costs.py
+
+
 def from_dict(data: dict, where: str) -> HardwareProfile:
     names = {f.name for f in fields(HardwareProfile)}
     optional = {f.name for f in fields(HardwareProfile) if f.default is not MISSING}
     missing = sorted(names - optional - set(data))
     if missing:
         raise UsageError("--hardware", f"{where} lacks {', '.join(missing)}")
+    check_fields(data, where)
     return HardwareProfile(**{k: data[k] for k in names if k in data})
+
+
+def check_fields(data: dict, where: str):
+    """Every field of a profile checked, as the cost model will divide by and look up in them: a
+    file any process or person can edit must fail here, in one line naming the field."""
+    def bad(field, why):
+        raise UsageError("--hardware", f"{where}: {field} {why}")
+
+    def number(field, value, strict=True, integer=False):
+        kind = "a whole number" if integer else "a number"
+        if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+            bad(field, f"must be {kind}, not {value!r}")
+        if not math.isfinite(value) or value < 0 or (strict and value == 0):
+            bad(field, f"must be {'above 0' if strict else 'at least 0'} and finite, not {value!r}")
+
+    def table(field, value, dtype, rows: bool):
+        if not isinstance(value, dict) or not value:
+            bad(field, f"must be a non-empty table by dtype, not {value!r}")
+        if dtype not in value:
+            bad(field, f"has no figures for the profile's dtype {dtype!r}")
+        for d, entry in value.items():
+            if not rows:
+                number(f"{field}[{d!r}]", entry)
+                continue
+            if not isinstance(entry, dict) or not entry:
+                bad(f"{field}[{d!r}]", f"must be a non-empty table of FLOP/s by rows, not {entry!r}")
+            for r, rate in entry.items():
+                if not (isinstance(r, str) and r.isdigit() and int(r) > 0):
+                    bad(f"{field}[{d!r}]", f"has a row count {r!r} that is not a positive whole number")
+                number(f"{field}[{d!r}][{r!r}]", rate)
+
+    for field in ("name", "source"):
+        if not isinstance(data[field], str):
+            bad(field, f"must be a string, not {data[field]!r}")
+    if data["device"] not in DEVICES:
+        bad("device", f"must be one of {', '.join(DEVICES)}, not {data['device']!r}")
+    if data["dtype"] not in DTYPES:
+        bad("dtype", f"must be one of {', '.join(DTYPES)}, not {data['dtype']!r}")
+    for field in ("gpu_mem", "cpu_mem"):
+        number(field, data[field], integer=True)
+    number("disk_mem", data["disk_mem"], strict=False, integer=True)
+    for field in SPEEDS:
+        number(field, data[field])
+    for field in COPIES:
+        number(field, data[field], strict=data["device"] == "cuda")
+    number("layer_overhead", data["layer_overhead"], strict=False)
+    table("matmul_flops", data["matmul_flops"], data["dtype"], rows=True)
+    table("attention_flops", data["attention_flops"], data["dtype"], rows=False)
+    costs = data.get("attention_costs")
+    if costs is not None:
+        if not isinstance(costs, dict) or set(costs) != set(ATTENTION_CALLS):
+            bad("attention_costs", f"must hold a line for each of {', '.join(ATTENTION_CALLS)}")
+        for call, line in costs.items():
+            if not isinstance(line, list) or len(line) != 2:
+                bad(f"attention_costs[{call!r}]", f"must be [fixed seconds, seconds per unit], not {line!r}")
+            for value in line:
+                number(f"attention_costs[{call!r}]", value, strict=False)
 
 
 def local_cache_path() -> str:
@@ -104,7 +169,13 @@ def load_profile(name: str) -> HardwareProfile | None:
     """A shipped profile by name, a JSON file by path, or the cached local one (None: not measured yet)."""
     if name == LOCAL:
         path = local_cache_path()
-        return read_profile(path) if os.path.exists(path) else None
+        if not os.path.exists(path):
+            return None
+        try:
+            return read_profile(path)
+        except UsageError as e:
+            raise UsageError("--hardware", f"the cached local profile is broken ({e.message}); measure it again: "
+                             "python -m flexh2o.profile --force") from None
     if name.endswith(".json") or os.sep in name:
         return read_profile(name)
     if name not in shipped():
