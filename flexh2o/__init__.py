@@ -1,8 +1,14 @@
 """flexh2o: high-throughput offloading inference for large language models with H2O KV eviction."""
 
-from .engine import Engine, GenerateOutput
-from .errors import UsageError
-from .llm import LLM, Completion
-from .policy import Policy
+# Loaded when first asked for: `python -m flexh2o.run` imports this package before its own first
+# line, which installs the signal handlers before torch loads (signals.stop_at_once).
+_EXPORTS = {"Engine": "engine", "GenerateOutput": "engine", "UsageError": "errors", "LLM": "llm",
+            "Completion": "llm", "Policy": "policy"}
+__all__ = sorted(_EXPORTS)
 
-__all__ = ["Completion", "Engine", "GenerateOutput", "LLM", "Policy", "UsageError"]
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'flexh2o' has no attribute {name!r}")
+    import importlib
+    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)

@@ -1,6 +1,8 @@
 """The one error type for bad input: it names the flag (or argument) and what is accepted."""
 
 import argparse
+import os
+import stat
 import sys
 
 
@@ -11,6 +13,20 @@ class UsageError(ValueError):
         self.flag = flag
         self.message = message
         super().__init__(f"{flag}: {message}")
+
+
+def check_regular_file(path: str, flag: str):
+    """Refuses a path that exists but is not a regular file: opening a FIFO blocks until a writer
+    comes, and a device or socket may never end. (A missing file is left to the reader to report.)"""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return
+    if not stat.S_ISREG(mode):
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else \
+            "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else \
+            "not a regular file"
+        raise UsageError(flag, f"{path} is {kind}, not a regular file (reading it could block the run forever)")
 
 
 class OneLineErrorParser(argparse.ArgumentParser):

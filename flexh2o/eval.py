@@ -10,6 +10,10 @@ step's logits score the first). With --agreement the same windows also run with 
 and no compression, and the report gives how often the greedy choices of the two runs agree.
 """
 
+if __name__ == "__main__":  # first, before torch loads: a signal while it does is one line too
+    from flexh2o.signals import stop_at_once
+    stop_at_once()
+
 import argparse
 import math
 import sys

@@ -14,7 +14,7 @@ import struct
 import numpy as np
 import torch
 
-from flexh2o.errors import UsageError
+from flexh2o.errors import UsageError, check_regular_file
 
 FLAG = "--model"
 
@@ -161,6 +161,7 @@ def _open_reader(path):
 
 
 def _check_magic(path):
+    check_regular_file(path, FLAG)
     try:
         with open(path, "rb") as file:
             magic = file.read(4)

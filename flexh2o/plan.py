@@ -4,6 +4,10 @@ Picks the batch size, placement and switches with the best predicted throughput 
 hardware profile, and prints the flexh2o.run flags that reproduce it (JSON with --json-out).
 """
 
+if __name__ == "__main__":  # first, before torch loads: a signal while it does is one line too
+    from flexh2o.signals import stop_at_once
+    stop_at_once()
+
 import argparse
 import sys
 import time

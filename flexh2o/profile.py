@@ -6,6 +6,10 @@ and an evicting KV policy's bookkeeping. It is cached in $XDG_CACHE_HOME/flexh2o
 later calls print the cached profile unless --force measures again.
 """
 
+if __name__ == "__main__":  # first, before torch loads: a signal while it does is one line too
+    from flexh2o.signals import stop_at_once
+    stop_at_once()
+
 import argparse
 import os
 import sys

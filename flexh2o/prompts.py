@@ -4,7 +4,7 @@ import os
 
 import torch
 
-from .errors import UsageError
+from .errors import UsageError, check_regular_file
 from .memory import format_size
 
 MAX_PROMPTS_BYTES = 256 << 20  # a larger file (or /dev/zero) is refused, not read
@@ -26,12 +26,15 @@ def load_tokenizer(directory: str | None):
         return tokenizer(directory)
     if directory is None or not any(os.path.exists(os.path.join(directory, f)) for f in TOKENIZER_FILES):
         return None
+    for f in TOKENIZER_FILES:
+        check_regular_file(os.path.join(directory, f), "--model/--path")
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(directory)
 
 
 def read_utf8(path: str, flag: str, limit: int, what: str) -> str:
     """A UTF-8 text file of at most `limit` bytes (a leading BOM dropped), read without reading more."""
+    check_regular_file(path, flag)
     try:
         with open(path, "rb") as f:
             data = f.read(limit + 1)

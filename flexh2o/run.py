@@ -5,6 +5,10 @@ With no flags it runs opt-125m on dummy weights, 512 + 32 tokens, its batch and 
 by the cost model on this machine's profile (measured first if none is cached).
 """
 
+if __name__ == "__main__":  # first, before torch loads: a signal while it does is one line too
+    from flexh2o.signals import stop_at_once
+    stop_at_once()
+
 import argparse
 import sys
 

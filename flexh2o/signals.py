@@ -9,6 +9,7 @@ to any thread that leaves it unblocked (I/O threads, torch's workers), and Pytho
 handler in the main thread anyway.
 """
 
+import os
 import signal
 import sys
 import threading
@@ -96,6 +97,18 @@ def _give_back(borrowed: dict):
     _state.noted.clear()
     for signum in arrived:
         signal.raise_signal(signum)
+
+
+def stop_at_once():
+    """For a command's first line, before its heavy imports: until run_stoppable takes over, a
+    signal ends the process at once with its one line and 128 + signum (nothing has been written
+    yet), instead of a traceback out of an import. A signal ignored at start stays ignored."""
+    def stop(signum, frame):
+        _say(f"stopped by {signal.Signals(signum).name}: the run was cancelled before it started")
+        os._exit(128 + signum)
+    for signum in HANDLED:
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, stop)
 
 
 def run_stoppable(main) -> int:

@@ -14,7 +14,7 @@ import zipfile
 
 import torch
 
-from .errors import UsageError
+from .errors import UsageError, check_regular_file
 
 
 def load_bin(file: str):
@@ -63,6 +63,7 @@ class CheckpointWeights:
         return self._open[file]
 
     def _load(self, file):
+        check_regular_file(file, self.flag)
         try:
             if self.format == "safetensors":
                 from safetensors import safe_open

@@ -230,3 +230,19 @@ def test_a_signal_after_the_run_returned_keeps_its_exit_code(handlers, monkeypat
         pytest.fail("the late signal escaped run_stoppable")
     assert code == 0
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("module,sig,after", [("flexh2o.run", INT, 0.3), ("flexh2o.run", TERM, 0.5),
+                                              ("flexh2o.run", HUP, 1.0), ("flexh2o.profile", INT, 0.3),
+                                              ("flexh2o.plan", TERM, 0.3), ("flexh2o.eval", HUP, 0.3)])
+def test_a_signal_while_the_command_starts_is_one_line(module, sig, after):
+    """While torch still loads (a second or more here): one line and 128 + signum, no traceback.
+    A signal that comes after the run's own handlers took over is one line too."""
+    p = subprocess.Popen([sys.executable, "-m", module, "--model", "opt-125m"], cwd=REPO, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    time.sleep(after)
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 128 + sig, err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(f"stopped by {signal.Signals(sig).name}: ")

@@ -19,7 +19,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from ..errors import UsageError
+from ..errors import UsageError, check_regular_file
 from ..sampling import MAX_SEED
 
 FORMATS = ("text", "jsonl", "openai")
@@ -71,6 +71,7 @@ def sampling(temperature: float, top_p: float, top_k: int) -> Sampling:
 
 
 def detect_format(path: str) -> str:
+    check_regular_file(path, "--input")
     with open(path, "rb") as f:
         for raw in f:
             line = raw.decode("utf-8-sig", errors="replace").strip()

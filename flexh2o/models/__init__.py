@@ -3,7 +3,7 @@
 import json
 import os
 
-from ..errors import UsageError
+from ..errors import UsageError, check_regular_file
 from . import llama, opt
 
 FAMILIES = {"opt": opt, "llama": llama, "mistral": llama, "qwen2": llama}  # config.json's model_type -> module
@@ -14,6 +14,7 @@ ORGANIZATIONS = ("facebook/", "huggingfacetb/", "meta-llama/")  # a preset may b
 
 def read_hf_config(directory: str, flag: str) -> dict:
     path = os.path.join(directory, "config.json")
+    check_regular_file(path, flag)
     try:
         with open(path, encoding="utf-8") as f:
             config = json.load(f)
@@ -68,7 +69,7 @@ def resolve_model(model: str, path: str | None = None):
         from ..gguf_reader import read_gguf
         name = os.path.basename(model)[: -len(".gguf")]
         return spec_from_config(read_gguf(model).config, model, name, "--model"), model
-    if os.path.isfile(os.path.join(model, "config.json")):
+    if os.path.lexists(os.path.join(model, "config.json")):  # not isfile: a FIFO there is refused, not skipped
         return spec_from_directory(model, os.path.basename(os.path.normpath(model)), "--model"), model
     name = preset_name(model)
     if name not in PRESETS:
