@@ -1,6 +1,7 @@
 """The Python API: Engine.from_pretrained(...) and engine.generate(...)."""
 
 import dataclasses
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -77,6 +78,15 @@ class GenerationStats:
     finish_seconds: float = 0.0  # after the last token step, until its cache stores were done
 
 
+def check_token_ids(name: str, ids, vocab_size: int):
+    """A tensor of whole token ids, each in [0, vocab_size)."""
+    if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise UsageError(name, f"must be a tensor of integer token ids, got {getattr(ids, 'dtype', type(ids).__name__)}")
+    outside = ids[(ids < 0) | (ids >= vocab_size)]
+    if outside.numel():
+        raise UsageError(name, f"holds token ids outside the vocabulary [0, {vocab_size}): {outside[:3].tolist()}")
+
+
 def act_tier(policy: Policy) -> str:
     if policy.act_gpu_percent == 100:
         return "gpu"
@@ -92,6 +102,8 @@ class Engine:
         self.weights_source, self.caps, self.placement_flag = weights_source, caps, placement_flag
         self.weight_need = weight_need(layers, tiers.dtype.itemsize, policy, tiers.compute)
         self.last_stats: GenerationStats | None = None
+        self._calls = threading.Lock()
+        self.closed = False
         self.projected: dict | None = None  # the pre-flight projection per tier of the last generate call
 
     @classmethod
@@ -161,8 +173,11 @@ class Engine:
         self.policy = policy
 
     def close(self):
-        """Removes this engine's offload files and stops its I/O threads."""
-        self.tiers.close()
+        """Removes this engine's offload files and stops its I/O threads (waiting for a generate
+        call another thread is running)."""
+        with self._calls:
+            self.closed = True
+            self.tiers.close()
 
     def __enter__(self):
         return self
@@ -176,7 +191,8 @@ class Engine:
                  eos_token_id: int | None = -1, pad_token_id: int | None = None,
                  output_scores: bool = False, progress: bool = False, forced_tokens: torch.Tensor | None = None,
                  row_seeds: list | None = None, row_max_new_tokens: list | None = None, stop_check=None):
-        """Generates for a left-padded batch [gpu_batch_size * num_gpu_batches, prompt_len].
+        """Generates for a left-padded batch [gpu_batch_size * num_gpu_batches, prompt_len]. Calls
+        from several threads run one at a time.
 
         Returns the ids [batch, prompt_len + max_new_tokens] (sequences that hit EOS continue
         with padding), or with output_scores=True a GenerateOutput whose scores hold one
@@ -189,16 +205,31 @@ class Engine:
         stop_check(row, tokens): called after each step with a running sequence's new tokens so far,
         True ends it (as EOS does).
         """
+        with self._calls:  # one run at a time owns the caches, the pool and the I/O threads
+            if self.closed:
+                raise UsageError("generate", "the engine was closed; load the model again (Engine.from_pretrained)")
+            return self._generate(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p,
+                                  seed, eos_token_id, pad_token_id, output_scores, progress, forced_tokens,
+                                  row_seeds, row_max_new_tokens, stop_check)
+
+    def _generate(self, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p, seed,
+                  eos_token_id, pad_token_id, output_scores, progress, forced_tokens, row_seeds,
+                  row_max_new_tokens, stop_check):
         policy, spec = self.policy, self.spec
-        if input_ids.dim() != 2 or input_ids.shape[0] != policy.batch_size:
+        check_token_ids("input_ids", input_ids, spec.vocab_size)
+        if input_ids.dim() != 2 or input_ids.shape[0] != policy.batch_size or input_ids.shape[1] == 0:
             raise UsageError("input_ids", f"must be [gpu_batch_size * num_gpu_batches = {policy.batch_size}, "
-                             f"prompt_len], got {list(input_ids.shape)}")
+                             f"prompt_len >= 1], got {list(input_ids.shape)}")
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        if attention_mask.shape != input_ids.shape:
-            raise UsageError("attention_mask", f"must match input_ids {list(input_ids.shape)}, "
-                             f"got {list(attention_mask.shape)}")
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+            raise UsageError("attention_mask", f"must be a tensor matching input_ids {list(input_ids.shape)}, "
+                             f"got {list(getattr(attention_mask, 'shape', [type(attention_mask).__name__]))}")
+        if ((attention_mask != 0) & (attention_mask != 1)).any() or not attention_mask.any(dim=1).all():
+            raise UsageError("attention_mask", "must hold 0 (padding) and 1 (a token), with a token in every row")
         prompt_len = input_ids.shape[1]
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+            raise UsageError("max_new_tokens", f"must be a whole number, got {max_new_tokens!r}")
         if max_new_tokens < 1:
             raise UsageError("--gen-len", f"must be at least 1, got {max_new_tokens}")
         if prompt_len + max_new_tokens > spec.max_positions:
@@ -208,9 +239,11 @@ class Engine:
                         output_scores, self.tiers.io_threads)
         self.projected = add(self.weight_need, need)
         check_fits(self.projected, self.caps, self.tiers.compute, self.placement_flag)
-        if forced_tokens is not None and tuple(forced_tokens.shape) != (input_ids.shape[0], max_new_tokens):
-            raise UsageError("forced_tokens", f"must be [batch, max_new_tokens] = [{input_ids.shape[0]}, "
-                             f"{max_new_tokens}], got {list(forced_tokens.shape)}")
+        if forced_tokens is not None:
+            check_token_ids("forced_tokens", forced_tokens, spec.vocab_size)
+            if tuple(forced_tokens.shape) != (input_ids.shape[0], max_new_tokens):
+                raise UsageError("forced_tokens", f"must be [batch, max_new_tokens] = [{input_ids.shape[0]}, "
+                                 f"{max_new_tokens}], got {list(forced_tokens.shape)}")
         for name, rows in (("row_seeds", row_seeds), ("row_max_new_tokens", row_max_new_tokens)):
             if rows is not None and len(rows) != input_ids.shape[0]:
                 raise UsageError(name, f"must give one value per sequence ({input_ids.shape[0]}), got {len(rows)}")
