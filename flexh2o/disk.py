@@ -17,6 +17,8 @@ fdatasync would only measure the sync.
 import errno
 import os
 import shutil
+import socket
+import sys
 import tempfile
 import threading
 import weakref
@@ -71,10 +73,15 @@ def check_offload_dir(directory: str):
         raise UsageError("--offload-dir", f"cannot write to {directory}: {e.strerror}") from None
 
 
+MADE_MARK = ".flexh2o-made"  # in a folder flexh2o created for offload files: whichever run ends last removes it
+RUN_PREFIX = "flexh2o-run-"
+
+
 def make_dirs(directory: str) -> list[str]:
-    """Creates `directory` and its missing parents; returns those this call created, deepest first.
-    A folder a parallel run creates meanwhile is used, and left to that run. On an error, what
-    this call created is removed again."""
+    """Creates `directory` and its missing parents, each marked as made by flexh2o; returns the
+    chain of marked folders from `directory` up (deepest first), whoever made them: runs sharing
+    a new folder each remove what is empty of it when they end, so the last one leaves nothing.
+    On an error, what this call created is removed again."""
     missing, path = [], os.path.abspath(directory)
     while not os.path.isdir(path) and path != os.path.dirname(path):
         missing.append(path)
@@ -87,10 +94,50 @@ def make_dirs(directory: str) -> list[str]:
             except FileExistsError:
                 continue
             created.insert(0, d)
+            open(os.path.join(d, MADE_MARK), "w").close()
     except OSError:
         _remove_empty(created)
         raise
-    return created
+    chain, path = [], os.path.abspath(directory)
+    while os.path.exists(os.path.join(path, MADE_MARK)):
+        chain.append(path)
+        path = os.path.dirname(path)
+    return chain
+
+
+def remove_stale_runs(offload_dir: str) -> list[str]:
+    """Removes the run folders in `offload_dir` of runs on this host whose process is gone (killed
+    with SIGKILL, or a machine that lost power): each folder's name holds its host and PID. A live
+    run's folder, another host's, and a folder of unknown origin are never touched."""
+    host, removed = _host(), []
+    try:
+        names = os.listdir(offload_dir)
+    except OSError:
+        return removed
+    for name in names:
+        parts = name[len(RUN_PREFIX):].rsplit("-", 2) if name.startswith(RUN_PREFIX) else []
+        if len(parts) != 3 or parts[0] != host or not parts[1].isdigit() or _alive(int(parts[1])):
+            continue
+        path = os.path.join(offload_dir, name)
+        with deferred():
+            shutil.rmtree(path, ignore_errors=True)
+        if not os.path.exists(path):
+            removed.append(path)
+    return removed
+
+
+def _host() -> str:
+    return socket.gethostname().replace(os.sep, "_").replace("-", "_") or "host"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, another user's
+        return True
+    return True
 
 
 def make_run_dir(offload_dir: str) -> tuple[str, list[str]]:
@@ -101,7 +148,11 @@ def make_run_dir(offload_dir: str) -> tuple[str, list[str]]:
         created = []
         try:
             created = make_dirs(offload_dir)
-            return tempfile.mkdtemp(prefix="flexh2o-run-", dir=offload_dir), created
+            for path in remove_stale_runs(offload_dir):
+                print(f"note: removed {path}, the offload files of a run on this host whose process is gone",
+                      file=sys.stderr)
+            prefix = f"{RUN_PREFIX}{_host()}-{os.getpid()}-"  # whose it is, for a later run to tell if it is dead
+            return tempfile.mkdtemp(prefix=prefix, dir=offload_dir), created
         except OSError as e:
             _remove_empty(created)
             if not (isinstance(e, FileNotFoundError) and retries):
@@ -109,11 +160,20 @@ def make_run_dir(offload_dir: str) -> tuple[str, list[str]]:
 
 
 def _remove_empty(dirs: list[str]):
+    """Removes the folders (deepest first) while they hold nothing but flexh2o's mark."""
     for d in dirs:
+        mark = os.path.join(d, MADE_MARK)
         try:
+            if set(os.listdir(d)) - {MADE_MARK}:
+                return
+            if os.path.exists(mark):
+                os.unlink(mark)
             os.rmdir(d)
+        except FileNotFoundError:
+            continue  # another run removed it
         except OSError:
-            if os.path.exists(d):
+            if os.path.isdir(d):  # a run put its folder in meanwhile: the mark goes back for it
+                open(mark, "a").close()
                 return
 
 

@@ -4,6 +4,8 @@ there, and what a run created for it is removed at the end (a dir that was there
 import os
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
 
 from flexh2o import disk
@@ -65,3 +67,39 @@ def test_an_offload_dir_another_run_removes_meanwhile_is_made_again(tmp_path, mo
     assert os.path.isdir(store.dir) and len(calls) == 2
     store.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_runs_sharing_a_new_nested_offload_dir_leave_nothing(tmp_path):
+    """Three runs share a nested folder only the first created; whichever order they end in, the
+    last leaves no folder behind (each removes what is empty of it)."""
+    for order in ((0, 1, 2), (1, 2, 0), (2, 0, 1)):
+        base = tmp_path / "-".join(map(str, order))
+        base.mkdir()
+        stores = [DiskStore(str(base / "a" / "b" / "c")) for _ in range(3)]
+        for i in order:
+            stores[i].close()
+        assert os.listdir(base) == [], order
+
+
+def test_a_dead_runs_folder_is_removed_and_a_live_ones_is_not(tmp_path, capsys):
+    """A run killed with SIGKILL leaves its folder; the next run on this host removes it, saying so,
+    and never touches a live run's folder, another host's, or one it cannot tell the origin of."""
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)
+    host = disk._host()
+    dead = tmp_path / f"flexh2o-run-{host}-{dead_pid}-abcd1234"
+    live = tmp_path / f"flexh2o-run-{host}-{os.getpid()}-live0000"
+    other = tmp_path / f"flexh2o-run-otherhost-{dead_pid}-abcd1234"
+    unknown = tmp_path / "flexh2o-run-old12345"
+    for d in (dead, live, other, unknown):
+        d.mkdir()
+        (d / "t000001.bin").write_bytes(b"x" * 100)
+    store = DiskStore(str(tmp_path))
+    try:
+        assert not dead.exists() and live.exists() and other.exists() and unknown.exists()
+        assert f"note: removed {dead}, the offload files of a run on this host whose process is gone" in \
+            capsys.readouterr().err
+        name = os.path.basename(store.dir)
+        assert name.startswith(f"flexh2o-run-{host}-{os.getpid()}-")
+    finally:
+        store.close()
