@@ -13,9 +13,13 @@ nothing is left writing into buffers or files the run is about to free.
 """
 
 import threading
+import weakref
 from collections import deque
 from concurrent.futures import Future
 from contextlib import contextmanager
+
+
+EXIT_JOIN_SECONDS = 10.0  # at interpreter exit, how long a running task may take to finish
 
 
 class IOTaskError(RuntimeError):
@@ -56,6 +60,9 @@ class IOThreads:
         self._queue = deque()  # handed off, not yet taken by a thread
         self._ready = threading.Condition()
         self._running = 0     # tasks taken by a thread and not yet finished
+        # An engine never closed (or one whose close was cut short) still stops its threads before
+        # the interpreter shuts down: a thread running then could end the process in a fatal-error dump.
+        weakref.finalize(self, self.close, EXIT_JOIN_SECONDS)
         self._closed = False
 
     def submit(self, fn) -> Future:
@@ -130,8 +137,9 @@ class IOThreads:
             while self._running:
                 self._ready.wait()
 
-    def close(self):
-        """Waits for the running tasks; those not started are cancelled (their wait() raises)."""
+    def close(self, timeout: float | None = None):
+        """Waits for the running tasks (at most `timeout` seconds per thread); those not started are
+        cancelled (their wait() raises)."""
         with self._ready:
             left = list(self._queue)
             self._queue.clear()
@@ -140,4 +148,4 @@ class IOThreads:
         for _, future in left:
             future.cancel()
         for worker in self.workers:
-            worker.join()
+            worker.join(timeout)

@@ -199,9 +199,15 @@ def test_a_binary_prompts_file(model_with_tokenizer, tmp_path, capsys):
     refused_prompts(model_with_tokenizer, path, capsys, "is not UTF-8 text (byte 8 cannot be decoded)")
 
 
-def test_an_endless_prompts_file_is_read_up_to_the_limit(model_with_tokenizer, capsys, monkeypatch):
+def test_an_endless_prompts_file_is_refused(model_with_tokenizer, capsys):
+    refused_prompts(model_with_tokenizer, "/dev/zero", capsys, "/dev/zero is a device, not a regular file")
+
+
+def test_a_prompts_file_is_read_up_to_the_limit(model_with_tokenizer, capsys, monkeypatch, tmp_path):
     monkeypatch.setattr(flexh2o.prompts, "MAX_PROMPTS_BYTES", 1 << 20)
-    refused_prompts(model_with_tokenizer, "/dev/zero", capsys, "larger than 1.00 MB, the limit for a prompts file")
+    big = tmp_path / "big.txt"
+    big.write_bytes(b"a prompt\n" * (1 << 17))
+    refused_prompts(model_with_tokenizer, str(big), capsys, "larger than 1.00 MB, the limit for a prompts file")
 
 
 def test_a_byte_order_mark_is_not_part_of_the_first_prompt(model_with_tokenizer, tmp_path):

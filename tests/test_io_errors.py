@@ -4,6 +4,8 @@ its pooled buffers and the next load waited for them forever (issue 23, point 2)
 
 import errno
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -14,7 +16,7 @@ from flexh2o import buffers, disk, tiers
 from flexh2o.buffers import Buffers
 from flexh2o.kv.home import CacheHome
 from flexh2o.run import main
-from conftest import fail_from, last_line
+from conftest import REPO, fail_from, last_line
 
 # 3 gpu-batches with overlap on: loads of one gpu-batch run while another's store is out.
 RUN = ["--prompt-len", "8", "--gen-len", "8", "--dtype", "float32", "--gpu-batch-size", "2",
@@ -109,3 +111,33 @@ def test_a_failed_task_wakes_whoever_waits_for_a_buffer():
     assert got == [EIO]
     pool.clear_pool()
     assert pool.failure is None
+
+
+EXITS = """
+import sys
+import torch
+from flexh2o import Engine, Policy, tiers
+real = tiers.copy_in_memory
+calls = []
+def failing(dst, src):
+    calls.append(1)
+    if len(calls) == 8:
+        raise OSError(5, "Input/output error")
+    return real(dst, src)
+tiers.copy_in_memory = failing
+engine = Engine.from_pretrained(sys.argv[1], policy=Policy(gpu_batch_size=2, w_gpu_percent=50, w_cpu_percent=50),
+                                dtype=torch.float32)
+try:
+    engine.generate(torch.tensor([[5, 6, 7], [8, 9, 10]]), max_new_tokens=6)
+except Exception as e:
+    print("caught:", e)
+# no close(): the interpreter shuts down with the engine's I/O threads started
+"""
+
+
+def test_a_process_ends_cleanly_after_an_io_error_without_closing_its_engine(tiny_models):
+    model, _ = tiny_models["tiny"]
+    r = subprocess.run([sys.executable, "-c", EXITS, model], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "caught: loading weights failed: Input/output error" in r.stdout
+    assert "Fatal Python error" not in r.stderr and "Traceback" not in r.stderr
