@@ -110,7 +110,7 @@ class Engine:
     def from_pretrained(cls, model: str, policy: Policy | None = None, device=None, dtype=None,
                         dummy: bool = False, path: str | None = None, offload_dir: str | None = None,
                         bypass_page_cache: bool = False, gpu_mem: int | None = None, cpu_mem: int | None = None,
-                        disk_mem: int | None = None, progress: bool = False, seed: int = 0,
+                        disk_mem: int | None = None, max_memory: int | None = None, progress: bool = False, seed: int = 0,
                         prompt_len: int | None = None, gen_len: int | None = None,
                         placement_flag: str = "--percent"):
         """Loads `model` (a preset name such as opt-1.3b or facebook/opt-1.3b, or a local HF
@@ -139,7 +139,7 @@ class Engine:
             raise UsageError("--offload-dir", "the policy puts tensors on disk: give an offload directory")
         if uses_disk:
             check_offload_dir(offload_dir)
-        caps = capacities(device, offload_dir if uses_disk else None, gpu_mem, cpu_mem, disk_mem)
+        caps = capacities(device, offload_dir if uses_disk else None, gpu_mem, cpu_mem, disk_mem, max_memory)
         need = weight_need(layers, dtype.itemsize, policy, device)
         if prompt_len and gen_len:
             need = add(need, run_need(spec, policy, dtype.itemsize, prompt_len, gen_len, device))

@@ -18,6 +18,7 @@ from .errors import UsageError
 from .kv import POLICIES, budget, cache_bytes, slot_bytes
 from .kv.compressed import working_bytes
 from .kv.home import IN_FLIGHT, batch_split, cpu_attention_dtype
+from .memory_limit import process_limit
 from .models.attention import PROBS_CHUNK_BYTES
 from .quant import DEQUANT_WORKING_BYTES, compressible, stored_row_bytes
 from .tiers import split_rows
@@ -45,19 +46,24 @@ def parse_size(text: str, flag: str) -> int:
     return int(float(m.group(1)) * UNITS[m.group(2).lower()])
 
 
-def capacities(device: torch.device, offload_dir: str | None, gpu_mem=None, cpu_mem=None, disk_mem=None) -> dict:
+def capacities(device: torch.device, offload_dir: str | None, gpu_mem=None, cpu_mem=None, disk_mem=None,
+               max_memory=None) -> dict:
     """Bytes each tier may use: the caps given, else what the machine reports free; "ram", the
     memory free now, which the gpu and cpu tiers share when the CPU computes (measured once, before
-    anything is loaded, so a later check does not count the loaded weights twice); and "given",
-    the tiers whose cap was given (a tier over a given cap is blamed on its --<tier>-mem flag)."""
+    anything is loaded, so a later check does not count the loaded weights twice), within the
+    process's memory limit where one applies (its cgroup's, or max_memory: "limit", memory_limit.py);
+    and "given", the tiers whose cap was given (a tier over a given cap is blamed on its --<tier>-mem flag)."""
+    limit = process_limit(max_memory)
     available = psutil.virtual_memory().available
+    if limit is not None:
+        available = max(0, min(available, limit.room))
     given = tuple(tier for tier, cap in (("gpu", gpu_mem), ("cpu", cpu_mem), ("disk", disk_mem)) if cap is not None)
     if gpu_mem is None:
         gpu_mem = torch.cuda.mem_get_info(device)[0] - outside_allocator(True) if device.type == "cuda" else available
     if disk_mem is None:
         disk_mem = shutil.disk_usage(existing_ancestor(offload_dir)).free if offload_dir else 0
     return {"gpu": gpu_mem, "cpu": available if cpu_mem is None else cpu_mem, "disk": disk_mem, "ram": available,
-            "given": given}
+            "given": given, "limit": limit}
 
 
 def outside_allocator(context_exists: bool) -> int:
@@ -232,13 +238,24 @@ def check_fits(need: dict, caps: dict, device, flag: str = "--percent"):
             given = tier in caps.get("given", ())
             raise UsageError(f"--{tier}-mem" if given else flag,
                              f"the policy needs {format_size(need[tier])} on the {tier} tier, which holds "
-                             f"{format_size(caps[tier])} ({'--' + tier + '-mem' if given else 'detected'})")
+                             f"{format_size(caps[tier])} ({holds(tier, given, caps.get('limit'), device)})")
     if device.type == "cpu":
         ram = (caps.get("ram") or psutil.virtual_memory().available) - RUNTIME_RESERVE
         if need["gpu"] + need["cpu"] > ram:
+            limit = caps.get("limit")
+            under = f", under the memory limit of {limit.describe()}" if limit is not None else ""
             raise UsageError(flag, f"the policy needs {format_size(need['gpu'] + need['cpu'])} of memory "
                              f"(gpu and cpu tiers are both RAM here), {format_size(max(ram, 0))} is available "
-                             f"(free memory less {format_size(RUNTIME_RESERVE)} for the process itself)")
+                             f"(free memory less {format_size(RUNTIME_RESERVE)} for the process itself{under})")
+
+
+def holds(tier: str, given: bool, limit, device) -> str:
+    """Where a tier's capacity came from, for an error line."""
+    if given:
+        return f"--{tier}-mem"
+    if limit is not None and (tier == "cpu" or device.type == "cpu" and tier == "gpu"):  # RAM, within the limit
+        return f"free within the memory limit of {limit.describe()}"
+    return "detected"
 
 
 def add(a: dict, b: dict) -> dict:

@@ -20,7 +20,7 @@ GB = 1 << 30
 def peak_memory(engine) -> dict:
     """Peak bytes per tier: what flexh2o allocated there (tracked; pinned host memory counts as
     allocated on the cpu tier), what the system saw, and what the pre-flight projected."""
-    tiers, projected = engine.tiers, engine.projected or {}
+    tiers, projected, limit = engine.tiers, engine.projected or {}, engine.caps.get("limit")
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     return {
         "peak_gpu_mem_bytes": tiers.peak["gpu"],
@@ -31,6 +31,7 @@ def peak_memory(engine) -> dict:
         "pinned_host_bytes": tiers.pinned_bytes() if tiers.on_cuda else None,
         "peak_rss_bytes": rss,
         "peak_disk_bytes": tiers.peak["disk"],
+        "memory_limit": None if limit is None else {"bytes": limit.limit, "source": limit.source},
     }
 
 
@@ -97,7 +98,9 @@ def format_report(r: dict) -> str:
         f"projected gpu mem: {r['projected_gpu_mem_bytes'] / GB:.3f} GB\tprojected cpu mem: "
         f"{r['projected_cpu_mem_bytes'] / GB:.3f} GB"
         + (f"\tallocator peak: {r['peak_gpu_allocator_bytes'] / GB:.3f} GB\tpinned host: "
-           f"{r['pinned_host_bytes'] / GB:.3f} GB" if r["peak_gpu_allocator_bytes"] is not None else ""),
+           f"{r['pinned_host_bytes'] / GB:.3f} GB" if r["peak_gpu_allocator_bytes"] is not None else "")
+        + (f"\tmemory limit: {r['memory_limit']['bytes'] / GB:.3f} GB ({r['memory_limit']['source']})"
+           if r.get("memory_limit") else ""),
         f"prefill latency: {r['prefill_latency_s']:.3f} s\tprefill throughput: {r['prefill_throughput']:.3f} token/s",
         f"decode latency: {r['decode_latency_s']:.3f} s\tdecode throughput: {r['decode_throughput']:.3f} token/s",
         f"total latency: {r['total_latency_s']:.3f} s\ttotal throughput: {r['total_throughput']:.3f} token/s",

@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="store the KV cache as 4-bit groups of 64 along head_dim on every tier")
     for tier in ("gpu", "cpu", "disk"):
         p.add_argument(f"--{tier}-mem", metavar="SIZE", help=f"cap on the {tier} tier, e.g. 16GB (default: detected)")
+    p.add_argument("--max-memory", metavar="SIZE",
+                   help="memory the whole process may use, e.g. 8GB (default: the limit of its memory cgroup, if any)")
     p.add_argument("--no-page-cache", action="store_true",
                    help="disk reads skip the page cache (benchmarks measure the disk): O_DIRECT where the "
                         "filesystem allows it, else each read's pages are evicted after it, readahead off")
@@ -107,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-STRING_FLAGS = ("model", "path", "weights", "cache", "act", "gpu_mem", "cpu_mem", "disk_mem", "device", "dtype",
+STRING_FLAGS = ("model", "path", "weights", "cache", "act", "gpu_mem", "cpu_mem", "disk_mem", "max_memory", "device", "dtype",
                 "offload_dir", "json_out", "prompts_file", "input", "output")
 
 
@@ -155,6 +157,8 @@ def run(args) -> int:
                     compress_weight=args.compress_weight, compress_cache=args.compress_cache)
     caps = {f"{t}_mem": parse_size(getattr(args, f"{t}_mem"), f"--{t}-mem")
             for t in ("gpu", "cpu", "disk") if getattr(args, f"{t}_mem") is not None}
+    if args.max_memory is not None:
+        caps["max_memory"] = parse_size(args.max_memory, "--max-memory")
     device = parse_device(args.device or default_device())
     dtype = parse_dtype(args.dtype) if args.dtype else None
     spec, weights_dir = resolve_model(args.model, args.path)

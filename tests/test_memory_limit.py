@@ -1,0 +1,84 @@
+"""The process's memory limit: its cgroup's (v2 memory.max, v1 memory.limit_in_bytes, the tightest
+on its path up) or --max-memory, whichever leaves less room, caps what the CPU tier may use; the
+report says which applied; a policy over it is refused naming it."""
+
+import json
+
+import pytest
+
+from flexh2o.memory_limit import cgroup_limit, process_limit
+from flexh2o.run import main
+from conftest import last_line
+
+GB = 1 << 30
+
+
+def write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_a_cgroup_v2_limit_is_the_tightest_on_the_path_up(tmp_path):
+    write(tmp_path / "proc", "0::/jobs/job7/task\n")
+    root = tmp_path / "cg"
+    write(root / "jobs" / "memory.max", f"{8 * GB}\n")
+    write(root / "jobs" / "memory.current", f"{1 * GB}\n")
+    write(root / "jobs" / "job7" / "memory.max", f"{3 * GB}\n")
+    write(root / "jobs" / "job7" / "memory.current", f"{GB // 2}\n")
+    write(root / "jobs" / "job7" / "task" / "memory.max", "max\n")
+    write(root / "jobs" / "job7" / "task" / "memory.current", f"{GB // 2}\n")
+    limit = cgroup_limit(str(tmp_path / "proc"), str(root))
+    assert (limit.limit, limit.room) == (3 * GB, 3 * GB - GB // 2)
+    assert limit.source == f"cgroup v2 {root}/jobs/job7/memory.max"
+
+
+def test_a_cgroup_v1_memory_controller_limit(tmp_path):
+    write(tmp_path / "proc", "4:memory:/process_api/abc\n3:cpuset:/\n0::/\n")
+    root = tmp_path / "cg"
+    write(root / "memory" / "memory.limit_in_bytes", "9223372036854771712\n")  # no limit at the root
+    write(root / "memory" / "memory.usage_in_bytes", f"{5 * GB}\n")
+    write(root / "memory" / "process_api" / "abc" / "memory.limit_in_bytes", f"{2 * GB}\n")
+    write(root / "memory" / "process_api" / "abc" / "memory.usage_in_bytes", f"{GB}\n")
+    limit = cgroup_limit(str(tmp_path / "proc"), str(root))
+    assert (limit.limit, limit.room) == (2 * GB, GB)
+    assert limit.source.startswith("cgroup v1 ") and limit.source.endswith("abc/memory.limit_in_bytes")
+
+
+def test_no_limit_anywhere_is_none(tmp_path):
+    write(tmp_path / "proc", "0::/a\n")
+    write(tmp_path / "cg" / "a" / "memory.max", "max\n")
+    write(tmp_path / "cg" / "a" / "memory.current", "100\n")
+    assert cgroup_limit(str(tmp_path / "proc"), str(tmp_path / "cg")) is None
+    assert process_limit(None, str(tmp_path / "proc"), str(tmp_path / "cg")) is None
+
+
+def test_the_smaller_room_wins(tmp_path):
+    write(tmp_path / "proc", "0::/a\n")
+    write(tmp_path / "cg" / "a" / "memory.max", f"{64 * GB}\n")
+    write(tmp_path / "cg" / "a" / "memory.current", f"{GB}\n")
+    assert process_limit(2 * GB, str(tmp_path / "proc"), str(tmp_path / "cg")).source == "--max-memory"
+    assert process_limit(256 * GB, str(tmp_path / "proc"), str(tmp_path / "cg")).source.startswith("cgroup v2")
+
+
+def test_max_memory_caps_the_run_and_the_report_says_so(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert main(["--prompt-len", "16", "--gen-len", "2", "--gpu-batch-size", "2", "--dtype", "float32",
+                 "--max-memory", "40GB", "--json-out", str(out)]) == 0
+    assert "memory limit: " in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["memory_limit"]["source"] in ("--max-memory",) or report["memory_limit"]["source"].startswith("cgroup")
+
+
+def test_a_policy_over_the_limit_is_refused_naming_it(capsys):
+    code = main(["--prompt-len", "16", "--gen-len", "2", "--gpu-batch-size", "2", "--dtype", "float32",
+                 "--max-memory", "700MB", "--weights", "gpu=100"])
+    assert code == 2
+    line = last_line(capsys.readouterr().err)
+    assert line.startswith("error: --weights: the policy needs ") and "within the memory limit of " in line
+    assert line.endswith("(--max-memory))")  # the gpu tier is RAM here
+
+
+@pytest.mark.parametrize("value", ["lots", "0x10", ""])
+def test_a_bad_max_memory_is_one_line(value, capsys):
+    assert main(["--max-memory", value]) == 2
+    assert last_line(capsys.readouterr().err).startswith("error: --max-memory: ")
