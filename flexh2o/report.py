@@ -31,7 +31,7 @@ def peak_memory(engine) -> dict:
         "pinned_host_bytes": tiers.pinned_bytes() if tiers.on_cuda else None,
         "peak_rss_bytes": rss,
         "peak_disk_bytes": tiers.peak["disk"],
-        "memory_limit": None if limit is None else {"bytes": limit.limit, "source": limit.source},
+        "memory_limit": None if limit is None else {"bytes": limit.limit, "room_bytes": limit.room, "source": limit.source},
     }
 
 
