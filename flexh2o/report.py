@@ -12,7 +12,7 @@ import torch
 
 from .kv import budget, cache_bytes
 from .machine import describe_machine
-from .memory import layer_bytes
+from .memory import PROCESS_GROWTH, layer_bytes
 
 GB = 1 << 30
 
@@ -32,6 +32,10 @@ def peak_memory(engine) -> dict:
         "peak_rss_bytes": rss,
         "peak_disk_bytes": tiers.peak["disk"],
         "memory_limit": None if limit is None else {"bytes": limit.limit, "room_bytes": limit.room, "source": limit.source},
+        # The process itself: in use when the pre-flight read the free memory, and what it may grow by
+        # beyond the projection (PROCESS_GROWTH), against what its peak RSS did.
+        "process_at_preflight_bytes": engine.caps.get("process"),
+        "process_growth_allowed_bytes": PROCESS_GROWTH,
     }
 
 
@@ -82,6 +86,16 @@ def kv_description(policy, prompt_len: int, gen_len: int) -> str:
             f"{capacity} slots per sequence and head, of which {recent} recent)")
 
 
+def process_line(r: dict) -> str:
+    start = r.get("process_at_preflight_bytes")
+    if start is None or r["projected_gpu_mem_bytes"] is None:
+        return f"process growth allowed: {r['process_growth_allowed_bytes'] / GB:.3f} GB"
+    projected = r["projected_gpu_mem_bytes"] + r["projected_cpu_mem_bytes"]
+    beyond = r["peak_rss_bytes"] - start - (projected if r["device"] == "cpu" else r["projected_cpu_mem_bytes"])
+    return (f"process: {start / GB:.3f} GB at the pre-flight\tgrowth allowed: "
+            f"{r['process_growth_allowed_bytes'] / GB:.3f} GB\tpeak RSS beyond the projection: {beyond / GB:.3f} GB")
+
+
 def format_report(r: dict) -> str:
     p = r["policy"]
     lines = [
@@ -101,6 +115,7 @@ def format_report(r: dict) -> str:
            f"{r['pinned_host_bytes'] / GB:.3f} GB" if r["peak_gpu_allocator_bytes"] is not None else "")
         + (f"\tmemory limit: {r['memory_limit']['bytes'] / GB:.3f} GB ({r['memory_limit']['source']})"
            if r.get("memory_limit") else ""),
+        process_line(r),
         f"prefill latency: {r['prefill_latency_s']:.3f} s\tprefill throughput: {r['prefill_throughput']:.3f} token/s",
         f"decode latency: {r['decode_latency_s']:.3f} s\tdecode throughput: {r['decode_throughput']:.3f} token/s",
         f"total latency: {r['total_latency_s']:.3f} s\ttotal throughput: {r['total_throughput']:.3f} token/s",

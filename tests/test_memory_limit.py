@@ -3,12 +3,14 @@ on its path up) or --max-memory, whichever leaves less room, caps what the CPU t
 report says which applied; a policy over it is refused naming it."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
 from flexh2o.memory_limit import cgroup_limit, process_limit
 from flexh2o.run import main
-from conftest import last_line
+from conftest import REPO, last_line
 
 GB = 1 << 30
 
@@ -82,3 +84,21 @@ def test_a_policy_over_the_limit_is_refused_naming_it(capsys):
 def test_a_bad_max_memory_is_one_line(value, capsys):
     assert main(["--max-memory", value]) == 2
     assert last_line(capsys.readouterr().err).startswith("error: --max-memory: ")
+
+
+@pytest.mark.parametrize("flags", [
+    ["--weights", "gpu=100", "--cache", "gpu=100", "--gpu-batch-size", "4"],
+    ["--weights", "gpu=50,disk=50", "--cache", "gpu=50,disk=50", "--gpu-batch-size", "4", "--num-gpu-batches", "2"],
+    ["--weights", "disk=100", "--cache", "disk=100", "--gpu-batch-size", "8", "--hh-ratio", "0.2"],
+], ids=["in-memory", "split", "on-disk-h2o"])
+def test_a_run_stays_under_its_max_memory(tmp_path, flags):
+    """Where no cgroup can be made, --max-memory stands in for one: a run admitted by the pre-flight
+    peaks under it (scripts/bench_memory_limit.py checks the same inside real cgroups)."""
+    out = tmp_path / "r.json"
+    r = subprocess.run([sys.executable, "-m", "flexh2o.run", "--dtype", "float32", "--prompt-len", "64",
+                        "--gen-len", "4", "--max-memory", "1800MB", "--offload-dir", str(tmp_path), "--json-out",
+                        str(out), *flags], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    assert report["memory_limit"]["source"] in ("--max-memory",) or report["memory_limit"]["source"].startswith("cgroup")
+    assert report["peak_rss_bytes"] <= 1800 << 20

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..kv.home import batch_split
-from ..memory import RUNTIME_RESERVE, outside_allocator, run_need, weight_need
+from ..memory import PROCESS_GROWTH, outside_allocator, run_need, weight_need
 from .cost_model import DTYPE_BYTES, Channels, CostModel, Prediction, stage_time
 
 TIERS = ("gpu", "cpu", "disk")
@@ -69,7 +69,7 @@ def fits(need: dict, caps: dict, on_cuda: bool):
     for tier in TIERS:
         ok &= need[tier] <= caps[tier]
     if not on_cuda:
-        ok &= need["gpu"] + need["cpu"] <= caps["ram"] - RUNTIME_RESERVE
+        ok &= need["gpu"] + need["cpu"] <= caps["ram"] - PROCESS_GROWTH
     return ok
 
 
