@@ -27,7 +27,8 @@ GB = 1 << 30
 # What the process itself grows by during a run beyond the projection (allocator slack, the
 # tokenizer, I/O threads): the interpreter and torch are already in use when the free memory (or a
 # memory limit's room) is read, so they are not counted again. scripts/bench_memory_limit.py
-# measured 0.18-0.31 GB of peak RSS beyond the projection over its matrix (opt-125m, float32).
+# measured 0.13-0.40 GB of peak RSS beyond the projection over its matrix (opt-125m, float32, in
+# cgroups of 1, 1.5 and 3 GB; none was OOM-killed).
 PROCESS_GROWTH = 512 << 20
 # CUDA memory outside torch's allocator: the context, then the kernels loaded lazily as first used.
 # The free memory read on a device comes after its context exists; a profile's total comes before.
