@@ -53,14 +53,14 @@ from flexh2o.output import write_json_atomic, write_text_atomic  # noqa: E402
 from memory_budget import CgroupUnavailable, check_available, exit_on_sigterm, report_result, run_in_budget  # noqa: E402
 
 GB = 1 << 30
-DTYPE = cpu_compute_dtype()  # bfloat16 where the CPU multiplies it natively, else float32
+DTYPE = cpu_compute_dtype()  # bfloat16 where the CPU multiplies it natively, else float32 (--dtype sets it)
 DID_NOT_FIT = ("oom", "timeout")
 
 
 def make_checkpoint(spec, directory):
-    from bench_vs_transformers import hf_model
+    from bench_vs_transformers import opt_model
     if not os.path.exists(os.path.join(directory, "config.json")):
-        hf_model(spec, 0, DTYPE).save_pretrained(directory)
+        opt_model(spec, 0, DTYPE).save_pretrained(directory)
 
 
 def drop_page_cache(paths):
@@ -114,7 +114,28 @@ def child_accelerate(c):
             "threads": torch.get_num_threads()}
 
 
+def child_flexh2o_planned(c):
+    """`python -m flexh2o.run` as a user runs it: no caps, no placement: it finds its cgroup's limit
+    and plans batch and placement from it and the machine's profile."""
+    from flexh2o.run import main as run_main
+    report_path = os.path.join(c["offload_dir"] + "-report.json")
+    argv = ["--model", c["checkpoint"], "--dtype", str(DTYPE).removeprefix("torch."), "--prompt-len",
+            str(c["prompt_len"]), "--gen-len", str(c["gen_len"]), "--no-page-cache", "--offload-dir", c["offload_dir"],
+            "--max-batch", str(c["max_batch"]), "--json-out", report_path]
+    if run_main(argv) != 0:
+        raise SystemExit("flexh2o.run failed")
+    r = json.load(open(report_path))
+    os.remove(report_path)
+    steps = r["steps_done"]
+    return {"seconds": r["total_latency_s"], "prefill_s": r["prefill_latency_s"], "decode_s": r["decode_latency_s"],
+            "decode_step_s": r["decode_latency_s"] / max(1, steps - 1), "batch": r["batch_size"],
+            "policy": r["policy"], "memory_limit": r["memory_limit"], "peak_rss_bytes": r["peak_rss_bytes"],
+            "threads": torch.get_num_threads()}
+
+
 def child_flexh2o(c):
+    if c.get("planned"):
+        return child_flexh2o_planned(c)
     policy = Policy(**c["policy"])
     with Engine.from_pretrained(c["checkpoint"], policy=policy, device="cpu", dtype=DTYPE,
                                 offload_dir=c["offload_dir"], bypass_page_cache=True, gpu_mem=c["gpu_mem"],
@@ -130,7 +151,9 @@ def child_flexh2o(c):
 
 
 def child_main(config: str):
+    global DTYPE
     c = json.loads(config)
+    DTYPE = getattr(torch, c["dtype"])
     torch.set_grad_enabled(False)
     report_result((child_accelerate if c["engine"] == "accelerate" else child_flexh2o)(c))
 
@@ -148,6 +171,7 @@ class Runner:
         shutil.rmtree(offload, ignore_errors=True)
         drop_page_cache(glob.glob(os.path.join(self.checkpoint, "*")))
         c = {"engine": engine, "checkpoint": self.checkpoint, "offload_dir": offload, "batch": batch,
+             "dtype": str(DTYPE).removeprefix("torch."),
              "prompt_len": self.args.prompt_len, "gen_len": gen_len, **config}
         try:
             r = run_in_budget([sys.executable, os.path.abspath(__file__), "--child", json.dumps(c)],
@@ -163,7 +187,9 @@ class Runner:
         elif r.returncode != 0 or r.result is None:
             out["outcome"] = f"error (exit {r.returncode})"
         else:
-            out.update(r.result, outcome="ok", total_tok_s=batch * gen_len / r.result["seconds"])
+            out.update(r.result, outcome="ok")
+            out["batch"] = batch = r.result.get("batch", batch)  # a planned run chose its own
+            out["total_tok_s"] = batch * gen_len / r.result["seconds"]
         print(f"  {engine} batch {batch} gen {gen_len}: {out['outcome']} after {r.seconds:.0f} s, cgroup peak "
               f"{r.peak_bytes / GB:.2f} GB, {r.major_faults} major faults"
               + (f", {out['total_tok_s']:.2f} tok/s, step {out['decode_step_s']:.3f} s" if out["outcome"] == "ok" else ""),
@@ -243,6 +269,12 @@ def flexh2o_plan(spec, caps, prompt_len, gen_len, max_batch):
     return best
 
 
+def run_flexh2o_planned(runner):
+    """flexh2o planned from its cgroup's limit alone (issue 25): no caps, no reserve, no placement."""
+    a = runner.args
+    return [runner.run("flexh2o", None, a.gen_len, planned=True, max_batch=a.max_batch)]
+
+
 def run_flexh2o(runner, spec, cap):
     a = runner.args
     caps = capacities(torch.device("cpu"), a.workdir, gpu_mem=cap, cpu_mem=0)
@@ -264,8 +296,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="opt-1.3b")
     ap.add_argument("--budget", default="3GB", help="memory of each engine's process, enforced by a cgroup")
-    ap.add_argument("--reserve", default="0.5GB", help="of the budget, kept out of flexh2o's caps for the "
-                    "process itself (Python, torch, untracked buffers)")
+    ap.add_argument("--flexh2o", choices=["planned", "capped"], default="planned",
+                    help="planned: `flexh2o.run` with no caps, planning from the cgroup's limit it detects (the "
+                    "default); capped: the older search under gpu_mem = budget - --reserve")
+    ap.add_argument("--reserve", default="0.5GB", help="with --flexh2o capped: of the budget, kept out of flexh2o's "
+                    "caps for the process itself")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--gen-len", type=int, default=96)
     ap.add_argument("--probe-gen-len", type=int, default=4, help="new tokens of accelerate's probe runs")
@@ -280,8 +315,13 @@ def main():
                     "full runs get tighter limits from the probes before them")
     ap.add_argument("--engines", nargs="+", choices=["flexh2o", "accelerate"], default=["flexh2o", "accelerate"],
                     help="run only these (for checks; the comparison needs both)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                    help="of both engines (default: what this CPU computes fastest in)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    global DTYPE
+    if args.dtype:
+        DTYPE = getattr(torch, args.dtype)
     if args.child:
         return child_main(args.child)
     started = time.perf_counter()
@@ -292,18 +332,27 @@ def main():
         raise SystemExit(f"error: the memory budget cannot be enforced: {e}; not running unlimited")
     spec = PRESETS[args.model]
     budget, reserve = parse_size(args.budget, "--budget"), parse_size(args.reserve, "--reserve")
-    checkpoint = os.path.join(args.workdir, args.model)
+    checkpoint = os.path.join(args.workdir, f"{args.model}-{str(DTYPE).removeprefix('torch.')}")
     make_checkpoint(spec, checkpoint)
     weights_bytes = sum(layer_bytes(spec.build_layers(), DTYPE.itemsize, Policy()))
     runner = Runner(args, checkpoint, budget)
 
     ours, probes, theirs = [], [], []
-    if "flexh2o" in args.engines:
+    if "flexh2o" in args.engines and args.flexh2o == "planned":
+        print("flexh2o: planned by flexh2o.run itself from the cgroup's limit", flush=True)
+        ours = run_flexh2o_planned(runner)
+    elif "flexh2o" in args.engines:
         print(f"flexh2o: pre-flight under gpu_mem {(budget - reserve) / GB:.2f} GB, cpu_mem 0", flush=True)
         ours = run_flexh2o(runner, spec, budget - reserve)
     if "accelerate" in args.engines:
         print("accelerate: probes, then the full run", flush=True)
         probes, theirs = search_accelerate(runner, weights_bytes)
+    if args.flexh2o == "planned" and set(args.engines) == {"flexh2o", "accelerate"} and best_run(theirs)["outcome"] == "ok":
+        # One more run of each, in turn, in the same time window: the machine is shared and drifts.
+        h = best_run(theirs)
+        ours += run_flexh2o_planned(runner)
+        theirs.append(runner.run("accelerate", h["batch"], args.gen_len, 3 * h["wall_s"] + 120, resident=h["resident"],
+                                 resident_share=h["resident_share"]))
     f, h = best_run(ours), best_run(theirs)
     result = {"command": "python " + " ".join(sys.argv), "model": args.model,
               "dtype": str(DTYPE).removeprefix("torch."), "budget_bytes": budget,
@@ -326,6 +375,11 @@ def describe_run(r, weights_bytes) -> str:
                  + (f": {r['modules_resident']} modules resident, {r['modules_on_disk']} on disk" if "modules_on_disk" in r else ""))
         return where + ", cache in memory"
     p = r["policy"]
+    if r.get("planned"):
+        placement = " ".join(f"{k} {p[k + '_gpu_percent']:g}/{p[k + '_cpu_percent']:g}/"
+                             f"{100 - p[k + '_gpu_percent'] - p[k + '_cpu_percent']:g}" for k in ("w", "cache"))
+        return (f"planned by flexh2o.run from the cgroup's limit: {p['gpu_batch_size']} x {p['num_gpu_batches']} "
+                f"gpu-batches, {placement} (gpu/cpu/disk %)")
     return (f"weights {p['w_gpu_percent']:g}% in memory, {100 - p['w_gpu_percent']:g}% on disk; cache and hidden "
             f"states in memory; {p['gpu_batch_size']} x {p['num_gpu_batches']} gpu-batches; caps gpu_mem "
             f"{r['gpu_mem'] / GB:.2f} GB, cpu_mem 0")
@@ -386,10 +440,15 @@ def markdown(r, args) -> str:
                    if p["outcome"] == "ok" else " | | ")
         lines.append(f"| {p['resident_share']:.0%} ({p['resident'] / gb:.2f} GB) | {p['batch']} | {outcome(p)} | "
                      f"{figures} | {p['cgroup_peak_bytes'] / gb:.2f} |")
-    lines += ["", f"flexh2o: caps gpu_mem = budget - {args.reserve} reserve for the process, cpu_mem = 0 (the CPU "
+    lines += ["", "flexh2o: `python -m flexh2o.run` with no caps and no placement flags: it read the cgroup's limit "
+              "itself and planned batch and placement from it and this machine's profile; it ran once before "
+              "accelerate's search and once more right after accelerate's last run (interleaved), and its best "
+              "run is compared with accelerate's best.", ""] if args.flexh2o == "planned" else \
+        ["", f"flexh2o: caps gpu_mem = budget - {args.reserve} reserve for the process, cpu_mem = 0 (the CPU "
               "computes, so both of the engine's memory tiers are this same RAM); the engine's pre-flight admitted "
               "the largest batch over weight shares in memory (5% steps, the rest on disk), the cache in memory and "
-              "1 or 2 gpu-batches; a run that does not fit the budget steps the batch down by a quarter.", "",
+              "1 or 2 gpu-batches; a run that does not fit the budget steps the batch down by a quarter.", ""]
+    lines += [
               "accelerate (with transformers 5) keeps its resident weights as memory-mapped checkpoint pages: they "
               "count against its budget as page cache, and when its KV cache grows the kernel may drop some and "
               "read them again (major faults above). flexh2o holds its resident weights in anonymous memory.", "",
