@@ -215,7 +215,8 @@ class Tiers(Buffers):
                 picked[inside] = got
             else:
                 picked[inside] = seg.data[local]
-        self.count_h2d(picked)
+        moved = len(rows) - sum(len(inside) for inside, _ in on_device)
+        self.count_h2d(picked[:moved])  # the rows not on the device already (their bytes, whichever they are)
         picked = picked.to(self.compute)
         for inside, data in on_device:
             picked[inside.to(self.compute)] = data
