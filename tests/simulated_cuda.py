@@ -217,7 +217,8 @@ class SimulatedCuda:
         monkeypatch.setattr(cuda, "cudart", lambda: self.cudart)
         monkeypatch.setattr(cuda, "max_memory_allocated", lambda device=None: 0)
         monkeypatch.setattr(torch, "empty", self.empty)
-        def copy_(dst, src, non_blocking=False):
+
+        def copy_(dst, src, non_blocking=False):  # a function: a bound method set on the class would not bind
             return self.copy_(dst, src, non_blocking)
         monkeypatch.setattr(torch.Tensor, "copy_", copy_)
         init = flexh2o.buffers.Buffers.__init__
