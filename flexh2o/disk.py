@@ -351,10 +351,8 @@ class DiskStore:
         """Fills out[i] (a contiguous CPU tensor [n, ...]) from row rows[i] of a file of equal-sized
         rows; rows sorted ascending. Neighbouring rows come in one read."""
         row_bytes = out[0].numel() * out.element_size()
-        r = rows.tolist()
-        breaks = [0] + [i for i in range(1, len(r)) if r[i] != r[i - 1] + 1] + [len(r)]
-        for a, b in zip(breaks, breaks[1:]):
-            self.read(f, r[a] * row_bytes, out[a:b])
+        for a, b, first in runs(rows):
+            self.read(f, first * row_bytes, out[a:b])
 
     def write_rows(self, f: DiskFile, rows: torch.Tensor, data: torch.Tensor):
         """Writes data[i] (a contiguous CPU tensor [n, ...]) at row rows[i] of a file of equal-sized rows;
@@ -362,16 +360,22 @@ class DiskStore:
         never synced here (see the module note)."""
         row_bytes = data[0].numel() * data.element_size()
         view = as_bytes(data.contiguous())
-        r = rows.tolist()
-        breaks = [0] + [i for i in range(1, len(r)) if r[i] != r[i - 1] + 1] + [len(r)]
         with self._writing():
-            for a, b in zip(breaks, breaks[1:]):
-                pwrite_all(f.fd, view[a * row_bytes: b * row_bytes], r[a] * row_bytes)
+            for a, b, first in runs(rows):
+                pwrite_all(f.fd, view[a * row_bytes: b * row_bytes], first * row_bytes)
         with self._count:
             self.bytes_written += len(view)
 
     def close(self):
         self._cleanup()
+
+
+def runs(rows: torch.Tensor):
+    """(a, b, rows[a]) for each run rows[a:b] of consecutive row numbers (rows sorted ascending)."""
+    r = rows.tolist()
+    breaks = [0] + [i for i in range(1, len(r)) if r[i] != r[i - 1] + 1] + [len(r)]
+    for a, b in zip(breaks, breaks[1:]):
+        yield a, b, r[a]
 
 
 def _widen(offset: int, nbytes: int) -> tuple[int, int]:

@@ -1,6 +1,7 @@
 """The Python API: Engine.from_pretrained(...) and engine.generate(...)."""
 
 import dataclasses
+import functools
 import threading
 from dataclasses import dataclass
 
@@ -85,6 +86,19 @@ def check_token_ids(name: str, ids, vocab_size: int):
     outside = ids[(ids < 0) | (ids >= vocab_size)]
     if outside.numel():
         raise UsageError(name, f"holds token ids outside the vocabulary [0, {vocab_size}): {outside[:3].tolist()}")
+
+
+def one_call_at_a_time(method):
+    """An engine method run under the engine's lock, refused once the engine is closed: one run at a
+    time owns the caches, the pool and the I/O threads."""
+    @functools.wraps(method)
+    def call(engine, *args, **kwargs):
+        with engine._calls:
+            if engine.closed:
+                raise UsageError(method.__name__, "the engine was closed; load the model again "
+                                 "(Engine.from_pretrained)")
+            return method(engine, *args, **kwargs)
+    return call
 
 
 def act_tier(policy: Policy) -> str:
@@ -185,6 +199,7 @@ class Engine:
     def __exit__(self, *exc):
         self.close()
 
+    @one_call_at_a_time
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  max_new_tokens: int = 32, do_sample: bool = False, temperature: float = 1.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
@@ -205,16 +220,6 @@ class Engine:
         stop_check(row, tokens): called after each step with a running sequence's new tokens so far,
         True ends it (as EOS does).
         """
-        with self._calls:  # one run at a time owns the caches, the pool and the I/O threads
-            if self.closed:
-                raise UsageError("generate", "the engine was closed; load the model again (Engine.from_pretrained)")
-            return self._generate(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p,
-                                  seed, eos_token_id, pad_token_id, output_scores, progress, forced_tokens,
-                                  row_seeds, row_max_new_tokens, stop_check)
-
-    def _generate(self, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p, seed,
-                  eos_token_id, pad_token_id, output_scores, progress, forced_tokens, row_seeds,
-                  row_max_new_tokens, stop_check):
         policy, spec = self.policy, self.spec
         check_token_ids("input_ids", input_ids, spec.vocab_size)
         if input_ids.dim() != 2 or input_ids.shape[0] != policy.batch_size or input_ids.shape[1] == 0:

@@ -106,9 +106,14 @@ def stop_at_once():
     def stop(signum, frame):
         _say(f"stopped by {signal.Signals(signum).name}: the run was cancelled before it started")
         os._exit(128 + signum)
+    _install(stop)
+
+
+def _install(handler):
+    """handler for every handled signal not ignored at start (SIGHUP under nohup stays ignored)."""
     for signum in HANDLED:
         if signal.getsignal(signum) is not signal.SIG_IGN:
-            signal.signal(signum, stop)
+            signal.signal(signum, handler)
 
 
 def run_stoppable(main) -> int:
@@ -116,9 +121,7 @@ def run_stoppable(main) -> int:
     stderr and exit code 128 + signum (130 for Ctrl-C). A signal ignored when the run starts
     (SIGHUP under nohup) stays ignored; one that comes after main() returned changes nothing."""
     if threading.current_thread() is threading.main_thread():
-        for signum in HANDLED:
-            if signal.getsignal(signum) is not signal.SIG_IGN:
-                signal.signal(signum, _handle)
+        _install(_handle)
     code = None
     # Only one Stopped is ever raised: it is caught here wherever it lands, also after main()
     # returned and before `closing` is set, so it never escapes as a traceback.
