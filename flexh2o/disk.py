@@ -12,6 +12,11 @@ where the filesystem allows it, else the pages a read touched are evicted after 
 off. (An offload dir on tmpfs is memory: nothing to bypass, and the mode says so.) Writes stay
 buffered: an O_DIRECT read first flushes the dirty pages of its range, so it sees them; a per-token
 fdatasync would only measure the sync.
+
+With `flush_writes` (a memory limit applies: a cgroup charges the process for its dirty pages until
+they reach the disk), written pages are flushed whenever the store has DIRTY_WINDOW bytes not yet
+flushed, and large writes go out a window at a time: each writing thread holds at most a window
+dirty (overhead.py counts that).
 """
 
 import errno
@@ -28,6 +33,7 @@ import numpy as np
 import torch
 
 from .errors import UsageError
+from .overhead import DIRTY_WINDOW
 from .signals import deferred
 
 MAX_IO = 1 << 30    # bytes per system call; Linux caps a single read/write near 2 GiB
@@ -267,8 +273,10 @@ class DiskFile:
 
 
 class DiskStore:
-    def __init__(self, offload_dir: str, bypass_page_cache: bool = False):
+    def __init__(self, offload_dir: str, bypass_page_cache: bool = False, flush_writes: bool = False):
         self.files: list[DiskFile] = []
+        self.flush_writes = flush_writes
+        self._unflushed: dict = {}  # file -> bytes written to it since it was last flushed (with flush_writes)
         with deferred():  # a signal before the finalizer is registered would leave the folders behind
             self.dir, created = make_run_dir(offload_dir)
             self._cleanup = weakref.finalize(self, _remove, self.dir, self.files, created)
@@ -295,6 +303,8 @@ class DiskStore:
         return f
 
     def remove(self, f: DiskFile):
+        with self._count:
+            self._unflushed.pop(f, None)
         f.close()
         os.unlink(f.path)
         self.files.remove(f)
@@ -338,12 +348,15 @@ class DiskStore:
         whole tensors (weights at load time, the prompt's cache): with bypass on, their pages are
         synced and dropped so they do not sit in RAM."""
         view = as_bytes(data)
+        step = DIRTY_WINDOW if self.flush_writes else len(view)
         with self._writing():
-            pwrite_all(f.fd, view, offset)
-            if self.page_cache in (DIRECT, EVICTED):
-                os.fdatasync(f.fd)
-                start, end = _widen(offset, len(view))
-                os.posix_fadvise(f.fd, start, end - start, os.POSIX_FADV_DONTNEED)
+            for pos in range(0, len(view), max(step, 1)):
+                pwrite_all(f.fd, view[pos: pos + step], offset + pos)
+                if self.page_cache in (DIRECT, EVICTED) or self.flush_writes:
+                    os.fdatasync(f.fd)
+                if self.page_cache in (DIRECT, EVICTED):
+                    start, end = _widen(offset + pos, len(view[pos: pos + step]))
+                    os.posix_fadvise(f.fd, start, end - start, os.POSIX_FADV_DONTNEED)
         with self._count:
             self.bytes_written += len(view)
 
@@ -363,8 +376,21 @@ class DiskStore:
         with self._writing():
             for a, b, first in runs(rows):
                 pwrite_all(f.fd, view[a * row_bytes: b * row_bytes], first * row_bytes)
+            if self.flush_writes:
+                self._flush_past_window(f, len(view))
         with self._count:
             self.bytes_written += len(view)
+
+    def _flush_past_window(self, f: DiskFile, nbytes: int):
+        """Counts `nbytes` written to f; once the store holds DIRTY_WINDOW unflushed, flushes them all."""
+        with self._count:
+            self._unflushed[f] = self._unflushed.get(f, 0) + nbytes
+            if sum(self._unflushed.values()) < DIRTY_WINDOW:
+                return
+            files, self._unflushed = list(self._unflushed), {}
+        for g in files:
+            if g.fd is not None:
+                os.fdatasync(g.fd)
 
     def close(self):
         self._cleanup()

@@ -12,7 +12,7 @@ from .disk import DiskStore, check_offload_dir
 from .errors import UsageError
 from .kv import make_policy
 from .machine import cpu_compute_dtype
-from .memory import add, capacities, check_fits, run_need, weight_need
+from .memory import add, capacities, check_fits, load_transient, projected_need, run_need, weight_need, with_loading
 from .models import eos_ids, is_gguf, resolve_model
 from .policy import Policy
 from .sampling import Sampler, check_seed
@@ -115,6 +115,7 @@ class Engine:
         self.spec, self.layers, self.policy, self.tiers = spec, layers, policy, tiers
         self.weights_source, self.caps, self.placement_flag = weights_source, caps, placement_flag
         self.weight_need = weight_need(layers, tiers.dtype.itemsize, policy, tiers.compute)
+        self.load_transient = load_transient(layers, tiers.dtype.itemsize, policy)
         self.last_stats: GenerationStats | None = None
         self._calls = threading.Lock()
         self.closed = False
@@ -153,12 +154,16 @@ class Engine:
             raise UsageError("--offload-dir", "the policy puts tensors on disk: give an offload directory")
         if uses_disk:
             check_offload_dir(offload_dir)
-        caps = capacities(device, offload_dir if uses_disk else None, gpu_mem, cpu_mem, disk_mem, max_memory)
-        need = weight_need(layers, dtype.itemsize, policy, device)
+        caps = capacities(device, offload_dir if uses_disk else None, gpu_mem, cpu_mem, disk_mem, max_memory,
+                          str(dtype).removeprefix("torch."))
         if prompt_len and gen_len:
-            need = add(need, run_need(spec, policy, dtype.itemsize, prompt_len, gen_len, device))
+            need = projected_need(spec, layers, policy, dtype.itemsize, prompt_len, gen_len, device)
+        else:
+            none = {"gpu": 0, "cpu": 0, "disk": 0}
+            need = with_loading(weight_need(layers, dtype.itemsize, policy, device), none,
+                                load_transient(layers, dtype.itemsize, policy), device.type == "cuda")
         check_fits(need, caps, device, placement_flag)
-        disk = DiskStore(offload_dir, bypass_page_cache) if uses_disk else None
+        disk = DiskStore(offload_dir, bypass_page_cache, flush_writes=caps["limit"] is not None) if uses_disk else None
         tiers = Tiers(device, dtype, disk, overlap=policy.overlap)
         try:
             for layer in tqdm(layers, desc="load weights", unit="layer", disable=not progress, leave=False):

@@ -10,6 +10,7 @@ import re
 import shutil
 from collections import Counter
 
+import numpy as np
 import psutil
 import torch
 
@@ -19,17 +20,12 @@ from .kv import POLICIES, budget, cache_bytes, slot_bytes
 from .kv.compressed import working_bytes
 from .kv.home import IN_FLIGHT, batch_split, cpu_attention_dtype
 from .memory_limit import process_limit
+from .overhead import DEFAULT_GROWTH, Growth, process_growth
 from .models.attention import PROBS_CHUNK_BYTES
-from .quant import DEQUANT_WORKING_BYTES, compressible, stored_row_bytes
+from .quant import BLOCK_VALUES, DEQUANT_WORKING_BYTES, compressible, stored_row_bytes
 from .tiers import split_rows
 
 GB = 1 << 30
-# What the process itself grows by during a run beyond the projection (allocator slack, the
-# tokenizer, I/O threads): the interpreter and torch are already in use when the free memory (or a
-# memory limit's room) is read, so they are not counted again. scripts/bench_memory_limit.py
-# measured 0.13-0.40 GB of peak RSS beyond the projection over its matrix (opt-125m, float32, in
-# cgroups of 1, 1.5 and 3 GB; none was OOM-killed).
-PROCESS_GROWTH = 512 << 20
 # CUDA memory outside torch's allocator: the context, then the kernels loaded lazily as first used.
 # The free memory read on a device comes after its context exists; a profile's total comes before.
 CUDA_CONTEXT_BYTES = 512 << 20
@@ -52,12 +48,14 @@ def parse_size(text: str, flag: str) -> int:
 
 
 def capacities(device: torch.device, offload_dir: str | None, gpu_mem=None, cpu_mem=None, disk_mem=None,
-               max_memory=None) -> dict:
+               max_memory=None, dtype: str | None = None) -> dict:
     """Bytes each tier may use: the caps given, else what the machine reports free; "ram", the
     memory free now, which the gpu and cpu tiers share when the CPU computes (measured once, before
     anything is loaded, so a later check does not count the loaded weights twice), within the
     process's memory limit where one applies (its cgroup's, or max_memory: "limit", memory_limit.py);
-    and "given", the tiers whose cap was given (a tier over a given cap is blamed on its --<tier>-mem flag)."""
+    "given", the tiers whose cap was given (a tier over a given cap is blamed on its --<tier>-mem flag);
+    "process", its RSS now; and "growth", what it may grow by beyond the projection (overhead.py)
+    for a run in `dtype` (default: the device's) with torch's threads."""
     limit = process_limit(max_memory)
     available = psutil.virtual_memory().available
     if limit is not None:
@@ -68,7 +66,28 @@ def capacities(device: torch.device, offload_dir: str | None, gpu_mem=None, cpu_
     if disk_mem is None:
         disk_mem = shutil.disk_usage(existing_ancestor(offload_dir)).free if offload_dir else 0
     return {"gpu": gpu_mem, "cpu": available if cpu_mem is None else cpu_mem, "disk": disk_mem, "ram": available,
-            "given": given, "limit": limit, "process": psutil.Process().memory_info().rss}
+            "given": given, "limit": limit, "process": psutil.Process().memory_info().rss,
+            "growth": local_growth(device, dtype)}
+
+
+def local_growth(device: torch.device, dtype: str | None) -> Growth:
+    """The process growth the local profile calibrated for this run's dtype and torch's threads."""
+    from .machine import cpu_compute_dtype
+    from .optimizer.hardware import LOCAL, load_profile
+    try:
+        profile = load_profile(LOCAL)
+    except UsageError:
+        profile = None
+    if profile is not None and profile.device != device.type:
+        profile = None
+    if dtype is None:
+        dtype = "float16" if device.type == "cuda" else str(cpu_compute_dtype()).removeprefix("torch.")
+    return process_growth(profile, dtype, torch.get_num_threads())
+
+
+def growth_bytes(caps: dict) -> int:
+    growth = caps.get("growth")
+    return DEFAULT_GROWTH if growth is None else growth.bytes
 
 
 def outside_allocator(context_exists: bool) -> int:
@@ -79,11 +98,17 @@ def outside_allocator(context_exists: bool) -> int:
 _PREPARED = {}  # (layer class, weight shapes) -> the shapes prepare() makes of them
 
 
+def cat_shapes(shapes: list[tuple]) -> tuple:
+    """The shape torch.cat (along dim 0) makes of tensors of these shapes. (Meta tensors would do,
+    but their cat pulls in torch._dynamo: 75 MB the pre-flight's own process does not need.)"""
+    return (sum(s[0] for s in shapes), *shapes[0][1:])
+
+
 def stored_shapes(layer, dtype_bytes: int, policy) -> list[tuple]:
     """(shape, compressed, bytes of a row as stored) of each tensor a layer places (after prepare)."""
     key = type(layer), tuple(shape for _, shape in layer.weight_specs())
     if key not in _PREPARED:
-        _PREPARED[key] = [tuple(t.shape) for t in layer.prepare([torch.empty(s, device="meta") for s in key[1]])]
+        _PREPARED[key] = layer.prepare([tuple(s) for s in key[1]], cat=cat_shapes)
     out = []
     for shape in _PREPARED[key]:
         compressed = policy.compress_weight and compressible(shape)
@@ -166,6 +191,36 @@ def compute_copy_bytes(layers, dtype_bytes: int, policy, device) -> int:
     return sum(nbytes * count for (_, nbytes), count in most.items())
 
 
+def load_transient(layers, dtype_bytes: int, policy) -> int:
+    """Host memory loading takes beyond the placed weights, at its peak: one layer's tensors as read
+    (in the run's width, weights.py), the concatenations prepare() makes of them, and while a
+    compressed one is quantized its groups and a block's float32 temporaries."""
+    def layer(layer):
+        read = sum(math.prod(shape) for _, shape in layer.weight_specs()) * dtype_bytes
+        shapes = [tuple(shape) for _, shape in layer.weight_specs()]
+        stored = stored_shapes(layer, dtype_bytes, policy)
+        made = sum(math.prod(shape) for shape, _, _ in stored if shape not in shapes) * dtype_bytes
+        quantized = max((shape[0] * rb + 8 * BLOCK_VALUES for shape, compressed, rb in stored if compressed), default=0)
+        return read + made + quantized
+    return max(per_layer(layers, layer))
+
+
+def with_loading(need: dict, run: dict, transient, on_cuda: bool) -> dict:
+    """`need` (weights and run together) with what loading needs beyond the run's host share: while
+    the weights load, the run's cache and buffers do not exist yet, but one layer's tensors do."""
+    host = run["cpu"] if on_cuda else run["gpu"] + run["cpu"]
+    return {**need, "cpu": need["cpu"] + np.maximum(transient - host, 0)}
+
+
+def projected_need(spec, layers, policy, dtype_bytes: int, prompt_len: int, gen_len: int, device,
+                   weights: dict | None = None) -> dict:
+    """What the pre-flight checks: the weights (`weights`, their weight_need, if known), one generate
+    call's cache, activations and working set, and loading's transient beyond those."""
+    weights = weights if weights is not None else weight_need(layers, dtype_bytes, policy, device)
+    run = run_need(spec, policy, dtype_bytes, prompt_len, gen_len, device)
+    return with_loading(add(weights, run), run, load_transient(layers, dtype_bytes, policy), device.type == "cuda")
+
+
 def run_need(spec, policy, dtype_bytes: int, prompt_len: int, gen_len: int, device,
              output_scores: bool = False, io_threads: int = IO_THREADS) -> dict:
     """Cache, activations and working set of one generate call."""
@@ -245,13 +300,14 @@ def check_fits(need: dict, caps: dict, device, flag: str = "--percent"):
                              f"the policy needs {format_size(need[tier])} on the {tier} tier, which holds "
                              f"{format_size(caps[tier])} ({holds(tier, given, caps.get('limit'), device)})")
     if device.type == "cpu":
-        ram = (caps.get("ram") or psutil.virtual_memory().available) - PROCESS_GROWTH
+        growth = growth_bytes(caps)
+        ram = (caps.get("ram") or psutil.virtual_memory().available) - growth
         if need["gpu"] + need["cpu"] > ram:
             limit = caps.get("limit")
             under = f", under the memory limit of {limit.describe()}" if limit is not None else ""
             raise UsageError(flag, f"the policy needs {format_size(need['gpu'] + need['cpu'])} of memory "
                              f"(gpu and cpu tiers are both RAM here), {format_size(max(ram, 0))} is available "
-                             f"(free memory less {format_size(PROCESS_GROWTH)} for the process's own growth{under})")
+                             f"(free memory less {format_size(growth)} for the process's own growth{under})")
 
 
 def holds(tier: str, given: bool, limit, device) -> str:

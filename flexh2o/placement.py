@@ -12,17 +12,16 @@ import dataclasses
 import torch
 
 from .errors import UsageError
-from .memory import add, check_fits, format_size, run_need, weight_need
+from .memory import check_fits, format_size, projected_need, weight_need
 
 STEP = 5
 
 
 def fits(spec, policy, dtype_bytes, prompt_len, gen_len, caps, device, weights=None) -> bool:
     """Whether the pre-flight projection admits the policy (weights: its weight_need, if known)."""
-    if weights is None:
-        weights = weight_need(spec.build_layers(), dtype_bytes, policy, device)
+    layers = spec.build_layers()
     try:
-        check_fits(add(weights, run_need(spec, policy, dtype_bytes, prompt_len, gen_len, device)), caps, device)
+        check_fits(projected_need(spec, layers, policy, dtype_bytes, prompt_len, gen_len, device, weights), caps, device)
     except UsageError:
         return False
     return True
@@ -68,7 +67,7 @@ def smallest_need(spec, policy, dtype_bytes: int, prompt_len: int, gen_len: int,
     """(placement, need per tier) of the candidate needing the least memory (gpu + cpu), then disk."""
     least = None
     for p in candidates(policy):
-        need = add(weights.of(p), run_need(spec, p, dtype_bytes, prompt_len, gen_len, device))
+        need = projected_need(spec, weights.layers, p, dtype_bytes, prompt_len, gen_len, device, weights.of(p))
         if least is None or (need["gpu"] + need["cpu"], need["disk"]) < least[0]:
             least = (need["gpu"] + need["cpu"], need["disk"]), p, need
     return least[1:]

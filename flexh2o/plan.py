@@ -90,7 +90,7 @@ def plan(args) -> int:
     if args.dtype is not None and not profile.knows(args.dtype):
         raise UsageError("--dtype", f"the {profile.name} profile has no figures for {args.dtype} (it has "
                          f"{', '.join(sorted(profile.matmul_flops))})")
-    caps = plan_capacities(profile, offload_dir, *sizes)
+    caps = plan_capacities(profile, offload_dir, *sizes, dtype=args.dtype)
     start = time.perf_counter()
     found = search(spec, args.prompt_len, args.gen_len, profile, caps, base, dtype=args.dtype,
                      allow_compression=args.allow_compression, max_batch=args.max_batch, total_batch=args.batch)

@@ -49,7 +49,7 @@ def planned_policy(args, policy, spec, dtype: str, caps: dict, profile, offload_
         raise UsageError("--dtype", f"the local profile has no figures for {dtype} (it has "
                          f"{', '.join(sorted(profile.matmul_flops))}): give --gpu-batch-size and a placement to run it")
     limits = plan_capacities(profile, offload_dir, caps.get("gpu_mem"), caps.get("cpu_mem"), caps.get("disk_mem"),
-                             caps.get("max_memory"))
+                             caps.get("max_memory"), dtype)
     total = len(read_lines(args.prompts_file)) if args.prompts_file else None
     if total is not None and args.max_batch is not None and args.max_batch < total:
         raise UsageError("--max-batch", f"is {args.max_batch}, below the {total} prompts of --prompts-file")

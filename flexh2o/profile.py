@@ -106,7 +106,9 @@ def profile_rows(p: HardwareProfile) -> list[tuple[str, str]]:
                  ("device to host, pageable", bandwidth(p.d2h_pageable))]
     return rows + [("memcpy", bandwidth(p.memcpy)), ("disk read", bandwidth(p.disk_read)),
                    ("disk write", bandwidth(p.disk_write)), ("dequantize", f"{p.dequant / 1e9:.3f} G values/s"),
-                   ("layer overhead", f"{p.layer_overhead * 1e3:.3f} ms per layer call")] + attention_call_rows(p)
+                   ("layer overhead", f"{p.layer_overhead * 1e3:.3f} ms per layer call")] + attention_call_rows(p) \
+        + [(f"process growth, {dtype}, {threads} threads", f"{nbytes / 1e6:.0f} MB beyond the projection")
+           for dtype, table in (p.process_growth or {}).items() for threads, nbytes in table.items()]
 
 
 def attention_call_rows(p: HardwareProfile) -> list[tuple[str, str]]:

@@ -43,12 +43,16 @@ def packed_bytes(shape) -> int:
 
 
 def check_quantizable(x: torch.Tensor):
-    """Raises ValueError for what 4-bit groups cannot hold: inf, NaN, values beyond float16's range."""
-    if not torch.isfinite(x).all():
-        raise ValueError("cannot quantize a tensor holding inf or NaN")
-    if x.numel() and x.abs().max() > FLOAT16_MAX:
-        raise ValueError(f"cannot quantize values beyond float16's range (|x| > {FLOAT16_MAX:g}): "
-                         "the group minimum and scale are stored as float16")
+    """Raises ValueError for what 4-bit groups cannot hold: inf, NaN, values beyond float16's range.
+    Checked BLOCK_VALUES at a time, so its temporaries stay small beside a large weight."""
+    flat = x.reshape(-1)
+    for start in range(0, flat.numel(), BLOCK_VALUES):
+        block = flat[start: start + BLOCK_VALUES]
+        if not torch.isfinite(block).all():
+            raise ValueError("cannot quantize a tensor holding inf or NaN")
+        if block.abs().max() > FLOAT16_MAX:
+            raise ValueError(f"cannot quantize values beyond float16's range (|x| > {FLOAT16_MAX:g}): "
+                             "the group minimum and scale are stored as float16")
 
 
 def _round_float16(x: torch.Tensor, up: bool) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 
 from .kv import budget, cache_bytes
 from .machine import describe_machine
-from .memory import PROCESS_GROWTH, layer_bytes
+from .memory import growth_bytes, layer_bytes
 
 GB = 1 << 30
 
@@ -32,10 +32,14 @@ def peak_memory(engine) -> dict:
         "peak_rss_bytes": rss,
         "peak_disk_bytes": tiers.peak["disk"],
         "memory_limit": None if limit is None else {"bytes": limit.limit, "room_bytes": limit.room, "source": limit.source},
-        # The process itself: in use when the pre-flight read the free memory, and what it may grow by
-        # beyond the projection (PROCESS_GROWTH), against what its peak RSS did.
+        # The process itself: in use when the pre-flight read the free memory; what loading held
+        # beyond the placed weights; what it may grow by beyond the projection (overhead.py), and
+        # where that figure came from; against what its peak RSS did.
         "process_at_preflight_bytes": engine.caps.get("process"),
-        "process_growth_allowed_bytes": PROCESS_GROWTH,
+        "load_transient_bytes": engine.load_transient,
+        "weights_in_memory_bytes": engine.weight_need["gpu"] + engine.weight_need["cpu"],
+        "process_growth_allowed_bytes": growth_bytes(engine.caps),
+        "process_growth_source": engine.caps["growth"].source if engine.caps.get("growth") else "default",
     }
 
 
@@ -87,13 +91,26 @@ def kv_description(policy, prompt_len: int, gen_len: int) -> str:
 
 
 def process_line(r: dict) -> str:
+    """The process's own line: RSS at the pre-flight, loading's transient, the growth allowed (and
+    its source), and how far the peak RSS went beyond the projection (loading's or the run's)."""
+    growth = (f"growth allowed: {r['process_growth_allowed_bytes'] / GB:.3f} GB ({r['process_growth_source']})"
+              f"\tloading: {r['load_transient_bytes'] / GB:.3f} GB beyond the placed weights")
+    beyond = rss_beyond_projection(r)
+    if beyond is None:
+        return growth
+    return (f"process: {r['process_at_preflight_bytes'] / GB:.3f} GB at the pre-flight\t{growth}\t"
+            f"peak RSS beyond the projection: {beyond / GB:.3f} GB")
+
+
+def rss_beyond_projection(r: dict) -> int | None:
+    """How far the process's peak RSS went past its RSS at the pre-flight plus the projection of host
+    memory (the larger of loading's and the run's): the growth the pre-flight allowed for, as it was."""
     start = r.get("process_at_preflight_bytes")
     if start is None or r["projected_gpu_mem_bytes"] is None:
-        return f"process growth allowed: {r['process_growth_allowed_bytes'] / GB:.3f} GB"
-    projected = r["projected_gpu_mem_bytes"] + r["projected_cpu_mem_bytes"]
-    beyond = r["peak_rss_bytes"] - start - (projected if r["device"] == "cpu" else r["projected_cpu_mem_bytes"])
-    return (f"process: {start / GB:.3f} GB at the pre-flight\tgrowth allowed: "
-            f"{r['process_growth_allowed_bytes'] / GB:.3f} GB\tpeak RSS beyond the projection: {beyond / GB:.3f} GB")
+        return None
+    host = ["projected_gpu_mem_bytes", "projected_cpu_mem_bytes"] if r["device"] == "cpu" else ["projected_cpu_mem_bytes"]
+    loading = r["weights_in_memory_bytes"] + r["load_transient_bytes"] if r["device"] == "cpu" else 0
+    return r["peak_rss_bytes"] - start - max(sum(r[k] for k in host), loading)
 
 
 def format_report(r: dict) -> str:

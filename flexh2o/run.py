@@ -173,9 +173,10 @@ def run(args) -> int:
         raise UsageError("--prompt-len/--gen-len", f"prompt_len + gen_len = {args.prompt_len + args.gen_len} "
                          f"exceeds the {spec.max_positions} positions of {spec.name}")
     check_budget(policy, args.prompt_len)
-    policy, profile = choose_policy(args, policy, spec, device, dtype, caps, planning)
     dummy = args.dummy or weights_dir is None
+    # Before the pre-flight reads the free memory: what the tokenizer holds is then already in use.
     tokenizer = None if dummy and not args.prompts_file else load_tokenizer(weights_dir)
+    policy, profile = choose_policy(args, policy, spec, device, dtype, caps, planning)
     tokens = read_prompts(args.prompts_file, tokenizer, policy.batch_size, args.prompt_len, args.chat) \
         if args.prompts_file else None
     engine = load_engine(args, policy, device, dtype, caps, dummy)

@@ -47,13 +47,13 @@ def fit_default_placement(args, policy, spec, device, dtype, caps) -> Policy:
     """No placement flags: everything on the compute device if it fits, else a placement that does."""
     dtype_bytes = (dtype or default_dtype(device)).itemsize
     limits = capacities(device, None, caps.get("gpu_mem"), caps.get("cpu_mem"), caps.get("disk_mem"),
-                        caps.get("max_memory"))
+                        caps.get("max_memory"), dtype_name(dtype, device))
     if fits(spec, policy, dtype_bytes, args.prompt_len, args.gen_len, limits, device):
         return policy
     offload_dir = args.offload_dir or default_offload_dir()
     check_offload_dir(offload_dir)
     limits = capacities(device, offload_dir, caps.get("gpu_mem"), caps.get("cpu_mem"), caps.get("disk_mem"),
-                        caps.get("max_memory"))
+                        caps.get("max_memory"), dtype_name(dtype, device))
     weights = WeightNeeds(spec, dtype_bytes, device)
     fitted = fitted_placement(spec, policy, dtype_bytes, args.prompt_len, args.gen_len, limits, device, weights)
     if fitted is None:

@@ -1,7 +1,8 @@
 """Weight sources: a Hugging Face checkpoint directory, or deterministic dummy weights.
 
-Both hand out one tensor at a time by its checkpoint name (without the leading `model.`), so a
-model larger than memory is never read whole. `check` validates names and shapes up front, so a
+Both hand out one tensor at a time by its checkpoint name (without the leading `model.`), in the
+run's dtype, so a model larger than memory is never read whole, and a tensor stored in another
+width is never held in both (memory.load_transient counts one layer's tensors in the run's width). `check` validates names and shapes up front, so a
 wrong checkpoint is a clear error before anything runs.
 """
 
@@ -15,6 +16,10 @@ import zipfile
 import torch
 
 from .errors import UsageError, check_regular_file
+
+
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+CONVERT_BYTES = 64 << 20  # a tensor stored in another width is converted this many bytes at a time
 
 
 def load_bin(file: str):
@@ -106,10 +111,19 @@ class CheckpointWeights:
                 raise UsageError(self.flag, f"weight {name} in {self.directory} has shape {list(got)}, "
                                  f"expected {list(want)}")
 
-    def get(self, name: str, shape) -> torch.Tensor:
+    def get(self, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
         file, stored = self._where[name]
         handle = self._handle(file)
-        return handle.get_tensor(stored) if self.format == "safetensors" else handle[stored]
+        if self.format == "bin":  # memory-mapped (or a legacy file, read whole anyway): converted from the map
+            return handle[stored].to(dtype)
+        rows = handle.get_slice(stored)
+        if rows.get_dtype() == SAFETENSORS_DTYPES.get(dtype) or not shape:
+            return handle.get_tensor(stored).to(dtype)
+        out = torch.empty(shape, dtype=dtype)  # converted a block of rows at a time, from the file's map
+        step = max(1, CONVERT_BYTES // max(1, out[0].numel() * dtype.itemsize))
+        for start in range(0, shape[0], step):
+            out[start: start + step] = rows[start: start + step]
+        return out
 
     def describe(self) -> str:
         return f"{self.directory} ({self.format})"
@@ -131,8 +145,8 @@ class GGUFWeights:
                 raise UsageError("--model", f"weight {name} in {self.path} has shape {list(self.model.shape(name))}, "
                                  f"expected {list(want)}")
 
-    def get(self, name: str, shape) -> torch.Tensor:
-        return self.model.tensor(name)
+    def get(self, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
+        return self.model.tensor(name).to(dtype)
 
     def describe(self) -> str:
         return f"{self.path} (GGUF, dequantized)"
@@ -155,14 +169,14 @@ class DummyWeights:
     def check(self, specs):
         pass
 
-    def get(self, name: str, shape) -> torch.Tensor:
+    def get(self, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
         if is_norm(name):
-            return torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)
+            return torch.ones(shape, dtype=dtype) if name.endswith("weight") else torch.zeros(shape, dtype=dtype)
         numel = 1
         for d in shape:
             numel *= d
         offset = int(hashlib.sha256(name.encode()).hexdigest(), 16) % self.BLOCK
-        out = torch.empty(numel)
+        out = torch.empty(numel, dtype=dtype)
         done = 0
         while done < numel:
             n = min(numel - done, self.BLOCK)

@@ -36,7 +36,7 @@ from flexh2o.engine import default_device, default_dtype, parse_device  # noqa: 
 from flexh2o.errors import UsageError  # noqa: E402
 from flexh2o.kv import cache_bytes  # noqa: E402
 from flexh2o.machine import describe_machine  # noqa: E402
-from flexh2o.memory import PROCESS_GROWTH, capacities, layer_bytes, parse_size, run_need  # noqa: E402
+from flexh2o.memory import capacities, growth_bytes, layer_bytes, parse_size, run_need  # noqa: E402
 from flexh2o.models import resolve_model  # noqa: E402
 from flexh2o.output import rewrite_markdown, write_results  # noqa: E402
 from flexh2o.placement import WeightNeeds, describe, fits, fitted_placement, largest  # noqa: E402
@@ -124,7 +124,7 @@ def largest_batches(spec, dtype_bytes, prompt_len, gen_len, cap, device, limit=1
     as_if_ram: as on a machine whose free memory is the cap (plus the process reserve), not this one's."""
     caps, out = capacities(device, None, gpu_mem=cap), {}
     if as_if_ram:
-        caps["ram"] = cap + PROCESS_GROWTH
+        caps["ram"] = cap + growth_bytes(caps)
     for cc in MODES:
         weights = WeightNeeds(spec, dtype_bytes, device)
         make = lambda b: Policy(gpu_batch_size=b, compress_cache=cc)  # noqa: E731

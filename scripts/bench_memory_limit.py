@@ -1,7 +1,7 @@
 """Never killed by its own plan: flexh2o runs inside a memory cgroup, over a matrix of placements,
 and must either stay under the limit or refuse before loading, in one line naming the limit.
 
-    python scripts/bench_memory_limit.py [--limit 2GB] [--model opt-125m]
+    python scripts/bench_memory_limit.py [--limits 1GB 2GB] [--model opt-125m]
 
 Each run is a `python -m flexh2o.run` child in a fresh cgroup of its own (scripts/memory_budget.py);
 the child is told nothing of the limit: it finds it in its cgroup. Recorded per run: its exit code,
@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.join(REPO, "scripts"))
 
 from memory_budget import CgroupUnavailable, check_available, exit_on_sigterm, run_in_budget  # noqa: E402
 from flexh2o.memory import parse_size  # noqa: E402
+from flexh2o.report import rss_beyond_projection  # noqa: E402
 
 GB = 1 << 30
 # (name, flags): placements with the weights and the cache in memory, split, on disk; full and H2O;
@@ -42,12 +43,12 @@ MATRIX = [
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--limit", default="2GB")
+    ap.add_argument("--limits", nargs="+", default=["1GB", "2GB"], help="each cgroup limit the matrix runs under")
     ap.add_argument("--model", default="opt-125m")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--gen-len", type=int, default=16)
     args = ap.parse_args()
-    limit = parse_size(args.limit, "--limit")
+    limits = [parse_size(text, "--limits") for text in args.limits]
     try:
         check_available()
     except CgroupUnavailable as e:
@@ -55,12 +56,12 @@ def main():
     exit_on_sigterm()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, flags in MATRIX:
+        for limit, (name, flags) in ((limit, row) for limit in limits for row in MATRIX):
             out = os.path.join(tmp, "report.json")
             argv = [sys.executable, "-m", "flexh2o.run", "--model", args.model, "--dtype", "float32",
                     "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len),
                     "--offload-dir", os.path.join(tmp, "off"), "--json-out", out, *flags]
-            print(f"{name}: {' '.join(flags) or '(planned)'}", flush=True)
+            print(f"{name} under {limit / GB:.2f} GB: {' '.join(flags) or '(planned)'}", flush=True)
             run = run_in_budget(argv, limit, "flexh2o-memlimit", timeout=900)
             report = json.load(open(out)) if run.returncode == 0 and os.path.exists(out) else None
             if os.path.exists(out):
@@ -71,12 +72,13 @@ def main():
             if report is not None:
                 row.update(policy=report["policy"], memory_limit=report["memory_limit"],
                            peak_rss_bytes=report["peak_rss_bytes"], total_throughput=report["total_throughput"],
-                           projected_bytes=report["projected_gpu_mem_bytes"] + report["projected_cpu_mem_bytes"])
-                # What the cgroup held at its peak beyond what it held before the run's pre-flight and
-                # beyond the pre-flight's projection: the process's own growth (and page cache).
-                start = report["memory_limit"]["bytes"] - report["memory_limit"]["room_bytes"]
-                row["unprojected_bytes"] = run.peak_bytes - start - row["projected_bytes"]
-                row["unprojected_rss_bytes"] = report["peak_rss_bytes"] - start - row["projected_bytes"]
+                           projected_bytes=report["projected_gpu_mem_bytes"] + report["projected_cpu_mem_bytes"],
+                           load_transient_bytes=report["load_transient_bytes"],
+                           growth_allowed_bytes=report["process_growth_allowed_bytes"],
+                           growth_source=report["process_growth_source"],
+                           # The peak RSS beyond the RSS at the pre-flight and the projection (loading's or
+                           # the run's): what the growth allowance was for.
+                           unprojected_rss_bytes=rss_beyond_projection(report))
             row["held"] = not run.oom_killed and not run.timed_out and run.returncode in (0, 2) and \
                 run.peak_bytes <= limit
             rows.append(row)
@@ -95,8 +97,8 @@ def write_results(rows, args):
              "Each run is a child in a cgroup of its own, told nothing of the limit; exit 2 is a refusal before "
              "loading. `python scripts/bench_memory_limit.py`.", "",
              "| run | exit | OOM-killed | cgroup peak GB | limit GB | batch | placement | projected GB | "
-             "beyond it (cgroup / RSS) GB | total tok/s | held |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "loading GB | growth allowed GB | peak RSS beyond the projection GB | total tok/s | held |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         p = r.get("policy")
         batch = f"{p['gpu_batch_size']} x {p['num_gpu_batches']}" if p else ""
@@ -104,11 +106,15 @@ def write_results(rows, args):
                      f"{p['cache_cpu_percent']:g}" if p else "")
         tok = f"{r['total_throughput']:.1f}" if "total_throughput" in r else ""
         projected = f"{r['projected_bytes'] / GB:.2f}" if "projected_bytes" in r else ""
-        beyond = (f"{r['unprojected_bytes'] / GB:.2f} / {r['unprojected_rss_bytes'] / GB:.2f}"
-                  if "unprojected_bytes" in r else "")
+        extra = [f"{r[k] / GB:.2f}" if k in r else "" for k in
+                 ("load_transient_bytes", "growth_allowed_bytes", "unprojected_rss_bytes")]
         lines.append(f"| {r['name']} | {r['returncode']} | {r['oom_killed']} | {r['cgroup_peak_bytes'] / GB:.2f} | "
-                     f"{r['limit_bytes'] / GB:.2f} | {batch} | {placement} | {projected} | {beyond} | {tok} | "
-                     f"{r['held']} |")
+                     f"{r['limit_bytes'] / GB:.2f} | {batch} | {placement} | {projected} | {' | '.join(extra)} | "
+                     f"{tok} | {r['held']} |")
+    sources = sorted({r["growth_source"] for r in rows if "growth_source" in r})
+    lines += ["", f"Growth allowed: {'; '.join(sources)}. Loading: what the pre-flight counts for one layer's "
+              "tensors as read, beyond the placed weights. The cgroup's peak includes page cache, which the kernel "
+              "reclaims before it kills."]
     with open(os.path.join(REPO, "results", "memory_limit.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 

@@ -61,7 +61,7 @@ def opt_model(spec, seed, dtype):
     state = {}
     for name, param in model.state_dict().items():
         canonical = "decoder.embed_tokens.weight" if name == "lm_head.weight" else name.removeprefix("model.")
-        state[name] = source.get(canonical, tuple(param.shape)).to(dtype)
+        state[name] = source.get(canonical, tuple(param.shape), dtype)
     model.load_state_dict(state, assign=True)
     model.tie_weights()
     return model

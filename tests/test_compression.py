@@ -46,8 +46,8 @@ def reference(directory, policy, tmp_path, monkeypatch):
     with monkeypatch.context() as m:
         if policy.compress_weight:
             get = CheckpointWeights.get
-            m.setattr(CheckpointWeights, "get", lambda self, name, shape: (
-                round_trip(get(self, name, shape).float()) if compressible(shape) else get(self, name, shape)))
+            m.setattr(CheckpointWeights, "get", lambda self, name, shape, dtype: (
+                round_trip(get(self, name, shape, dtype).float()) if compressible(shape) else get(self, name, shape, dtype)))
         if policy.compress_cache:
             fill, put, append = KVCache.fill_prompt, KVCache.put, KVCache.append
             m.setattr(KVCache, "fill_prompt", lambda self, k, v, *a, **kw: fill(self, round_trip(k), round_trip(v), *a, **kw))

@@ -258,7 +258,7 @@ def test_compressed_weights_and_cache_equal_the_engine_on_round_tripped_tensors(
 def test_dummy_weights_give_finite_output_with_unit_norms(llamas, tmp_path):
     directory, _ = llamas["qwen2_bias"]
     for name in ("layers.0.input_layernorm.weight", "layers.1.post_attention_layernorm.weight", "norm.weight"):
-        assert torch.equal(DummyWeights(0).get(name, (32,)), torch.ones(32))
+        assert torch.equal(DummyWeights(0).get(name, (32,), torch.float32), torch.ones(32))
     policy = Policy(gpu_batch_size=2, w_gpu_percent=30, w_cpu_percent=30)
     with Engine.from_pretrained(directory, policy=policy, device="cpu", dtype=torch.float32, dummy=True,
                                 offload_dir=str(tmp_path)) as engine:

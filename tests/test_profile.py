@@ -15,6 +15,7 @@ from flexh2o.engine import default_dtype
 from flexh2o.optimizer.hardware import HardwareProfile, from_dict, load_profile, local_cache_path
 from flexh2o.optimizer.attention_costs import CALLS, seconds
 from flexh2o.optimizer.measure import measure
+from flexh2o.overhead import DEFAULT_GROWTH
 from conftest import REPO
 
 CUDA_COPIES = ("h2d", "d2h", "h2d_pageable", "d2h_pageable")
@@ -44,6 +45,12 @@ def test_quick_cpu_profile_has_every_figure(quick_profile):
     assert profile.gpu_mem == profile.cpu_mem == psutil.virtual_memory().total
     assert profile.disk_mem > 0
     assert any("matmul float32" in line for line in lines)
+
+
+def test_quick_cpu_profile_calibrates_the_process_growth_of_the_default_dtype(quick_profile):
+    growth = quick_profile[0].process_growth
+    threads = str(torch.get_num_threads())
+    assert len(growth) == 1 and all(set(t) == {threads} and 0 <= t[threads] < DEFAULT_GROWTH for t in growth.values())
 
 
 def test_quick_cpu_profile_has_matmul_and_attention_tables(quick_profile):

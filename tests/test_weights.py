@@ -90,6 +90,6 @@ def test_dummy_weights_are_deterministic_and_finite(tiny_models):
     directory, _ = tiny_models["wide"]
     a = greedy(directory, dummy=True, seed=3)
     assert torch.equal(a, greedy(directory, dummy=True, seed=3))
-    w = DummyWeights(0).get("decoder.layers.0.fc1.weight", (4096, 1024))
+    w = DummyWeights(0).get("decoder.layers.0.fc1.weight", (4096, 1024), torch.float32)
     assert w.shape == (4096, 1024) and torch.isfinite(w).all() and 0.015 < w.std() < 0.025
-    assert not torch.equal(w, DummyWeights(0).get("decoder.layers.1.fc1.weight", (4096, 1024)))
+    assert not torch.equal(w, DummyWeights(0).get("decoder.layers.1.fc1.weight", (4096, 1024), torch.float32))

@@ -81,7 +81,8 @@ def run_job(args, policy, spec, weights_dir, device, dtype, caps, planning: bool
     plans = FixedPlan(policy)
     if planning:  # the capacities as the first plan saw them, before the weights take their share
         limits = plan_capacities(profile, args.offload_dir or default_offload_dir(), caps.get("gpu_mem"),
-                                 caps.get("cpu_mem"), caps.get("disk_mem"), caps.get("max_memory"))
+                                 caps.get("cpu_mem"), caps.get("disk_mem"), caps.get("max_memory"),
+                                 dtype_name(dtype, device))
         plans = SearchedPlans(spec, policy, profile, limits, dtype_name(dtype, device), args.max_batch)
     total = len(job_input.entries)
     set_stop_outcome(lambda: f"{len(output.done)} of {total} records are safe in {args.output}; "

@@ -23,8 +23,9 @@ class Layer:
         """(checkpoint name, shape) of every weight this layer reads."""
         raise NotImplementedError
 
-    def prepare(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Turns checkpoint tensors into the ones forward uses (e.g. fusing q/k/v)."""
+    def prepare(self, tensors: list, cat=torch.cat) -> list:
+        """Turns checkpoint tensors into the ones forward uses (e.g. fusing q/k/v), joining them only
+        with `cat` (the pre-flight passes shapes and a cat of shapes, memory.stored_shapes)."""
         return tensors
 
     def init_weight(self, source, tiers, policy):
@@ -32,12 +33,12 @@ class Layer:
         the gpu tier, w_cpu_percent in CPU memory, the rest on disk (split by rows); with
         compress_weight, matrices are placed as 4-bit groups and these shares are of compressed bytes."""
         self.tiers = tiers
-        raw = [source.get(name, shape) for name, shape in self.weight_specs()]
+        raw = [source.get(name, shape, tiers.dtype) for name, shape in self.weight_specs()]
         if policy.compress_weight:
             for (name, _), t in zip(self.weight_specs(), raw):
                 try:
                     if compressible(t.shape):
-                        check_quantizable(t.to(tiers.dtype))
+                        check_quantizable(t)
                 except ValueError as e:
                     raise UsageError("--compress-weight", f"weight {name}: {e}") from None
         tensors = self.prepare(raw)

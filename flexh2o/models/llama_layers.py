@@ -110,13 +110,13 @@ class SelfAttention(CachedAttention):
             specs.append((p + "self_attn.o_proj.bias", (h,)))
         return specs
 
-    def prepare(self, t):
+    def prepare(self, t, cat=torch.cat):
         """[norm, q, k, v and o weights, biases where the model has them] -> [norm, qkv weight,
         (qkv bias), o weight, (o bias)]: one matrix product for q, k and v instead of three."""
         t = list(t)
         norm = t.pop(0)
         qkv = [t.pop(0) for _ in range(6 if self.spec.qkv_bias else 3)]
-        fused = [torch.cat(qkv[0::2]), torch.cat(qkv[1::2])] if self.spec.qkv_bias else [torch.cat(qkv)]
+        fused = [cat(qkv[0::2]), cat(qkv[1::2])] if self.spec.qkv_bias else [cat(qkv)]
         return [norm, *fused, *t]
 
     def split_weights(self):
@@ -152,9 +152,9 @@ class MLP(Layer):
         return [(p + "post_attention_layernorm.weight", (h,)), (p + "mlp.gate_proj.weight", (f, h)),
                 (p + "mlp.up_proj.weight", (f, h)), (p + "mlp.down_proj.weight", (h, f))]
 
-    def prepare(self, t):
+    def prepare(self, t, cat=torch.cat):
         norm, gate, up, down = t
-        return [norm, torch.cat([gate, up]), down]  # one matrix product for gate and up
+        return [norm, cat([gate, up]), down]  # one matrix product for gate and up
 
     def forward(self, hidden, step):
         norm, gate_up_w, down_w = self.weights

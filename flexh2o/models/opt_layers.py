@@ -52,10 +52,10 @@ class SelfAttention(CachedAttention):
             specs += [(f"{p}self_attn.{proj}.weight", (h, h)), (f"{p}self_attn.{proj}.bias", (h,))]
         return specs
 
-    def prepare(self, t):
+    def prepare(self, t, cat=torch.cat):
         ln_w, ln_b, q_w, q_b, k_w, k_b, v_w, v_b, out_w, out_b = t
         # One matrix product for q, k and v instead of three.
-        return [ln_w, ln_b, torch.cat([q_w, k_w, v_w]), torch.cat([q_b, k_b, v_b]), out_w, out_b]
+        return [ln_w, ln_b, cat([q_w, k_w, v_w]), cat([q_b, k_b, v_b]), out_w, out_b]
 
     def forward(self, hidden, step):
         ln_w, ln_b, qkv_w, qkv_b, out_w, out_b = self.weights

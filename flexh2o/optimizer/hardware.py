@@ -48,6 +48,9 @@ class HardwareProfile:
     # timings (attention_costs.py); None where not measured (the shipped profiles of machines this
     # project has not run on): the cost model then goes by attention_flops and device_bandwidth.
     attention_costs: dict | None = None
+    # Bytes a run's process grows by beyond the pre-flight's projection, per dtype and torch thread
+    # count ({"float32": {"2": bytes}}), measured by overhead.py's probes; None where not measured.
+    process_growth: dict | None = None
 
     def knows(self, dtype: str) -> bool:
         """Whether the profile has matrix-product figures for runs in this dtype."""
@@ -140,6 +143,15 @@ def check_fields(data: dict, where: str):
                 bad(f"attention_costs[{call!r}]", f"must be [fixed seconds, seconds per unit], not {line!r}")
             for value in line:
                 number(f"attention_costs[{call!r}]", value, strict=False)
+    growth = data.get("process_growth")
+    if growth is not None:
+        if not isinstance(growth, dict):
+            bad("process_growth", f"must be a table of bytes by dtype and thread count, not {growth!r}")
+        for d, by_threads in growth.items():
+            if not isinstance(by_threads, dict) or not all(isinstance(t, str) and t.isdigit() for t in by_threads):
+                bad(f"process_growth[{d!r}]", f"must be a table of bytes by thread count, not {by_threads!r}")
+            for t, nbytes in by_threads.items():
+                number(f"process_growth[{d!r}][{t!r}]", nbytes, strict=False, integer=True)
 
 
 def local_cache_path() -> str:

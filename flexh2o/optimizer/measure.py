@@ -25,6 +25,7 @@ from ..engine import Engine, default_dtype
 from ..kv.home import cpu_attention_dtype
 from ..machine import LoadMeter, cpu_model
 from ..memory import capacities
+from ..overhead import calibrate
 from ..models.opt import OPTSpec
 from ..policy import Policy
 from ..quant import dequantize, quantize
@@ -271,6 +272,17 @@ def source_line(device: torch.device, quick: bool) -> str:
     return line + (" with --quick (small sizes: rough figures)" if quick else "")
 
 
+def process_growth(device: torch.device, offload_dir: str, quick: bool, log) -> dict | None:
+    """What a run's process grows by beyond its projection, per dtype, at torch's thread count
+    (overhead.py); where the CPU computes, as only there do the tiers share the process's memory.
+    quick: one probe, of the default dtype."""
+    if device.type != "cpu":
+        return None
+    threads = torch.get_num_threads()
+    dtypes = [default_dtype(device)] if quick else matmul_dtypes(device)
+    return {dtype_name(d): {str(threads): calibrate(dtype_name(d), threads, offload_dir, log, quick)} for d in dtypes}
+
+
 def matmul_dtypes(device: torch.device) -> tuple:
     return (torch.float16, torch.bfloat16) if device.type == "cuda" else (torch.float32, torch.bfloat16)
 
@@ -325,6 +337,7 @@ def _measure(device: torch.device, offload_dir: str, quick: bool, log) -> Hardwa
         gpu_mem = ram
     disk_read, disk_write = logged(log, "disk", disk_rates, offload_dir, host_sizes, log, device)
     overhead = logged(log, "layer overhead", layer_overhead, device, dtype, sizes)
+    growth = logged(log, "process growth", process_growth, device, offload_dir, quick, log)
     calls = logged(log, "attention calls", attention_costs, device, dtype, sizes, sync)
     return HardwareProfile(
         name=LOCAL, source=source_line(device, quick), device=device.type, dtype=dtype_name(dtype),
@@ -332,4 +345,4 @@ def _measure(device: torch.device, offload_dir: str, quick: bool, log) -> Hardwa
         device_bandwidth=bandwidth, cpu_attention_bandwidth=cpu_bandwidth, **copies,
         memcpy=logged(log, "memcpy", memcpy_rate, host_sizes), disk_read=disk_read, disk_write=disk_write,
         dequant=logged(log, "dequantize", dequant_rate, device, dtype, sizes, sync),
-        layer_overhead=overhead, attention_costs=calls)
+        layer_overhead=overhead, attention_costs=calls, process_growth=growth)

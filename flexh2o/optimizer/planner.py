@@ -9,11 +9,11 @@ from .search import caps_of
 
 
 def plan_capacities(profile, offload_dir: str | None, gpu_mem=None, cpu_mem=None, disk_mem=None,
-                    max_memory=None) -> dict:
+                    max_memory=None, dtype: str | None = None) -> dict:
     """What the search may use: on the machine at hand (the local profile) what is free now, as the
     engine's pre-flight will see it; on a named machine class its profile's sizes; caps given win."""
     if profile.name == LOCAL:
-        return capacities(torch.device(profile.device), offload_dir, gpu_mem, cpu_mem, disk_mem, max_memory)
+        return capacities(torch.device(profile.device), offload_dir, gpu_mem, cpu_mem, disk_mem, max_memory, dtype)
     return caps_of(profile, gpu_mem, cpu_mem, disk_mem)
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..kv.home import batch_split
-from ..memory import PROCESS_GROWTH, outside_allocator, run_need, weight_need
+from ..memory import growth_bytes, load_transient, outside_allocator, run_need, weight_need, with_loading
 from .cost_model import DTYPE_BYTES, Channels, CostModel, Prediction, stage_time
 
 TIERS = ("gpu", "cpu", "disk")
@@ -69,7 +69,7 @@ def fits(need: dict, caps: dict, on_cuda: bool):
     for tier in TIERS:
         ok &= need[tier] <= caps[tier]
     if not on_cuda:
-        ok &= need["gpu"] + need["cpu"] <= caps["ram"] - PROCESS_GROWTH
+        ok &= need["gpu"] + need["cpu"] <= caps["ram"] - growth_bytes(caps)
     return ok
 
 
@@ -95,19 +95,20 @@ class Search:
             need = {t: np.array([n[t] for n in needs], dtype=np.float64)[:, None] for t in TIERS}
             per_policy = [self.model.weight_io(p) for p in policies]
             io = [stacked([ios[j] for ios in per_policy], (-1, 1)) for j in range(len(layers))]
-            self._weights[key] = need, io
+            self._weights[key] = need, io, load_transient(layers, self.dtype_bytes, policy)
         return self._weights[key]
 
     def score(self, policy):
         """(seconds [W, C], fits [W, C], cache shares) of every placement of a policy's batch shape."""
-        need_w, io_w = self.weights(policy)
+        need_w, io_w, transient = self.weights(policy)
         cache = [replace(policy, cache_gpu_percent=g, cache_cpu_percent=c)
                  for g, c in cache_shares(policy.gpu_batch_size, self.step)]
         splits = [batch_split(p.gpu_batch_size, p.cache_gpu_percent, p.cache_cpu_percent) for p in cache]
         rows = {t: np.array([r[t] for r in splits], dtype=np.float64)[None, :] for t in TIERS}
         needs = [run_need(self.spec, p, self.dtype_bytes, self.prompt_len, self.gen_len, self.device) for p in cache]
         need_c = {t: np.array([n[t] for n in needs], dtype=np.float64)[None, :] for t in TIERS}
-        ok = fits({t: need_w[t] + need_c[t] for t in TIERS}, self.caps, self.on_cuda)
+        need = with_loading({t: need_w[t] + need_c[t] for t in TIERS}, need_c, transient, self.on_cuda)
+        ok = fits(need, self.caps, self.on_cuda)
         total = np.zeros(ok.shape)
         if ok.any():
             for step in self.steps:

@@ -1,0 +1,144 @@
+"""The process's own memory: growth calibrated per dtype and thread count (or the default, saying
+why), loading's transient counted by the pre-flight and held to by the loader, dirty pages flushed a
+window at a time under a memory limit, and a pre-flight that does not import torch._dynamo."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flexh2o import disk
+from flexh2o.disk import DiskStore
+from flexh2o.errors import UsageError
+from flexh2o.memory import load_transient, stored_shapes
+from flexh2o.models.opt import PRESETS
+from flexh2o.optimizer.hardware import from_dict
+from flexh2o.overhead import DEFAULT_GROWTH, DIRTY_WINDOW, MARGIN, process_growth
+from flexh2o.policy import Policy
+from flexh2o.quant import BLOCK_VALUES, check_quantizable
+from flexh2o.weights import CheckpointWeights
+from conftest import REPO, TEST_CPU_PROFILE
+
+MB = 1 << 20
+
+
+def test_the_growth_is_the_calibration_with_its_margin_or_the_default_saying_why():
+    dirty = 3 * DIRTY_WINDOW
+    assert process_growth(None, "float32", 2).bytes == DEFAULT_GROWTH + dirty
+    assert "no local profile" in process_growth(None, "float32", 2).source
+    measured = from_dict({**TEST_CPU_PROFILE, "process_growth": {"float32": {"2": 100 * MB}}}, "test")
+    growth = process_growth(measured, "float32", 2)
+    assert growth.bytes == int(100 * MB * MARGIN) + dirty and "calibrated for float32, 2 threads" in growth.source
+    for dtype, threads in (("bfloat16", 2), ("float32", 4)):  # not calibrated for these: the default, and why
+        other = process_growth(measured, dtype, threads)
+        assert other.bytes == DEFAULT_GROWTH + dirty and f"no calibration for {dtype}, {threads} threads" in other.source
+
+
+@pytest.mark.parametrize("bad", [[1], {"float32": {"two": 5}}, {"float32": {"2": -1}}, {"float32": 7}])
+def test_a_bad_process_growth_in_a_profile_is_refused_naming_it(bad):
+    with pytest.raises(UsageError, match="process_growth"):
+        from_dict({**TEST_CPU_PROFILE, "process_growth": bad}, "test")
+
+
+def test_a_probe_grows_less_than_the_default_allows(tmp_path):
+    """A probe's peak beyond its projection (loading's transient and the run's) is what calibration
+    measures: well under the default growth, else the default is no upper bound."""
+    r = subprocess.run([sys.executable, "-m", "flexh2o.overhead", "--threads", "1", "--offload-dir", str(tmp_path),
+                        "--probe", "compressed, on disk"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert 0 <= json.loads(r.stdout.splitlines()[-1])["growth_bytes"] < DEFAULT_GROWTH // 2
+
+
+def test_loading_counts_the_largest_layer_as_read_and_what_prepare_makes():
+    spec = PRESETS["opt-125m"]
+    layers = spec.build_layers()
+    plain = load_transient(layers, 4, Policy())
+    embedding = spec.vocab_size * spec.hidden_size * 4  # the input embedding (plus positions) or the head
+    assert embedding <= plain <= embedding + (spec.max_positions + 2) * spec.hidden_size * 4
+    compressed = load_transient(layers, 4, Policy(compress_weight=True))
+    assert compressed > plain  # the groups beside the tensor, and a block's temporaries
+    attention = layers[1]
+    shapes = [tuple(s) for _, s in attention.weight_specs()]
+    made = [s for s, _, _ in stored_shapes(attention, 4, Policy()) if s not in shapes]
+    assert made == [(3 * spec.hidden_size, spec.hidden_size), (3 * spec.hidden_size,)]  # the fused q/k/v
+
+
+def test_the_pre_flight_does_not_import_torch_dynamo():
+    """Shapes are joined as shapes: meta tensors' cat would import torch._dynamo (75 MB) after the
+    free memory was read."""
+    code = ("import sys, torch; from flexh2o.memory import weight_need; from flexh2o.models.opt import PRESETS; "
+            "from flexh2o.policy import Policy; "
+            "weight_need(PRESETS['opt-125m'].build_layers(), 4, Policy(w_gpu_percent=0), torch.device('cpu')); "
+            "print('torch._dynamo' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip() == "False", r.stderr
+
+
+def test_quantizability_is_checked_block_by_block_to_the_end():
+    x = torch.zeros(3 * BLOCK_VALUES // 1024, 1024)
+    check_quantizable(x)
+    x[-1, -1] = math.inf
+    with pytest.raises(ValueError, match="inf or NaN"):
+        check_quantizable(x)
+    x[-1, -1] = 1e6
+    with pytest.raises(ValueError, match="float16's range"):
+        check_quantizable(x)
+
+
+def test_a_safetensors_weight_in_another_width_is_converted_by_rows(tmp_path, monkeypatch):
+    from safetensors.torch import save_file
+    w = torch.randn(300, 40, dtype=torch.float16)
+    save_file({"model.decoder.embed_tokens.weight": w}, str(tmp_path / "model.safetensors"))
+    monkeypatch.setattr("flexh2o.weights.CONVERT_BYTES", 7 * 40 * 4)  # 7 rows at a time
+    source = CheckpointWeights(str(tmp_path))
+    got = source.get("decoder.embed_tokens.weight", (300, 40), torch.float32)
+    assert got.dtype == torch.float32 and torch.equal(got, w.float())
+    assert source.get("decoder.embed_tokens.weight", (300, 40), torch.float16).dtype == torch.float16
+
+
+def test_under_a_memory_limit_writes_are_flushed_a_window_at_a_time(tmp_path, monkeypatch):
+    synced = []
+    monkeypatch.setattr(disk.os, "fdatasync", lambda fd: synced.append(fd))
+    monkeypatch.setattr(disk, "DIRTY_WINDOW", 64 * 1024)
+    store = DiskStore(str(tmp_path), flush_writes=True)
+    try:
+        big = torch.arange(5 * 64 * 1024 // 4, dtype=torch.float32)  # 5 windows
+        f = store.create(big.numel() * 4)
+        store.write(f, 0, big)
+        assert len(synced) == 5
+        rows = store.create(64 * 1024 * 2)
+        row = torch.ones(1, 16 * 1024, dtype=torch.float32)  # one window a row
+        synced.clear()
+        store.write_rows(rows, torch.tensor([0]), row)
+        assert synced == [rows.fd]  # a window written: flushed
+        out = torch.empty(5 * 64 * 1024 // 4)
+        store.read(f, 0, out)
+        assert torch.equal(out, big)
+    finally:
+        store.close()
+
+
+def test_without_a_limit_buffered_writes_are_not_flushed(tmp_path, monkeypatch):
+    synced = []
+    monkeypatch.setattr(disk.os, "fdatasync", lambda fd: synced.append(fd))
+    store = DiskStore(str(tmp_path))
+    try:
+        f = store.create(4 * DIRTY_WINDOW)
+        store.write(f, 0, torch.zeros(DIRTY_WINDOW, dtype=torch.float32))
+        assert synced == []
+    finally:
+        store.close()
+
+
+def test_the_report_shows_the_growth_and_its_source(tmp_path, capsys):
+    from flexh2o.run import main
+    out = tmp_path / "r.json"
+    assert main(["--prompt-len", "16", "--gen-len", "2", "--gpu-batch-size", "2", "--dtype", "float32",
+                 "--json-out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["process_growth_allowed_bytes"] > 0 and report["process_growth_source"]
+    assert report["load_transient_bytes"] == load_transient(PRESETS["opt-125m"].build_layers(), 4, Policy())
+    assert f"({report['process_growth_source']})" in capsys.readouterr().out
