@@ -6,6 +6,10 @@ _EXPORTS = {"Engine": "engine", "GenerateOutput": "engine", "UsageError": "error
             "Completion": "llm", "Policy": "policy"}
 __all__ = sorted(_EXPORTS)
 
+# Before anything large is allocated: a run's freed blocks go back to the system (malloc.py).
+from .malloc import fix_mmap_threshold  # noqa: E402
+fix_mmap_threshold()
+
 
 def __getattr__(name):
     if name not in _EXPORTS:

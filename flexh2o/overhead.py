@@ -1,8 +1,9 @@
 """The process's own memory: what a run grows by beyond the pre-flight's projection.
 
 The pre-flight projects weights, cache, buffers and working sets; the process also holds what no
-projection lists: allocator slack (freed blocks the allocator keeps, one arena per thread), the
-math libraries' scratch per thread, I/O thread stacks, and the dirty pages of buffered writes,
+projection lists: allocator slack (small freed blocks the allocator keeps, one arena per thread;
+large ones go back to the system, malloc.py), the math libraries' scratch per thread, I/O thread
+stacks, and the dirty pages of buffered writes,
 which a memory cgroup charges to the process until they reach the disk. The interpreter, torch
 and whatever the run loaded before its pre-flight are in use when the free memory (or a limit's
 room) is read, so they are not counted again.
@@ -28,9 +29,11 @@ from dataclasses import dataclass
 # Where no calibration applies: what scripts/bench_memory_limit.py measured as the most (0.40 GB of
 # peak RSS beyond the projection, opt-125m in cgroups of 1-3 GB), rounded up.
 DEFAULT_GROWTH = 512 << 20
-# A measured growth is used with this margin on top: runs vary (a larger model's buffers fragment
-# more), and being killed costs more than a slightly smaller batch.
+# A measured growth is used with this margin on top, and never below FLOOR: runs vary, the probes
+# do not see a run's outputs, report or Python objects, and being killed costs more than a slightly
+# smaller batch.
 MARGIN = 1.5
+FLOOR = 64 << 20
 # Bytes of buffered writes the kernel holds dirty before a run flushes them (disk.py flushes at this
 # many under a memory limit); one such window per I/O thread and the compute thread.
 DIRTY_WINDOW = 32 << 20
@@ -44,7 +47,7 @@ PROBES = {
 }
 PROBE_CONFIG = {"model_type": "opt", "hidden_size": 768, "num_hidden_layers": 4, "num_attention_heads": 12,
                 "ffn_dim": 3072, "vocab_size": 50272, "max_position_embeddings": 2048}  # opt-125m's widths, 4 layers
-PROBE_BATCH, PROBE_PROMPT, PROBE_GEN = 16, 64, 16
+PROBE_BATCH, PROBE_PROMPT, PROBE_GEN = 16, 256, 8
 
 
 @dataclass(frozen=True)
@@ -65,8 +68,8 @@ def process_growth(profile, dtype: str, threads: int, io_threads: int = 2) -> Gr
     if measured is None:
         why = "no local profile" if profile is None else f"the profile has no calibration for {dtype}, {threads} threads"
         return Growth(DEFAULT_GROWTH + dirty, f"default: {why}")
-    return Growth(int(measured * MARGIN) + dirty, f"calibrated for {dtype}, {threads} threads, x{MARGIN} margin, "
-                  f"+ {dirty >> 20} MB dirty pages")
+    return Growth(max(int(measured * MARGIN), FLOOR) + dirty, f"calibrated for {dtype}, {threads} threads: "
+                  f"{measured >> 20} MB x{MARGIN} (at least {FLOOR >> 20} MB), + {dirty >> 20} MB dirty pages")
 
 
 # -- calibration -------------------------------------------------------------------------------

@@ -19,10 +19,10 @@ Each engine gets its best configuration under that budget:
   best throughput projected from its probe (prefill + (gen_len - 1) x decode step) then runs at
   full length; if that is OOM-killed, the batch steps down (scaled by how far into the generation
   it got) until a run completes. The reported figure is that measured run.
-- flexh2o: the engine's caps are gpu_mem = budget - --reserve and cpu_mem = 0 (the CPU computes,
-  so both tiers are the same RAM; one cap for all of it); its pre-flight picks the largest batch
-  over weight placements (5% steps, the rest on disk), num_gpu_batches 1 or 2, and runs it; if
-  that is OOM-killed, the batch steps down by 25% (a finding: the pre-flight under-counted).
+- flexh2o: `python -m flexh2o.run` as a user runs it, with no caps, no reserve and no placement: it
+  finds its cgroup's limit, allows its process's growth as its local profile calibrated it, and
+  plans batch and placement from what is left (memory.py, overhead.py). It runs once before
+  accelerate's search and once right after accelerate's last run (interleaved).
 Throughput is batch x gen_len / (prefill + decode time), as in FlexGen; the per-token decode step
 shows how much of the ratio is batch and how much speed per step. One full run per engine, so
 the figures carry the machine's run-to-run noise. Duration: see --help of the flags; about 20
@@ -43,11 +43,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
-from flexh2o import Engine, Policy  # noqa: E402
+from flexh2o import Policy  # noqa: E402
 from flexh2o.machine import cpu_compute_dtype, describe_machine  # noqa: E402
-from flexh2o.memory import capacities, layer_bytes, parse_size  # noqa: E402
+from flexh2o.memory import layer_bytes, parse_size  # noqa: E402
 from flexh2o.models.opt import PRESETS  # noqa: E402
-from flexh2o.placement import WeightNeeds, fits, largest  # noqa: E402
 from flexh2o.prompts import synthetic_prompts  # noqa: E402
 from flexh2o.output import write_json_atomic, write_text_atomic  # noqa: E402
 from memory_budget import CgroupUnavailable, check_available, exit_on_sigterm, report_result, run_in_budget  # noqa: E402
@@ -114,7 +113,7 @@ def child_accelerate(c):
             "threads": torch.get_num_threads()}
 
 
-def child_flexh2o_planned(c):
+def child_flexh2o(c):
     """`python -m flexh2o.run` as a user runs it: no caps, no placement: it finds its cgroup's limit
     and plans batch and placement from it and the machine's profile."""
     from flexh2o.run import main as run_main
@@ -130,24 +129,8 @@ def child_flexh2o_planned(c):
     return {"seconds": r["total_latency_s"], "prefill_s": r["prefill_latency_s"], "decode_s": r["decode_latency_s"],
             "decode_step_s": r["decode_latency_s"] / max(1, steps - 1), "batch": r["batch_size"],
             "policy": r["policy"], "memory_limit": r["memory_limit"], "peak_rss_bytes": r["peak_rss_bytes"],
+            "growth_allowed_bytes": r["process_growth_allowed_bytes"], "growth_source": r["process_growth_source"],
             "threads": torch.get_num_threads()}
-
-
-def child_flexh2o(c):
-    if c.get("planned"):
-        return child_flexh2o_planned(c)
-    policy = Policy(**c["policy"])
-    with Engine.from_pretrained(c["checkpoint"], policy=policy, device="cpu", dtype=DTYPE,
-                                offload_dir=c["offload_dir"], bypass_page_cache=True, gpu_mem=c["gpu_mem"],
-                                cpu_mem=c["cpu_mem"], prompt_len=c["prompt_len"], gen_len=c["gen_len"]) as engine:
-        ids, _ = synthetic_prompts(policy.batch_size, c["prompt_len"], engine.spec.vocab_size, seed=0)
-        engine.generate(ids, max_new_tokens=c["gen_len"], eos_token_id=None)
-        s = engine.last_stats
-        disk = engine.tiers.disk
-        return {"seconds": s.prefill_seconds + s.decode_seconds, "prefill_s": s.prefill_seconds,
-                "decode_s": s.decode_seconds, "decode_step_s": s.decode_seconds / max(1, s.steps_done - 1),
-                "peak_gpu_tier_bytes": engine.tiers.peak["gpu"], "peak_cpu_tier_bytes": engine.tiers.peak["cpu"],
-                "page_cache": disk.page_cache if disk else "no disk reads", "threads": torch.get_num_threads()}
 
 
 def child_main(config: str):
@@ -253,54 +236,16 @@ def search_accelerate(runner, weights_bytes):
     return probes, runs
 
 
-def flexh2o_plan(spec, caps, prompt_len, gen_len, max_batch):
-    """The largest batch the engine's pre-flight admits: weights w_gpu% on the (capped) compute tier and
-    the rest on disk, the cache on the compute tier, 1 or 2 gpu-batches."""
-    device, best = torch.device("cpu"), None
-    weights = WeightNeeds(spec, DTYPE.itemsize, device)
-    for w_gpu in range(100, -1, -5):
-        for nb in (1, 2):
-            def ok(b):
-                p = Policy(gpu_batch_size=b, num_gpu_batches=nb, w_gpu_percent=w_gpu, w_cpu_percent=0)
-                return fits(spec, p, DTYPE.itemsize, prompt_len, gen_len, caps, device, weights=weights.of(p))
-            b = largest(ok, max_batch // nb)
-            if b and (best is None or b * nb > best["gpu_batch_size"] * best["num_gpu_batches"]):
-                best = {"gpu_batch_size": b, "num_gpu_batches": nb, "w_gpu_percent": w_gpu, "w_cpu_percent": 0}
-    return best
-
-
 def run_flexh2o_planned(runner):
     """flexh2o planned from its cgroup's limit alone (issue 25): no caps, no reserve, no placement."""
     a = runner.args
     return [runner.run("flexh2o", None, a.gen_len, planned=True, max_batch=a.max_batch)]
 
 
-def run_flexh2o(runner, spec, cap):
-    a = runner.args
-    caps = capacities(torch.device("cpu"), a.workdir, gpu_mem=cap, cpu_mem=0)
-    plan = flexh2o_plan(spec, caps, a.prompt_len, a.gen_len, a.max_batch)
-    if plan is None:
-        raise SystemExit(f"error: --budget: flexh2o's pre-flight admits no batch under {a.budget} - {a.reserve}")
-    runs = []
-    while plan["gpu_batch_size"] >= 1:
-        batch = plan["gpu_batch_size"] * plan["num_gpu_batches"]
-        r = runner.run("flexh2o", batch, a.gen_len, policy=dict(plan), gpu_mem=cap, cpu_mem=0)
-        runs.append(r)
-        if r["outcome"] not in DID_NOT_FIT:
-            break
-        plan["gpu_batch_size"] = min(plan["gpu_batch_size"] - 1, int(plan["gpu_batch_size"] * 0.75))
-    return runs
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="opt-1.3b")
     ap.add_argument("--budget", default="3GB", help="memory of each engine's process, enforced by a cgroup")
-    ap.add_argument("--flexh2o", choices=["planned", "capped"], default="planned",
-                    help="planned: `flexh2o.run` with no caps, planning from the cgroup's limit it detects (the "
-                    "default); capped: the older search under gpu_mem = budget - --reserve")
-    ap.add_argument("--reserve", default="0.5GB", help="with --flexh2o capped: of the budget, kept out of flexh2o's "
-                    "caps for the process itself")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--gen-len", type=int, default=96)
     ap.add_argument("--probe-gen-len", type=int, default=4, help="new tokens of accelerate's probe runs")
@@ -331,23 +276,20 @@ def main():
     except CgroupUnavailable as e:
         raise SystemExit(f"error: the memory budget cannot be enforced: {e}; not running unlimited")
     spec = PRESETS[args.model]
-    budget, reserve = parse_size(args.budget, "--budget"), parse_size(args.reserve, "--reserve")
+    budget = parse_size(args.budget, "--budget")
     checkpoint = os.path.join(args.workdir, f"{args.model}-{str(DTYPE).removeprefix('torch.')}")
     make_checkpoint(spec, checkpoint)
     weights_bytes = sum(layer_bytes(spec.build_layers(), DTYPE.itemsize, Policy()))
     runner = Runner(args, checkpoint, budget)
 
     ours, probes, theirs = [], [], []
-    if "flexh2o" in args.engines and args.flexh2o == "planned":
+    if "flexh2o" in args.engines:
         print("flexh2o: planned by flexh2o.run itself from the cgroup's limit", flush=True)
         ours = run_flexh2o_planned(runner)
-    elif "flexh2o" in args.engines:
-        print(f"flexh2o: pre-flight under gpu_mem {(budget - reserve) / GB:.2f} GB, cpu_mem 0", flush=True)
-        ours = run_flexh2o(runner, spec, budget - reserve)
     if "accelerate" in args.engines:
         print("accelerate: probes, then the full run", flush=True)
         probes, theirs = search_accelerate(runner, weights_bytes)
-    if args.flexh2o == "planned" and set(args.engines) == {"flexh2o", "accelerate"} and best_run(theirs)["outcome"] == "ok":
+    if set(args.engines) == {"flexh2o", "accelerate"} and best_run(theirs)["outcome"] == "ok":
         # One more run of each, in turn, in the same time window: the machine is shared and drifts.
         h = best_run(theirs)
         ours += run_flexh2o_planned(runner)
@@ -356,7 +298,7 @@ def main():
     f, h = best_run(ours), best_run(theirs)
     result = {"command": "python " + " ".join(sys.argv), "model": args.model,
               "dtype": str(DTYPE).removeprefix("torch."), "budget_bytes": budget,
-              "reserve_bytes": reserve, "weights_bytes": weights_bytes, "prompt_len": args.prompt_len,
+              "weights_bytes": weights_bytes, "prompt_len": args.prompt_len,
               "gen_len": args.gen_len, "flexh2o_runs": ours, "accelerate_probes": probes, "accelerate_runs": theirs,
               "machine": describe_machine(), "elapsed_s": time.perf_counter() - started}
     if f["outcome"] == h["outcome"] == "ok":
@@ -375,14 +317,10 @@ def describe_run(r, weights_bytes) -> str:
                  + (f": {r['modules_resident']} modules resident, {r['modules_on_disk']} on disk" if "modules_on_disk" in r else ""))
         return where + ", cache in memory"
     p = r["policy"]
-    if r.get("planned"):
-        placement = " ".join(f"{k} {p[k + '_gpu_percent']:g}/{p[k + '_cpu_percent']:g}/"
-                             f"{100 - p[k + '_gpu_percent'] - p[k + '_cpu_percent']:g}" for k in ("w", "cache"))
-        return (f"planned by flexh2o.run from the cgroup's limit: {p['gpu_batch_size']} x {p['num_gpu_batches']} "
-                f"gpu-batches, {placement} (gpu/cpu/disk %)")
-    return (f"weights {p['w_gpu_percent']:g}% in memory, {100 - p['w_gpu_percent']:g}% on disk; cache and hidden "
-            f"states in memory; {p['gpu_batch_size']} x {p['num_gpu_batches']} gpu-batches; caps gpu_mem "
-            f"{r['gpu_mem'] / GB:.2f} GB, cpu_mem 0")
+    placement = " ".join(f"{k} {p[k + '_gpu_percent']:g}/{p[k + '_cpu_percent']:g}/"
+                         f"{100 - p[k + '_gpu_percent'] - p[k + '_cpu_percent']:g}" for k in ("w", "cache"))
+    return (f"planned by flexh2o.run from the cgroup's limit: {p['gpu_batch_size']} x {p['num_gpu_batches']} "
+            f"gpu-batches, {placement} (gpu/cpu/disk %); growth allowed {r['growth_allowed_bytes'] / GB:.2f} GB")
 
 
 def outcome(x) -> str:
@@ -443,11 +381,9 @@ def markdown(r, args) -> str:
     lines += ["", "flexh2o: `python -m flexh2o.run` with no caps and no placement flags: it read the cgroup's limit "
               "itself and planned batch and placement from it and this machine's profile; it ran once before "
               "accelerate's search and once more right after accelerate's last run (interleaved), and its best "
-              "run is compared with accelerate's best.", ""] if args.flexh2o == "planned" else \
-        ["", f"flexh2o: caps gpu_mem = budget - {args.reserve} reserve for the process, cpu_mem = 0 (the CPU "
-              "computes, so both of the engine's memory tiers are this same RAM); the engine's pre-flight admitted "
-              "the largest batch over weight shares in memory (5% steps, the rest on disk), the cache in memory and "
-              "1 or 2 gpu-batches; a run that does not fit the budget steps the batch down by a quarter.", ""]
+              "run is compared with accelerate's best. It was given no reserve: the growth it allowed itself "
+              "beyond its pre-flight's projection is what its local profile calibrated (overhead.py), "
+              f"{'; '.join(sorted({x['growth_source'] for x in r['flexh2o_runs'] if 'growth_source' in x}))}.", ""]
     lines += [
               "accelerate (with transformers 5) keeps its resident weights as memory-mapped checkpoint pages: they "
               "count against its budget as page cache, and when its KV cache grows the kernel may drop some and "

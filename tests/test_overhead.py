@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from flexh2o.errors import UsageError
 from flexh2o.memory import load_transient, stored_shapes
 from flexh2o.models.opt import PRESETS
 from flexh2o.optimizer.hardware import from_dict
-from flexh2o.overhead import DEFAULT_GROWTH, DIRTY_WINDOW, MARGIN, process_growth
+from flexh2o.overhead import DEFAULT_GROWTH, DIRTY_WINDOW, FLOOR, MARGIN, process_growth
 from flexh2o.policy import Policy
 from flexh2o.quant import BLOCK_VALUES, check_quantizable
 from flexh2o.weights import CheckpointWeights
@@ -32,6 +33,8 @@ def test_the_growth_is_the_calibration_with_its_margin_or_the_default_saying_why
     measured = from_dict({**TEST_CPU_PROFILE, "process_growth": {"float32": {"2": 100 * MB}}}, "test")
     growth = process_growth(measured, "float32", 2)
     assert growth.bytes == int(100 * MB * MARGIN) + dirty and "calibrated for float32, 2 threads" in growth.source
+    small = from_dict({**TEST_CPU_PROFILE, "process_growth": {"float32": {"2": 0}}}, "test")
+    assert process_growth(small, "float32", 2).bytes == FLOOR + dirty
     for dtype, threads in (("bfloat16", 2), ("float32", 4)):  # not calibrated for these: the default, and why
         other = process_growth(measured, dtype, threads)
         assert other.bytes == DEFAULT_GROWTH + dirty and f"no calibration for {dtype}, {threads} threads" in other.source
@@ -50,6 +53,19 @@ def test_a_probe_grows_less_than_the_default_allows(tmp_path):
                         "--probe", "compressed, on disk"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert 0 <= json.loads(r.stdout.splitlines()[-1])["growth_bytes"] < DEFAULT_GROWTH // 2
+
+
+def test_freed_prompt_caches_go_back_to_the_system():
+    """The probe where glibc's moving mmap threshold kept one gpu-batch's prompt K and V per layer
+    (205-293 MB beyond the projection at 12 layers) grows by less than the floor (malloc.py)."""
+    code = ("import torch, flexh2o.overhead as o; torch.set_num_threads(2); "
+            "o.PROBE_CONFIG['num_hidden_layers'] = 12; o.PROBE_BATCH = 48; "
+            "o.PROBES['x'] = dict(w=(0, 0), cache=(90, 0), num_gpu_batches=4, kv_policy='h2o', hh_ratio=0.2); "
+            "import sys; print(o.probe('x', 'float32', sys.argv[1]))")
+    with tempfile.TemporaryDirectory() as offload:
+        r = subprocess.run([sys.executable, "-c", code, offload], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert int(r.stdout.split()[-1]) < FLOOR
 
 
 def test_loading_counts_the_largest_layer_as_read_and_what_prepare_makes():
