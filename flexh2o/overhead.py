@@ -3,10 +3,9 @@
 The pre-flight projects weights, cache, buffers and working sets; the process also holds what no
 projection lists: allocator slack (small freed blocks the allocator keeps, one arena per thread;
 large ones go back to the system, malloc.py), the math libraries' scratch per thread, I/O thread
-stacks, and the dirty pages of buffered writes,
-which a memory cgroup charges to the process until they reach the disk. The interpreter, torch
-and whatever the run loaded before its pre-flight are in use when the free memory (or a limit's
-room) is read, so they are not counted again.
+stacks, and the dirty pages of buffered writes, which a memory cgroup charges to the process until
+they reach the disk. The interpreter, torch, the tokenizer and whatever else the run loaded before
+its pre-flight are in use when the free memory (or a limit's room) is read: not counted again.
 
 `python -m flexh2o.overhead --dtype D --threads T --offload-dir DIR` measures the growth: each
 probe runs in a fresh interpreter, a small model in one placement of a matrix (in memory, on disk,
@@ -26,8 +25,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-# Where no calibration applies: what scripts/bench_memory_limit.py measured as the most (0.40 GB of
-# peak RSS beyond the projection, opt-125m in cgroups of 1-3 GB), rounded up.
+# Where no calibration applies: the most scripts/bench_memory_limit.py measured before malloc.py
+# (0.40 GB of peak RSS beyond the projection, opt-125m in cgroups of 1-3 GB), rounded up.
 DEFAULT_GROWTH = 512 << 20
 # A measured growth is used with this margin on top, and never below FLOOR: runs vary, the probes
 # do not see a run's outputs, report or Python objects, and being killed costs more than a slightly
@@ -53,10 +52,7 @@ PROBE_BATCH, PROBE_PROMPT, PROBE_GEN = 16, 256, 8
 @dataclass(frozen=True)
 class Growth:
     bytes: int
-    source: str  # "calibrated: float32, 2 threads (profile local)" or why the default applies
-
-    def describe(self) -> str:
-        return f"{self.bytes / (1 << 30):.3f} GB ({self.source})"
+    source: str  # how it was found: calibrated for which dtype and threads, or why the default applies
 
 
 def process_growth(profile, dtype: str, threads: int, io_threads: int = 2) -> Growth:

@@ -17,9 +17,10 @@ from .memory import check_fits, format_size, projected_need, weight_need
 STEP = 5
 
 
-def fits(spec, policy, dtype_bytes, prompt_len, gen_len, caps, device, weights=None) -> bool:
-    """Whether the pre-flight projection admits the policy (weights: its weight_need, if known)."""
-    layers = spec.build_layers()
+def fits(spec, policy, dtype_bytes, prompt_len, gen_len, caps, device, weights=None, layers=None) -> bool:
+    """Whether the pre-flight projection admits the policy (weights: its weight_need, and layers:
+    spec's, if known)."""
+    layers = layers if layers is not None else spec.build_layers()
     try:
         check_fits(projected_need(spec, layers, policy, dtype_bytes, prompt_len, gen_len, device, weights), caps, device)
     except UsageError:
@@ -58,7 +59,7 @@ def fitted_placement(spec, policy, dtype_bytes: int, prompt_len: int, gen_len: i
     memory need no compute copy)."""
     weights = weights if weights is not None else WeightNeeds(spec, dtype_bytes, device)
     for p in (policy, *candidates(policy)):
-        if fits(spec, p, dtype_bytes, prompt_len, gen_len, caps, device, weights=weights.of(p)):
+        if fits(spec, p, dtype_bytes, prompt_len, gen_len, caps, device, weights=weights.of(p), layers=weights.layers):
             return p
     return None
 

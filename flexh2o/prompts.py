@@ -49,10 +49,19 @@ def read_utf8(path: str, flag: str, limit: int, what: str) -> str:
 
 
 def read_lines(path: str) -> list[str]:
-    """The non-blank lines of a UTF-8 text file of at most MAX_PROMPTS_BYTES (a leading BOM dropped)."""
+    """The lines of a UTF-8 text file of at most MAX_PROMPTS_BYTES (a leading BOM dropped), one
+    prompt each, so that output n is line n: blank lines at the end are dropped, a blank line
+    before a prompt is refused (dropping it would shift every later output's number)."""
     text = read_utf8(path, "--prompts-file", MAX_PROMPTS_BYTES, "a prompts file")
     lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
-    return [line for line in lines if line.strip()]
+    while lines and not lines[-1].strip():
+        lines.pop()
+    blank = [n for n, line in enumerate(lines, 1) if not line.strip()]
+    if blank:
+        more = f" (and {len(blank) - 1} more)" if len(blank) > 1 else ""
+        raise UsageError("--prompts-file", f"line {blank[0]} of {path} is blank{more}: the file holds one prompt "
+                         "per line, and output n answers line n; remove the blank lines")
+    return lines
 
 
 def chat_turn(tokenizer, line: str) -> str:
@@ -73,15 +82,22 @@ def read_prompts(path: str, tokenizer, batch: int, prompt_len: int, chat: bool =
     if len(lines) != batch:
         raise UsageError("--prompts-file", f"{path} has {len(lines)} prompts; the batch "
                          f"(--gpu-batch-size x --num-gpu-batches) is {batch}")
-    out = []
-    for row, line in enumerate(lines):
-        tokens = tokenizer(chat_turn(tokenizer, line), add_special_tokens=False)["input_ids"] if chat \
-            else tokenizer(line)["input_ids"]
-        if len(tokens) > prompt_len:
-            raise UsageError("--prompts-file", f"prompt {row + 1} has {len(tokens)} tokens, over "
-                             f"--prompt-len {prompt_len}")
-        out.append(tokens)
+    out = [tokenizer(chat_turn(tokenizer, line), add_special_tokens=False)["input_ids"] if chat
+           else tokenizer(line)["input_ids"] for line in lines]
+    check_lengths([len(tokens) for tokens in out], prompt_len, path)
     return out
+
+
+def check_lengths(lengths: list[int], prompt_len: int, path: str):
+    """Refuses prompts over prompt_len in one line: how many, the longest and its line, and the
+    --prompt-len that would take them all."""
+    over = [n for n, length in enumerate(lengths, 1) if length > prompt_len]
+    if not over:
+        return
+    longest = max(over, key=lambda n: lengths[n - 1])
+    count = "1 prompt is" if len(over) == 1 else f"{len(over)} prompts are"
+    raise UsageError("--prompt-len", f"{count} longer than {prompt_len} tokens in {path}, the longest on line "
+                     f"{longest} ({lengths[longest - 1]} tokens): --prompt-len {lengths[longest - 1]} takes them all")
 
 
 def pad_prompts(prompts: list[list[int]], prompt_len: int, pad_token_id: int):

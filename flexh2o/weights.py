@@ -1,9 +1,10 @@
 """Weight sources: a Hugging Face checkpoint directory, or deterministic dummy weights.
 
 Both hand out one tensor at a time by its checkpoint name (without the leading `model.`), in the
-run's dtype, so a model larger than memory is never read whole, and a tensor stored in another
-width is never held in both (memory.load_transient counts one layer's tensors in the run's width). `check` validates names and shapes up front, so a
-wrong checkpoint is a clear error before anything runs.
+run's dtype, so a model larger than memory is never read whole, and a checkpoint tensor stored in
+another width is not held in both (memory.load_transient counts one layer's tensors in the run's
+width; a GGUF tensor is dequantized to float32 first). `check` validates names and shapes up
+front, so a wrong checkpoint is a clear error before anything runs.
 """
 
 import glob

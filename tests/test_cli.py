@@ -90,12 +90,34 @@ def test_prompts_file_count_must_match_the_batch(model_with_tokenizer, tmp_path,
     assert "--prompts-file" in capsys.readouterr().err
 
 
-def test_prompt_longer_than_prompt_len(model_with_tokenizer, tmp_path, capsys):
+def test_prompts_longer_than_prompt_len_are_named_in_one_line(model_with_tokenizer, tmp_path, capsys):
+    """Every offender counted, the longest named by its line, and the --prompt-len that takes them all."""
+    from transformers import AutoTokenizer
+    lines = ["the cat", "the cat sat on a mat the dog ran", "a dog", "the dog sat on the mat and the cat ran far"]
+    longest = len(AutoTokenizer.from_pretrained(model_with_tokenizer)(lines[3])["input_ids"])
     prompts = tmp_path / "p.txt"
-    prompts.write_text("the cat sat on a mat the dog ran\n")
+    prompts.write_text("\n".join(lines) + "\n")
     assert main(["--model", str(model_with_tokenizer), "--prompt-len", "4", "--gen-len", "2",
-                 "--gpu-batch-size", "1", "--prompts-file", str(prompts)]) == 2
-    assert "over --prompt-len 4" in capsys.readouterr().err
+                 "--gpu-batch-size", "4", "--prompts-file", str(prompts)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"error: --prompt-len: 2 prompts are longer than 4 tokens in {prompts}, the longest on line 4 "
+                       f"({longest} tokens): --prompt-len {longest} takes them all")
+    assert main(["--model", str(model_with_tokenizer), "--prompt-len", str(longest), "--gen-len", "2",
+                 "--gpu-batch-size", "4", "--prompts-file", str(prompts)]) == 0
+
+
+def test_a_blank_line_between_prompts_is_refused_and_trailing_ones_are_not(model_with_tokenizer, tmp_path, capsys):
+    """Output n answers line n: a blank line in between would shift them, so it is refused."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("the cat\n\nthe dog\n  \na mat\n\n\n")
+    assert main(["--model", str(model_with_tokenizer), "--prompt-len", "8", "--gen-len", "2",
+                 "--gpu-batch-size", "3", "--prompts-file", str(prompts)]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: --prompts-file: line 2 of {prompts} is blank (and 1 more): the file holds one prompt per line, "
+        "and output n answers line n; remove the blank lines")
+    prompts.write_text("the cat\nthe dog\na mat\n\n\n")
+    assert main(["--model", str(model_with_tokenizer), "--prompt-len", "8", "--gen-len", "2",
+                 "--gpu-batch-size", "3", "--prompts-file", str(prompts)]) == 0
 
 
 def test_chat_needs_a_prompts_file_and_a_template(model_with_tokenizer, tmp_path, capsys):
