@@ -72,7 +72,7 @@ def capacities(device: torch.device, offload_dir: str | None, gpu_mem=None, cpu_
 
 def local_growth(device: torch.device, dtype: str | None) -> Growth:
     """The process growth the local profile calibrated for this run's dtype and torch's threads."""
-    from .machine import cpu_compute_dtype
+    from .engine import default_dtype  # engine imports this module
     from .optimizer.hardware import LOCAL, load_profile
     try:
         profile = load_profile(LOCAL)
@@ -81,7 +81,7 @@ def local_growth(device: torch.device, dtype: str | None) -> Growth:
     if profile is not None and profile.device != device.type:
         profile = None
     if dtype is None:
-        dtype = "float16" if device.type == "cuda" else str(cpu_compute_dtype()).removeprefix("torch.")
+        dtype = str(default_dtype(device)).removeprefix("torch.")
     return process_growth(profile, dtype, torch.get_num_threads())
 
 
