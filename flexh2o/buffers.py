@@ -111,8 +111,10 @@ class Buffers:
             bisect.insort(self._starts, ptr)
 
     def is_pinned(self, t: torch.Tensor) -> bool:
-        """Whether t lies whole in host memory this run page-locked (a binary search)."""
-        ptr, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+        """Whether t (a view too: every byte it spans) lies in host memory this run page-locked (a
+        binary search)."""
+        span = 1 + sum((n - 1) * stride for n, stride in zip(t.shape, t.stride()) if n > 0) if t.numel() else 0
+        ptr, end = t.data_ptr(), t.data_ptr() + span * t.element_size()
         with self._lock:
             i = bisect.bisect_right(self._starts, ptr) - 1
             if i < 0:
@@ -137,11 +139,12 @@ class Buffers:
         if pinned:
             torch.cuda.cudart().cudaHostUnregister(ptr)
 
-    def reserve(self, shape, dtype=None, tier: str = "gpu", count: int = 1):
+    def reserve(self, shape, dtype=None, tier: str = "gpu", count: int = 1, kind: str = ""):
         """Makes `count` pooled buffers of this kind now, before the run, and fixes their number:
         asking for one more then waits until one comes back (buffers freed by an I/O thread come
-        back when its task ends, so without a fixed number the pool would grow with the timing)."""
-        key = (tuple(shape), dtype or self.dtype, tier)
+        back when its task ends, so without a fixed number the pool would grow with the timing).
+        A `kind` keeps buffers apart from others of the same shape (see buffer())."""
+        key = (tuple(shape), dtype or self.dtype, tier, kind)
         with self._lock:
             self._limit[key] = max(self._limit.get(key, 0), count)
             missing = self._limit[key] - self._made.get(key, 0)
@@ -150,11 +153,13 @@ class Buffers:
             self.free_buffers.setdefault(key, []).extend(made)
             self._lock.notify_all()
 
-    def buffer(self, shape, dtype=None, tier: str = "gpu") -> torch.Tensor:
+    def buffer(self, shape, dtype=None, tier: str = "gpu", kind: str = "") -> torch.Tensor:
         """A pooled buffer on the compute device, or in CPU memory (pinned on CUDA).
         Its contents are stale but finite: buffers start zeroed. Waiting for one to come back
-        raises the error of a failed I/O task at once, and gives up after BUFFER_WAIT_SECONDS."""
-        key = (tuple(shape), dtype or self.dtype, tier)
+        raises the error of a failed I/O task at once, and gives up after BUFFER_WAIT_SECONDS.
+        Buffers of a `kind` are only ever handed to the asker of that kind: one that goes back to
+        the pool with device work still queued on it is safe where every user queues on one stream."""
+        key = (tuple(shape), dtype or self.dtype, tier, kind)
         deadline = time.monotonic() + BUFFER_WAIT_SECONDS
         with self._lock:
             while True:
@@ -181,7 +186,7 @@ class Buffers:
             self._lock.notify_all()
 
     def _new_buffer(self, key) -> torch.Tensor:
-        shape, dtype, tier = key
+        shape, dtype, tier, _ = key
         with self._lock:
             self._made[key] = self._made.get(key, 0) + 1
         t = self.alloc(tier, shape, dtype, zero=True)
@@ -211,7 +216,7 @@ class Buffers:
             free, self.free_buffers = self.free_buffers, {}
             self._made, self._limit, self._pool_key = {}, {}, {}
             self.failure = None
-        for (_, _, tier), buffers in free.items():
+        for (_, _, tier, _), buffers in free.items():
             self.free(tier, buffers)
 
     def unpin_all(self):

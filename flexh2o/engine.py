@@ -278,6 +278,7 @@ class Engine:
             self.tiers.abandon(error)
             raise
         finally:
+            self.tiers.settle()
             for layer in self.layers:  # after a failure nothing is running any more, and nothing is waited for
                 layer.free_cache()
             self.tiers.clear_pool()

@@ -36,15 +36,20 @@ class IOTaskError(RuntimeError):
 
 class Pending:
     """A value that an I/O thread may still be filling; wait() returns it once it is ready. `then`,
-    if given, finishes it on the waiting thread, once, after the I/O thread's part."""
+    if given, finishes it on the waiting thread, once, after the I/O thread's part. A task may
+    return copies still in flight on CUDA (cuda_io.Landed): wait() makes the waiting thread's
+    stream wait for them, so the value is ready for the work that thread queues next."""
 
-    def __init__(self, value, future=None, then=None):
-        self.value, self.future, self.then = value, future, then
+    def __init__(self, value, future=None, then=None, landed=None):
+        self.value, self.future, self.then, self.landed = value, future, then, landed
 
     def wait(self):
         if self.future is not None:
-            self.future.result()
+            self.landed = self.future.result()
             self.future = None
+        if self.landed is not None:
+            landed, self.landed = self.landed, None
+            landed.wait()
         if self.then is not None:
             then, self.then = self.then, None
             then()
@@ -115,11 +120,11 @@ class IOThreads:
                     continue
                 self._running += 1
             try:
-                fn()
+                result = fn()
             except BaseException as e:  # the waiter gets it, as from a task of its own
                 future.set_exception(e)
             else:
-                future.set_result(None)
+                future.set_result(result)
             finally:
                 with self._ready:
                     self._running -= 1

@@ -131,11 +131,11 @@ class Tiers(Buffers):
         after = self.cuda.queued() if self.cuda else None
 
         def task():
-            start = time.perf_counter()
+            start, landed = time.perf_counter(), None
             try:
                 with torch.no_grad():
                     if self.cuda:
-                        with self.cuda.task(after):
+                        with self.cuda.task(after) as landed:
                             fn()
                     else:
                         fn()
@@ -148,10 +148,10 @@ class Tiers(Buffers):
                 raise error from e
             with self._lock:
                 self.io_seconds += time.perf_counter() - start
+            return landed
         self.io_tasks += 1
         if self.io is None:
-            task()
-            return Pending(value)
+            return Pending(value, landed=task())
         return Pending(value, self.io.submit(task))
 
     def io_group(self):
@@ -341,8 +341,9 @@ class Tiers(Buffers):
             copy_in_memory(dst, src)
 
     def copy_on_device(self, dst: torch.Tensor, src: torch.Tensor):
-        """dst <- src, both on the compute device, after the loads this task queued before it;
-        done when this returns (src may be a pooled buffer going back to the pool)."""
+        """dst <- src, both on the compute device, after the loads this task queued before it. On
+        CUDA it lands with the task's loads (cuda_io.py): src is a resident tensor, or a pooled
+        buffer of a kind only the load stream uses."""
         if self.on_cuda:
             self.cuda.on_device(dst, src)
         else:
@@ -396,6 +397,13 @@ class Tiers(Buffers):
         if self.on_cuda:
             self.cuda.compute_stream.synchronize()
 
+    def settle(self):
+        """Waits for the copies still queued on the side streams (a load no one waited for: the next
+        token's first weights when every sequence ended early, or a failed run's), before the
+        buffers they fill are freed."""
+        if self.on_cuda:
+            self.cuda.wait_loads()
+
     def close(self):
         with deferred():  # a signal here would leave the disk store open
             self._close()
@@ -403,6 +411,7 @@ class Tiers(Buffers):
     def _close(self):
         if self.io is not None:
             self.io.close()
+        self.settle()
         if self.disk is not None:
             self.disk.close()
         self.unpin_all()

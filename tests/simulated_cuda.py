@@ -64,6 +64,7 @@ class Stream:
         self.clock = 1        # ticked by each event recorded on this stream
         self.seen = {}        # stream -> the clock of the latest of its events this stream waited for
         self.issued = self.landed = 0
+        self.cuda_stream = id(self)  # the handle a call into the CUDA runtime would be given
 
     def wait_event(self, event):
         self.sim.wait_event(self, event)

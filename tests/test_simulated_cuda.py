@@ -2,13 +2,15 @@
 streams checked for ordering, host registrations paired. Tokens equal the CPU run's and scores
 agree to 1e-5 over the placement matrix; taking out a wait the ordering needs is caught."""
 
+import ctypes
 import time
 
 import pytest
 import torch
 
 from flexh2o import Engine, Policy
-from flexh2o.cuda_io import Copied, CudaCopies
+from flexh2o import cuda_io
+from flexh2o.cuda_io import Copied, CudaCopies, Landed
 from flexh2o.kv.home import CacheHome
 from flexh2o.tiers import Tiers
 from conftest import padded_batch
@@ -180,8 +182,13 @@ def skip_host_copy_wait(monkeypatch):
     monkeypatch.setattr(Copied, "wait", lambda copied: copied.tensors)
 
 
+def skip_landed_wait(monkeypatch):
+    monkeypatch.setattr(Landed, "wait", lambda landed: None)
+
+
 @pytest.mark.parametrize("name,remove", [("mixed-act-cpu", skip_stream_wait), ("cache-disk-act-cpu-h2o", skip_copy_waits),
-                                         ("cpu-cache-compute", skip_host_copy_wait)])
+                                         ("cpu-cache-compute", skip_host_copy_wait), ("weights-cpu", skip_landed_wait),
+                                         ("weights-disk-cache-cpu", skip_landed_wait)])
 def test_the_simulated_device_catches_a_missing_wait(tiny_models, tmp_path, monkeypatch, name, remove):
     """The check can fail: with one wait taken out of the CUDA layer, the run is caught (an
     ordering violation, or tokens and scores that differ)."""
@@ -191,3 +198,29 @@ def test_the_simulated_device_catches_a_missing_wait(tiny_models, tmp_path, monk
     with pytest.raises(AssertionError):  # OrderingError is one
         out, _, _ = simulated_run(directory, MATRIX[name], tmp_path, monkeypatch)
         assert_same(reference, out)
+
+
+class RowCopies:
+    """cudaMemcpy2DAsync done at once, row by row (the simulated device's memory is host memory)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def cudaMemcpy2DAsync(self, dst, dpitch, src, spitch, width, height, kind, stream):
+        assert kind == cuda_io.CUDA_MEMCPY_DEVICE_TO_HOST
+        for row in range(height):
+            ctypes.memmove(dst + row * dpitch, src + row * spitch, width)
+        self.calls += 1
+        return 0
+
+
+def test_the_prompts_cache_goes_to_a_cpu_attended_home_as_one_pitched_copy(tiny_models, tmp_path, monkeypatch):
+    """The first slots of every (sequence, head) of a home the CPU attends over are one strided
+    DMA per K or V (cudaMemcpy2DAsync's rows and pitches), giving the CPU run's tokens."""
+    directory, _ = tiny_models["wide"]
+    reference = cpu_reference(directory, MATRIX["cpu-cache-compute"], tmp_path)
+    runtime = RowCopies()
+    monkeypatch.setattr(cuda_io, "cuda_runtime", lambda: runtime)
+    out, _, _ = simulated_run(directory, MATRIX["cpu-cache-compute"], tmp_path, monkeypatch)
+    assert_same(reference, out)
+    assert runtime.calls > 0

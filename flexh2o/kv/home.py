@@ -31,6 +31,7 @@ from .cache import KVCache, slot_grid
 from .compressed import CompressedKVCache, quantize_slot_major
 
 IN_FLIGHT = 3  # sets of compute buffers per loaded part: computing, loading, storing
+SLOT_MAJOR = "slot-major block"  # the pool kind of _read's blocks
 
 
 def batch_split(batch: int, gpu_percent: float, cpu_percent: float) -> dict:
@@ -115,7 +116,8 @@ class CacheHome:
             if self.with_score:
                 self.tiers.reserve((n, kv_heads, capacity), torch.float32, count=sets)
         for n in moved:  # _read's slot-major block, one per I/O thread
-            self.tiers.reserve((capacity, n, kv_heads, self.width), self.stored, count=self.tiers.io_threads)
+            self.tiers.reserve((capacity, n, kv_heads, self.width), self.stored, count=self.tiers.io_threads,
+                               kind=SLOT_MAJOR)
 
     def load(self, prefill: bool) -> Pending:
         """The compute-side KVCache of every part: [(rows, KVCache)]."""
@@ -164,7 +166,9 @@ class CacheHome:
         mem, file, dst = (part.k_mem, part.k_file, buf.k) if which == "k" else (part.v_mem, part.v_file, buf.v)
         # Slot-major, as at home: slots [0, length) are one contiguous block there and here.
         window = dst[:, :, :length].permute(2, 0, 1, 3)
-        block = tiers.buffer((capacity, n, self.shape[0], self.width), self.stored)
+        # Its own kind of buffer: on CUDA it goes back to the pool while the copy out of it may
+        # still be queued on the load stream, where its next user's writes queue too.
+        block = tiers.buffer((capacity, n, self.shape[0], self.width), self.stored, kind=SLOT_MAJOR)
         try:
             if file is not None:
                 tiers.read_disk(file, 0, block[:length])
