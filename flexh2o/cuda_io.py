@@ -80,21 +80,20 @@ class CudaCopies:
     @contextmanager
     def task(self, after: torch.cuda.Event):
         """Runs one I/O task's copies after `after`. Yields a Landed whose `event`, once the task
-        ends, marks the copies still in flight (None if none are): those of a load from pinned
-        memory. After a failure every copy is waited for here."""
-        self.local.after, self.local.pending = after, []
+        ends, follows the copies left in flight (None if none are): those of a load from pinned
+        memory, and device-side copies on the load stream. After a failure they are waited for here."""
+        local = self.local
+        local.after, local.ordered, local.in_flight = after, set(), False
         landed = Landed()
         try:
             yield landed
         except BaseException:
-            for event in self.local.pending:
-                event.synchronize()
+            self.drain()
             raise
         else:
-            pending = self.local.pending  # all on the load stream: the last one follows them all
-            landed.event = pending[-1] if pending else None
+            landed.event = self._mark_in_flight()
         finally:
-            self.local.after, self.local.pending = None, None
+            local.after, local.ordered, local.in_flight = None, None, False
 
     def wait_loads(self):
         """Blocks until every copy queued on the side streams has finished (before their buffers are freed)."""
@@ -102,18 +101,34 @@ class CudaCopies:
         self.store_stream.synchronize()
 
     def _start(self, stream):
-        """Orders `stream` after the current task's event (outside a task: after all compute so far)."""
-        stream.wait_event(getattr(self.local, "after", None) or self.queued())
+        """Orders `stream` after the current task's event, once per task and stream (outside a task:
+        after all compute so far)."""
+        after = getattr(self.local, "after", None)
+        if after is None:
+            stream.wait_event(self.queued())
+        elif stream not in self.local.ordered:
+            stream.wait_event(after)
+            self.local.ordered.add(stream)
         return torch.cuda.stream(stream)
 
     def _finish(self, stream, wait_now: bool):
+        """After a copy on `stream`: waits for it now, or (a load stream copy inside a task) leaves
+        it in flight, to be marked by one event when the task ends."""
+        if not wait_now and getattr(self.local, "after", None) is not None:
+            self.local.in_flight = True
+            return
         event = torch.cuda.Event(blocking=True)
         event.record(stream)
-        pending = getattr(self.local, "pending", None)
-        if wait_now or pending is None:
-            event.synchronize()
-        else:
-            pending.append(event)
+        event.synchronize()
+
+    def _mark_in_flight(self):
+        """An event after the copies this task left in flight on the load stream, or None."""
+        if not getattr(self.local, "in_flight", False):
+            return None
+        event = torch.cuda.Event(blocking=True)
+        event.record(self.load_stream)
+        self.local.in_flight = False
+        return event
 
     # -- copies -----------------------------------------------------------------------------
     def to_device(self, dst: torch.Tensor, src: torch.Tensor):
@@ -186,11 +201,10 @@ class CudaCopies:
         return Copied(out, done)
 
     def drain(self):
-        """Waits for the copies this task has queued so far."""
-        pending = getattr(self.local, "pending", None) or []
-        for event in pending:
+        """Waits for the copies this task has left in flight so far."""
+        event = self._mark_in_flight()
+        if event is not None:
             event.synchronize()
-        pending.clear()
 
 
 def pitched_rows(t: torch.Tensor) -> tuple[int, int, int] | None:

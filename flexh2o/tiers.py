@@ -189,6 +189,20 @@ class Tiers(Buffers):
         buf = self.buffer(placed.shape, placed.dtype)
         return self.run_io(lambda: self.fill(buf, placed.segments), buf, "loading weights")
 
+    def load_all(self, placed: list) -> list[Pending]:
+        """load() of each; on CUDA those moved from memory alone go as one I/O task, whose copies
+        are queued back to back under one event: per tensor, a task's hand-off and events cost the
+        I/O thread more than a bias takes to copy, and left the copy engine idle between them.
+        Tensors read from disk keep a task each, so that two threads read at once."""
+        grouped = [self.on_cuda and p.decoded_shape is None and not self._in_place(p) and
+                   all(seg.tier != "disk" for seg in p.segments) for p in placed]
+        if sum(grouped) < 2:
+            return [self.load(p) for p in placed]
+        buffers = {i: self.buffer(p.shape, p.dtype) for i, p in enumerate(placed) if grouped[i]}
+        together = self.run_io(lambda: [self.fill(buffers[i], placed[i].segments) for i in buffers], None,
+                               "loading weights")
+        return [Pending(buffers[i], then=together.wait) if i in buffers else self.load(p) for i, p in enumerate(placed)]
+
     def gather_rows(self, placed: Placed, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (a CPU tensor of row indices, any shape) of a placed matrix, as a compute-device
         tensor [*ids.shape, columns]: an embedding's lookup, where only the rows looked up move,

@@ -54,7 +54,7 @@ class Layer:
     def load_weight(self, k: int):
         """Starts bringing the weights to the compute device; once per token, at gpu-batch 0."""
         if k == 0:
-            self._loading = self._in_place or [self.tiers.load(h) for h in self.home[self.gathered:]]
+            self._loading = self._in_place or self.tiers.load_all(self.home[self.gathered:])
 
     @property
     def weights(self) -> list[torch.Tensor]:
