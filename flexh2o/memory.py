@@ -290,6 +290,12 @@ def format_size(n: float) -> str:
     return f"{n:.0f} bytes"
 
 
+def tier_label(tier: str, device_type: str) -> str:
+    """A tier as messages name it: where the CPU computes, the gpu tier is the compute device's
+    memory (the flags keep their names)."""
+    return "compute device (CPU)" if tier == "gpu" and device_type == "cpu" else tier
+
+
 def check_fits(need: dict, caps: dict, device, flag: str = "--percent"):
     """Refuses, in one line with both numbers, a policy some tier cannot hold. The error names the
     tier's --<tier>-mem flag where that cap was given, else `flag` (the placement's)."""
@@ -297,7 +303,8 @@ def check_fits(need: dict, caps: dict, device, flag: str = "--percent"):
         if need[tier] > caps[tier]:
             given = tier in caps.get("given", ())
             raise UsageError(f"--{tier}-mem" if given else flag,
-                             f"the policy needs {format_size(need[tier])} on the {tier} tier, which holds "
+                             f"the policy needs {format_size(need[tier])} on the {tier_label(tier, device.type)} "
+                             "tier, which holds "
                              f"{format_size(caps[tier])} ({holds(tier, given, caps.get('limit'), device)})")
     if device.type == "cpu":
         growth = growth_bytes(caps)
@@ -306,7 +313,8 @@ def check_fits(need: dict, caps: dict, device, flag: str = "--percent"):
             limit = caps.get("limit")
             under = f", under the memory limit of {limit.describe()}" if limit is not None else ""
             raise UsageError(flag, f"the policy needs {format_size(need['gpu'] + need['cpu'])} of memory "
-                             f"(gpu and cpu tiers are both RAM here), {format_size(max(ram, 0))} is available "
+                             f"(the compute device (CPU) and cpu tiers are both RAM here), {format_size(max(ram, 0))} "
+                             "is available "
                              f"(free memory less {format_size(growth)} for the process's own growth{under})")
 
 

@@ -98,12 +98,12 @@ def plan(args) -> int:
     if found is None:
         raise UsageError("/".join(f"--{t}-mem" for t in caps["given"]) or "--model",
                          f"no policy of {spec.name} with {args.prompt_len}+{args.gen_len} tokens fits {profile.name} "
-                         f"({describe_caps(caps)})")
+                         f"({describe_caps(caps, profile.device)})")
     command = " ".join(["python -m flexh2o.run", f"--model {args.model}", f"--prompt-len {args.prompt_len}",
                         f"--gen-len {args.gen_len}"] + run_flags(found.policy)
                        + [f"--{t}-mem {getattr(args, f'{t}_mem')}" for t in caps["given"]]
                        + ([f"--dtype {args.dtype}"] if args.dtype else []))
-    print(f"plan for {spec.name} on {profile.name} ({describe_caps(caps)}), {args.prompt_len} + {args.gen_len} "
+    print(f"plan for {spec.name} on {profile.name} ({describe_caps(caps, profile.device)}), {args.prompt_len} + {args.gen_len} "
           f"tokens, batch {found.policy.batch_size} ({found.policy.gpu_batch_size} x {found.policy.num_gpu_batches})")
     print(command)
     print("\n".join(describe_prediction(found.predicted)))

@@ -62,7 +62,7 @@ def planned_policy(args, policy, spec, dtype: str, caps: dict, profile, offload_
     if plan is None:
         raise UsageError("/".join(f"--{t}-mem" for t in limits["given"]) or "--model",
                          f"no batch size or placement of {spec.name} with {args.prompt_len}+{args.gen_len} tokens "
-                         f"fits this machine ({describe_caps(limits)} free)")
+                         f"fits this machine ({describe_caps(limits, profile.device)} free)")
     p = plan.predicted
     print(f"note: planned with the local hardware profile ({local_cache_path()}): {' '.join(run_flags(plan.policy))} "
           f"(predicted total {p.total_throughput:.3f} token/s, decode bound by {p.bottleneck['decode']}); give "

@@ -20,6 +20,7 @@ import torch
 from .disk import OffloadError, check_offload_dir
 from .engine import default_device, parse_device
 from .errors import OneLineErrorParser, UsageError
+from .memory import tier_label
 from .optimizer.hardware import LOCAL, HardwareProfile, load_profile, local_cache_path, save_local
 from .optimizer.measure import measure, print_to_stderr
 from .output import check_output_file, write_json_atomic
@@ -94,7 +95,8 @@ def gigabytes(nbytes: int) -> str:
 
 def profile_rows(p: HardwareProfile) -> list[tuple[str, str]]:
     rows = [("source", p.source), ("device, dtype", f"{p.device}, {p.dtype}"),
-            ("memory", f"gpu {gigabytes(p.gpu_mem)}, cpu {gigabytes(p.cpu_mem)}, disk {gigabytes(p.disk_mem)} free")]
+            ("memory", f"{tier_label('gpu', p.device)} {gigabytes(p.gpu_mem)}, cpu {gigabytes(p.cpu_mem)}, "
+                       f"disk {gigabytes(p.disk_mem)} free")]
     for dtype, table in p.matmul_flops.items():
         rows += [(f"matmul {dtype}, {count} rows", flops(rate)) for count, rate in table.items()]
     rows += [(f"prompt attention {dtype}", flops(rate)) for dtype, rate in p.attention_flops.items()]

@@ -12,7 +12,7 @@ import torch
 
 from .kv import budget, cache_bytes
 from .machine import describe_machine
-from .memory import growth_bytes, layer_bytes
+from .memory import growth_bytes, layer_bytes, tier_label
 
 GB = 1 << 30
 
@@ -115,6 +115,7 @@ def rss_beyond_projection(r: dict) -> int | None:
 
 def format_report(r: dict) -> str:
     p = r["policy"]
+    device = tier_label("gpu", r["device"])
     lines = [
         f"model: {r['model']}\tweights: {r['weights']}\tdevice: {r['device']}\tdtype: {r['dtype']}",
         f"batch: {r['batch_size']} ({p['gpu_batch_size']} x {p['num_gpu_batches']} gpu-batches)\t"
@@ -123,10 +124,9 @@ def format_report(r: dict) -> str:
         f"kv cache: {r['kv_policy']}",
         f"model size: {r['model_size_bytes'] / GB:.3f} GB\tcache size: {r['cache_size_bytes'] / GB:.3f} GB\t"
         f"hidden size (p): {r['hidden_size_bytes'] / GB:.3f} GB",
-        f"peak gpu mem: {r['peak_gpu_mem_bytes'] / GB:.3f} GB\tpeak cpu mem: {r['peak_cpu_mem_bytes'] / GB:.3f} GB\t"
-        f"peak disk: {r['peak_disk_bytes'] / GB:.3f} GB\tprocess peak RSS: {r['peak_rss_bytes'] / GB:.3f} GB"
-        + ("\t(the CPU is the compute device)" if r["device"] == "cpu" else ""),
-        f"projected gpu mem: {r['projected_gpu_mem_bytes'] / GB:.3f} GB\tprojected cpu mem: "
+        f"peak {device} mem: {r['peak_gpu_mem_bytes'] / GB:.3f} GB\tpeak cpu mem: {r['peak_cpu_mem_bytes'] / GB:.3f} GB\t"
+        f"peak disk: {r['peak_disk_bytes'] / GB:.3f} GB\tprocess peak RSS: {r['peak_rss_bytes'] / GB:.3f} GB",
+        f"projected {device} mem: {r['projected_gpu_mem_bytes'] / GB:.3f} GB\tprojected cpu mem: "
         f"{r['projected_cpu_mem_bytes'] / GB:.3f} GB"
         + (f"\tallocator peak: {r['peak_gpu_allocator_bytes'] / GB:.3f} GB\tpinned host: "
            f"{r['pinned_host_bytes'] / GB:.3f} GB" if r["peak_gpu_allocator_bytes"] is not None else "")

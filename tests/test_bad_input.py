@@ -38,7 +38,7 @@ FLAGS = [
     (["--num-gpu-batches", "1000000000"], "--gpu-batch-size/--num-gpu-batches", "no placement of opt-125m"),
     (["--gpu-mem", "1MB", "--weights", "gpu=100"], "--gpu-mem", "which holds 1.00 MB (--gpu-mem)"),
     (["--cpu-mem", "1KB", "--weights", "gpu=0,cpu=100"], "--cpu-mem", "which holds 1.00 KB"),
-    (["--model", "opt-175b", "--weights", "gpu=100", "--cache", "gpu=100"], "--weights/--cache", "on the gpu tier"),
+    (["--model", "opt-175b", "--weights", "gpu=100", "--cache", "gpu=100"], "--weights/--cache", "on the compute device (CPU) tier"),
     (["--prompt-len", "2040", "--gen-len", "32"], "--prompt-len/--gen-len", "exceeds the 2048 positions"),
     (["--percent", "100", "0", "120", "0", "100", "0"], "--percent", "within 0..100"),
     (["--percent", "60", "50", "100", "0", "100", "0"], "--percent", "sum to 110"),

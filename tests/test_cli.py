@@ -35,6 +35,8 @@ def test_cli_run_writes_every_figure(tmp_path):
     assert not (tmp_path / "off").exists()  # created for the run, removed with its files
     assert report["machine"]["logical_cores"] >= 1 and report["machine"]["torch"]
     assert "total throughput" in r.stdout and "decode latency" in r.stdout
+    # The CPU computes here: the gpu tier is named as what it is (the JSON keys keep their names).
+    assert "peak compute device (CPU) mem:" in r.stdout and "gpu mem" not in r.stdout
     assert [f for f in os.listdir(tmp_path) if f.startswith(".tmp")] == []
 
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from ..memory import capacities, format_size
+from ..memory import capacities, format_size, tier_label
 from .cost_model import Prediction
 from .hardware import LOCAL
 from .search import caps_of
@@ -48,5 +48,5 @@ def describe_prediction(p: Prediction) -> list[str]:
             f"decode {p.bottleneck['decode']} ({share('decode')})"]
 
 
-def describe_caps(caps: dict) -> str:
-    return ", ".join(f"{tier} {format_size(caps[tier])}" for tier in ("gpu", "cpu", "disk"))
+def describe_caps(caps: dict, device_type: str) -> str:
+    return ", ".join(f"{tier_label(tier, device_type)} {format_size(caps[tier])}" for tier in ("gpu", "cpu", "disk"))
