@@ -29,8 +29,26 @@ def check_regular_file(path: str, flag: str):
         raise UsageError(flag, f"{path} is {kind}, not a regular file (reading it could block the run forever)")
 
 
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Help that ends each flag's line with its default, unless the text already says it or
+    there is none to say (a switch that is off, a value left to the run)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default in (None, argparse.SUPPRESS) or action.nargs == 0 or "default" in text \
+                or not action.option_strings:  # nargs 0: a switch, whose help says what it turns on or off
+            return text
+        default = " ".join(map(str, action.default)) if isinstance(action.default, (list, tuple)) else action.default
+        return f"{text} (default: {default})".lstrip()
+
+
 class OneLineErrorParser(argparse.ArgumentParser):
-    """argparse whose errors are one line `error: ...` (exit code 2), as every other bad input."""
+    """argparse whose errors are one line `error: ...` (exit code 2), as every other bad input;
+    its help gives each flag's default."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", DefaultsFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         print(f"error: {message}", file=sys.stderr)

@@ -19,50 +19,55 @@ import math
 import sys
 import time
 
-import torch
+from typing import TYPE_CHECKING
 
-from .engine import Engine, default_device, parse_dtype
 from .errors import OneLineErrorParser, UsageError
-from .models import resolve_model
+from .names import KV_POLICY_NAMES
 from .output import check_output_file
-from .policy import KV_POLICIES, Policy
-from .prompts import load_tokenizer, read_utf8
-from .run import save_json
-from .run_setup import default_offload_dir
-from .signals import run_stoppable
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_TEXT_BYTES = 64 << 20
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineErrorParser(prog="python -m flexh2o.eval", description=__doc__.split("\n\n")[1].strip())
-    p.add_argument("--model", required=True, help="a model directory (or preset with --path) that has a tokenizer")
+    p.add_argument("--model", required=True, help="a model with a tokenizer: an HF directory, a .gguf file, or a "
+                   "preset with --path (as for flexh2o.run)")
     p.add_argument("--path", help="weights directory for a preset --model")
-    p.add_argument("--text", required=True, help="a UTF-8 text file to score")
-    p.add_argument("--prompt-len", type=int, default=512, help="tokens each window prefills")
-    p.add_argument("--eval-len", type=int, default=128, help="tokens each window is fed and scored on")
-    p.add_argument("--windows", type=int, default=4, help="consecutive windows of the text, run as one batch")
-    p.add_argument("--offset", type=int, default=0, help="text tokens skipped before the first window")
-    p.add_argument("--kv-policy", choices=KV_POLICIES, default=None)
-    p.add_argument("--hh-ratio", type=float, default=None, metavar="R")
-    p.add_argument("--recent-ratio", type=float, default=None, metavar="R")
-    p.add_argument("--compress-weight", action="store_true")
-    p.add_argument("--compress-cache", action="store_true")
-    p.add_argument("--num-gpu-batches", type=int, default=1, help="the windows split into this many gpu-batches")
+    p.add_argument("--text", required=True, metavar="FILE", help="a UTF-8 text file to score (at most 64 MB)")
+    p.add_argument("--prompt-len", type=int, default=512, metavar="N", help="tokens each window prefills")
+    p.add_argument("--eval-len", type=int, default=128, metavar="N", help="tokens each window is fed and scored on")
+    p.add_argument("--windows", type=int, default=4, metavar="N",
+                   help="consecutive windows of the text, run as one batch")
+    p.add_argument("--offset", type=int, default=0, metavar="N", help="text tokens skipped before the first window")
+    p.add_argument("--kv-policy", choices=KV_POLICY_NAMES, default=None, help="KV cache policy (default: full, or h2o with --hh-ratio)")
+    p.add_argument("--hh-ratio", type=float, default=None, metavar="R", help="as for flexh2o.run: heavy-hitter "
+                   "slots = int(R * prompt_len), 0 < R <= 1")
+    p.add_argument("--recent-ratio", type=float, default=None, metavar="R",
+                   help="recent-window slots = int(R * prompt_len) (default: the --hh-ratio)")
+    p.add_argument("--compress-weight", action="store_true", help="weights as 4-bit groups of 64")
+    p.add_argument("--compress-cache", action="store_true", help="the KV cache as 4-bit groups of 64")
+    p.add_argument("--num-gpu-batches", type=int, default=1, metavar="N",
+                   help="the windows split into this many gpu-batches")
     p.add_argument("--agreement", action="store_true",
                    help="also run the full cache uncompressed and report greedy-token agreement with it")
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None, help="float32 for exact comparisons (default: the engine's)")
-    p.add_argument("--json-out", help="write ppl, tokens_scored and the settings as JSON here")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
+    p.add_argument("--dtype", default=None, help="float16, bfloat16 or float32; float32 for exact comparisons "
+                   "(default: the engine's)")
+    p.add_argument("--json-out", metavar="FILE", help="write ppl, tokens_scored and the settings as JSON here")
     return p
 
 
 def read_text(path: str) -> str:
+    from .prompts import read_utf8
     return read_utf8(path, "--text", MAX_TEXT_BYTES, "a text to score")
 
 
-def text_windows(tokens: list[int], windows: int, prompt_len: int, eval_len: int, offset: int = 0) -> torch.Tensor:
+def text_windows(tokens: list[int], windows: int, prompt_len: int, eval_len: int, offset: int = 0) -> "torch.Tensor":
     """[windows, prompt_len + eval_len]: consecutive slices of the text's tokens from `offset`."""
+    import torch
     width = prompt_len + eval_len
     need = offset + windows * width
     if len(tokens) < need:
@@ -71,18 +76,25 @@ def text_windows(tokens: list[int], windows: int, prompt_len: int, eval_len: int
     return torch.tensor(tokens[offset:need], dtype=torch.long).view(windows, width)
 
 
-def teacher_forced(engine, windows: torch.Tensor, prompt_len: int):
+def teacher_forced(engine, windows: "torch.Tensor", prompt_len: int, progress: bool = False):
     """(log-probabilities [windows, eval_len] of each fed token, the greedy choices [windows, eval_len])."""
     prompt, fed = windows[:, :prompt_len], windows[:, prompt_len:]
-    out = engine.generate(prompt, torch.ones_like(prompt), max_new_tokens=fed.shape[1], forced_tokens=fed)
+    out = engine.generate(prompt, prompt.new_ones(prompt.shape), max_new_tokens=fed.shape[1], forced_tokens=fed,
+                          progress=progress)
     return out.forced_logprobs, out.greedy
 
 
-def perplexity(logprobs: torch.Tensor) -> float:
+def perplexity(logprobs: "torch.Tensor") -> float:
     return math.exp(-logprobs.mean().item())
 
 
 def evaluate(args) -> dict:
+    # Imported once the flags parsed: torch is among them, and --help answers without it.
+    from .engine import Engine, default_device, parse_dtype
+    from .models import resolve_model
+    from .policy import Policy
+    from .prompts import load_tokenizer
+    from .run_setup import default_offload_dir
     for flag in ("prompt_len", "eval_len", "windows", "num_gpu_batches"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')}", f"must be a positive integer, got {getattr(args, flag)}")
@@ -106,14 +118,18 @@ def evaluate(args) -> dict:
     windows = text_windows(tokens, args.windows, args.prompt_len, args.eval_len, args.offset)
     device = args.device or default_device()
     dtype = parse_dtype(args.dtype) if args.dtype else None
+    runs = 2 if args.agreement else 1
+    print(f"scoring {args.windows} windows of {args.prompt_len} + {args.eval_len} tokens ({windows[:, args.prompt_len:].numel()} "
+          f"tokens scored{', then again with the full cache' if args.agreement else ''}): the bar counts the fed "
+          f"tokens of {'each run' if runs > 1 else 'the run'}", file=sys.stderr, flush=True)
     start = time.perf_counter()
     with Engine.from_pretrained(args.model, policy=policy, device=device, dtype=dtype, path=args.path,
                                 offload_dir=default_offload_dir(), prompt_len=args.prompt_len,
                                 gen_len=args.eval_len) as engine:
-        logprobs, greedy = teacher_forced(engine, windows, args.prompt_len)
+        logprobs, greedy = teacher_forced(engine, windows, args.prompt_len, progress=True)
         if args.agreement:  # the same weights, the full cache uncompressed
             engine.use_policy(kv_policy="full", hh_ratio=None, recent_ratio=None, compress_cache=False)
-            full_logprobs, full_greedy = teacher_forced(engine, windows, args.prompt_len)
+            full_logprobs, full_greedy = teacher_forced(engine, windows, args.prompt_len, progress=True)
     result = {"model": spec.name, "text": args.text, "text_tokens": len(tokens), "prompt_len": args.prompt_len,
               "eval_len": args.eval_len, "windows": args.windows, "offset": args.offset, "policy": policy.to_dict(),
               "dtype": args.dtype, "ppl": perplexity(logprobs), "tokens_scored": logprobs.numel(),
@@ -142,15 +158,18 @@ def describe(r: dict) -> str:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    import torch
     try:
-        result = evaluate(args)
+        with torch.no_grad():
+            result = evaluate(args)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(describe(result), flush=True)
+    from .run_main import save_json
     return save_json(args.json_out, result) if args.json_out else 0
 
 
 if __name__ == "__main__":
-    torch.set_grad_enabled(False)
+    from .signals import run_stoppable
     sys.exit(run_stoppable(main))

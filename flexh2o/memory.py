@@ -20,6 +20,7 @@ from .kv import POLICIES, budget, cache_bytes, slot_bytes
 from .kv.compressed import working_bytes
 from .kv.home import IN_FLIGHT, batch_split, cpu_attention_dtype
 from .memory_limit import process_limit
+from .names import tier_label
 from .overhead import DEFAULT_GROWTH, Growth, process_growth
 from .models.attention import PROBS_CHUNK_BYTES
 from .quant import BLOCK_VALUES, DEQUANT_WORKING_BYTES, compressible, stored_row_bytes
@@ -288,12 +289,6 @@ def format_size(n: float) -> str:
         if n >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n:.0f} bytes"
-
-
-def tier_label(tier: str, device_type: str) -> str:
-    """A tier as messages name it: where the CPU computes, the gpu tier is the compute device's
-    memory (the flags keep their names)."""
-    return "compute device (CPU)" if tier == "gpu" and device_type == "cpu" else tier
 
 
 def check_fits(need: dict, caps: dict, device, flag: str = "--percent"):

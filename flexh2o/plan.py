@@ -13,16 +13,9 @@ import sys
 import time
 
 from .errors import OneLineErrorParser, UsageError
-from .memory import parse_size
-from .models import resolve_model
+from .names import KV_POLICY_NAMES
 from .optimizer.hardware import LOCAL, load_profile, shipped
-from .optimizer.planner import describe_caps, describe_prediction, plan_capacities, run_flags
-from .optimizer.search import search
 from .output import check_output_file
-from .policy import KV_POLICIES, Policy
-from .run import check_positive, save_json
-from .run_setup import default_offload_dir
-from .signals import run_stoppable
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,21 +24,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hardware", default=LOCAL,
                    help=f"profile: {', '.join(shipped() + [LOCAL])} (measured here, profiling first if needed) "
                         "or a path to a profile JSON")
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--gen-len", type=int, default=32)
-    p.add_argument("--kv-policy", choices=KV_POLICIES, default=None)
-    p.add_argument("--hh-ratio", type=float, default=None, metavar="R")
-    p.add_argument("--recent-ratio", type=float, default=None, metavar="R")
+    p.add_argument("--prompt-len", type=int, default=512, metavar="N", help="tokens per prompt")
+    p.add_argument("--gen-len", type=int, default=32, metavar="N", help="tokens generated per prompt")
+    p.add_argument("--kv-policy", choices=KV_POLICY_NAMES, default=None, help="KV cache policy (default: full, or h2o with --hh-ratio)")
+    p.add_argument("--hh-ratio", type=float, default=None, metavar="R", help="as for flexh2o.run: heavy-hitter "
+                   "slots = int(R * prompt_len), 0 < R <= 1")
+    p.add_argument("--recent-ratio", type=float, default=None, metavar="R",
+                   help="recent-window slots = int(R * prompt_len) (default: the --hh-ratio)")
     p.add_argument("--allow-compression", action="store_true",
                    help="let the plan store weights and/or cache as 4-bit groups")
     p.add_argument("--no-overlap", dest="overlap", action="store_false", help="plan for I/O not overlapped")
-    p.add_argument("--max-batch", type=int, default=None, help="largest batch (sequences) to consider")
-    p.add_argument("--batch", type=int, default=None, help="plan for exactly this many sequences")
-    p.add_argument("--dtype", default=None, help="the run's dtype (default: the profile's)")
+    p.add_argument("--max-batch", type=int, default=None, metavar="N", help="largest batch (sequences) to consider")
+    p.add_argument("--batch", type=int, default=None, metavar="N", help="plan for exactly this many sequences")
+    p.add_argument("--dtype", default=None, help="float16, bfloat16 or float32: the run's (default: the profile's)")
     for tier in ("gpu", "cpu", "disk"):
         p.add_argument(f"--{tier}-mem", metavar="SIZE", help=f"cap on the {tier} tier (default: the profile's)")
-    p.add_argument("--offload-dir", default=None, help="where the local profile's disk is measured and found free")
-    p.add_argument("--json-out", help="write the plan (policy, predicted throughput) as JSON here")
+    p.add_argument("--offload-dir", default=None, metavar="DIR", help="where the local profile's disk is measured and found free")
+    p.add_argument("--json-out", metavar="FILE", help="write the plan (policy, predicted throughput) as JSON here")
     return p
 
 
@@ -69,6 +64,14 @@ def load_or_measure(name: str, offload_dir: str):
 
 
 def plan(args) -> int:
+    # Imported once the flags parsed: torch is among them, and --help answers without it.
+    from .memory import parse_size
+    from .models import resolve_model
+    from .optimizer.planner import describe_caps, describe_prediction, plan_capacities, run_flags
+    from .optimizer.search import search
+    from .policy import Policy
+    from .run_main import check_positive, save_json
+    from .run_setup import default_offload_dir
     check_positive(args)
     for flag in ("max_batch", "batch"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
@@ -119,4 +122,5 @@ def plan(args) -> int:
 
 
 if __name__ == "__main__":
+    from .signals import run_stoppable
     sys.exit(run_stoppable(main))

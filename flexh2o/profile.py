@@ -14,27 +14,26 @@ import argparse
 import os
 import sys
 import tempfile
+from typing import TYPE_CHECKING
 
-import torch
-
-from .disk import OffloadError, check_offload_dir
-from .engine import default_device, parse_device
 from .errors import OneLineErrorParser, UsageError
-from .memory import tier_label
+from .names import tier_label
 from .optimizer.hardware import LOCAL, HardwareProfile, load_profile, local_cache_path, save_local
-from .optimizer.measure import measure, print_to_stderr
 from .output import check_output_file, write_json_atomic
-from .signals import run_stoppable
+
+if TYPE_CHECKING:  # torch and the measurements load once the flags parsed: --help answers without them
+    import torch
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineErrorParser(prog="python -m flexh2o.profile", description=__doc__.split("\n\n")[1].strip())
-    p.add_argument("--device", default=None, help="the device that computes: cuda when available, else cpu")
-    p.add_argument("--offload-dir", default=None,
+    p.add_argument("--device", default=None, help="the device that computes: cpu, cuda or cuda:N (default: cuda "
+                   "when available, else cpu)")
+    p.add_argument("--offload-dir", default=None, metavar="DIR",
                    help="directory whose disk is measured (default: $TMPDIR/flexh2o_offload); its files are removed")
     p.add_argument("--force", action="store_true", help="measure again even if a profile is cached")
     p.add_argument("--quick", action="store_true", help="small sizes: a few seconds, rough figures (for tests)")
-    p.add_argument("--json-out", help="write the profile's JSON here too")
+    p.add_argument("--json-out", metavar="FILE", help="write the profile's JSON here too")
     return p
 
 
@@ -44,7 +43,7 @@ def default_offload_dir() -> str:
 
 # -- the cache ---------------------------------------------------------------------------------
 
-def cached_profile(device: torch.device, log) -> HardwareProfile | None:
+def cached_profile(device: "torch.device", log) -> HardwareProfile | None:
     """The cached local profile if it was measured with this kind of device; None otherwise."""
     try:
         profile = load_profile(LOCAL)
@@ -60,14 +59,18 @@ def cached_profile(device: torch.device, log) -> HardwareProfile | None:
     return profile
 
 
-def measure_here(device: torch.device, offload_dir: str, quick: bool, log) -> HardwareProfile:
+def measure_here(device: "torch.device", offload_dir: str, quick: bool, log) -> HardwareProfile:
+    from .optimizer.measure import measure
     log(f"measuring this machine with {device.type} computing ({'a few seconds' if quick else 'about half a minute'})")
     return measure(device, offload_dir, quick=quick, log=log)
 
 
-def ensure_local_profile(device, offload_dir: str, log=print_to_stderr, fresh: bool = False) -> HardwareProfile:
+def ensure_local_profile(device, offload_dir: str, log=None, fresh: bool = False) -> HardwareProfile:
     """The cached local profile, or one measured now (and cached) when there is none for this
-    device or `fresh` asks for it."""
+    device or `fresh` asks for it. `log` takes its notes (default: stderr)."""
+    import torch
+    from .optimizer.measure import print_to_stderr
+    log = log or print_to_stderr
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     profile = None if fresh else cached_profile(device, log)
     if profile is None:
@@ -131,6 +134,8 @@ def format_profile(profile: HardwareProfile) -> str:
 # -- the command -------------------------------------------------------------------------------
 
 def check_args(args):
+    from .disk import check_offload_dir
+    from .engine import default_device, parse_device
     for flag in ("device", "offload_dir", "json_out"):
         value = getattr(args, flag)
         if value is not None and not value.strip():
@@ -143,6 +148,7 @@ def check_args(args):
 
 
 def run(args) -> int:
+    from .optimizer.measure import print_to_stderr
     check_args(args)
     profile = None if args.force else cached_profile(args.device, print_to_stderr)
     if profile is not None:
@@ -172,6 +178,7 @@ def write_json(path: str | None, profile: HardwareProfile) -> int:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from .disk import OffloadError
     try:
         return run(args)
     except UsageError as e:
@@ -184,4 +191,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from .signals import run_stoppable
     sys.exit(run_stoppable(main))

@@ -12,7 +12,8 @@ import torch
 
 from .kv import budget, cache_bytes
 from .machine import describe_machine
-from .memory import growth_bytes, layer_bytes, tier_label
+from .memory import growth_bytes, layer_bytes
+from .names import tier_label
 
 GB = 1 << 30
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 import flexh2o.memory
 import flexh2o.prompts
-import flexh2o.run
+import flexh2o.run_main
 from flexh2o.models import resolve_model
 from flexh2o.run import main
 from test_weights import greedy
@@ -224,10 +224,10 @@ def test_a_byte_order_mark_is_not_part_of_the_first_prompt(model_with_tokenizer,
 def test_prompts_are_made_after_the_preflight_and_ram_measured_before(tiny_models, capsys, monkeypatch):
     """Prompts are batch-sized: made only once the pre-flight passed, after free memory was measured."""
     events = []
-    measure, make = flexh2o.memory.psutil.virtual_memory, flexh2o.run.synthetic_prompts
+    measure, make = flexh2o.memory.psutil.virtual_memory, flexh2o.run_main.synthetic_prompts
     monkeypatch.setattr(flexh2o.memory.psutil, "virtual_memory",  # records who measures
                         lambda: events.append(sys._getframe(1).f_code.co_name) or measure())
-    monkeypatch.setattr(flexh2o.run, "synthetic_prompts", lambda *a: events.append("prompts") or make(*a))
+    monkeypatch.setattr(flexh2o.run_main, "synthetic_prompts", lambda *a: events.append("prompts") or make(*a))
     directory, _ = tiny_models["tiny"]
     assert main(SMALL + ["--model", directory, "--dummy", "--gpu-batch-size", "1", "--dtype", "float32"]) == 0
     assert events.count("prompts") == 1 and "capacities" in events
@@ -235,7 +235,7 @@ def test_prompts_are_made_after_the_preflight_and_ram_measured_before(tiny_model
 
 
 def test_a_huge_batch_is_refused_before_anything_batch_sized_exists(capsys, monkeypatch):
-    monkeypatch.setattr(flexh2o.run, "synthetic_prompts", lambda *a: pytest.fail("prompts made before the pre-flight"))
+    monkeypatch.setattr(flexh2o.run_main, "synthetic_prompts", lambda *a: pytest.fail("prompts made before the pre-flight"))
     argv = SMALL + ["--num-gpu-batches", "1000000000", "--percent", "100", "0", "100", "0", "100", "0"]
     assert_refused(argv, "--percent", "the policy needs", capsys)
 

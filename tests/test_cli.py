@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 from flexh2o.engine import default_dtype
 from flexh2o.run import main
@@ -140,3 +142,28 @@ def test_chat_applies_the_template(model_with_tokenizer, tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text("cat sat\n")
     assert read_prompts(str(prompts), tok, 1, 8, chat=True) == [tok("the cat sat a", add_special_tokens=False)["input_ids"]]
+
+
+@pytest.mark.parametrize("module", ["flexh2o.run", "flexh2o.plan", "flexh2o.eval", "flexh2o.profile"])
+def test_help_answers_without_loading_torch(module):
+    """--help is printed from the parser alone: torch (a second or more to import) is not loaded."""
+    code = (f"import runpy, sys; sys.argv = ['{module}', '--help']\n"
+            f"try:\n    runpy.run_module('{module}', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+            "print('torch loaded' if 'torch' in sys.modules else 'torch not loaded')")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "--help" in r.stdout and r.stdout.strip().endswith("torch not loaded")
+
+
+def test_the_parsers_kv_policy_names_are_the_engines():
+    from flexh2o.kv import POLICIES
+    from flexh2o.names import KV_POLICY_NAMES
+    assert tuple(POLICIES) == KV_POLICY_NAMES
+
+
+def test_run_help_names_every_preset_and_the_model_forms():
+    from flexh2o.models import PRESETS
+    from flexh2o.run import build_parser
+    text = " ".join(build_parser().format_help().split())
+    assert all(name in text for name in PRESETS), [n for n in PRESETS if n not in text]
+    assert "HF config.json" in text and ".gguf file" in text and "(default: 512)" in text

@@ -101,7 +101,7 @@ def test_plan_measures_the_machine_when_no_profile_is_cached(tmp_path, monkeypat
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty"))
     measured = []
     test_profile = flexh2o.optimizer.hardware.from_dict(TEST_CPU_PROFILE, "test")
-    monkeypatch.setattr(flexh2o.profile, "measure", lambda device, *a, **k: measured.append(device) or test_profile)
+    monkeypatch.setattr(flexh2o.optimizer.measure, "measure", lambda device, *a, **k: measured.append(device) or test_profile)
     assert flexh2o.plan.main(["--model", "opt-125m", "--prompt-len", "32", "--gen-len", "4", "--max-batch", "4",
                               "--offload-dir", str(tmp_path / "off")]) == 0
     assert [d.type for d in measured] == ["cpu"]

@@ -10,6 +10,7 @@ import psutil
 import pytest
 import torch
 
+import flexh2o.optimizer.measure
 import flexh2o.profile
 from flexh2o.engine import default_dtype
 from flexh2o.optimizer.hardware import HardwareProfile, from_dict, load_profile, local_cache_path
@@ -102,7 +103,7 @@ def test_cli_measures_then_reuses_the_cache_until_forced(cache_home, quick_profi
 
     def must_not_measure(*args, **kwargs):
         raise AssertionError("measured although a profile is cached")
-    monkeypatch.setattr(flexh2o.profile, "measure", must_not_measure)
+    monkeypatch.setattr(flexh2o.optimizer.measure, "measure", must_not_measure)
     json_out = cache_home / "profile.json"
     assert flexh2o.profile.main([*offload, "--json-out", str(json_out)]) == 0
     out = capsys.readouterr().out
@@ -111,14 +112,14 @@ def test_cli_measures_then_reuses_the_cache_until_forced(cache_home, quick_profi
 
     forced = replace(quick_profile[0], source="measured again")
     calls = []
-    monkeypatch.setattr(flexh2o.profile, "measure", lambda *args, **kwargs: calls.append(args) or forced)
+    monkeypatch.setattr(flexh2o.optimizer.measure, "measure", lambda *args, **kwargs: calls.append(args) or forced)
     assert flexh2o.profile.main([*offload, "--force"]) == 0
     assert len(calls) == 1 and load_profile("local") == forced
 
 
 def test_ensure_local_profile_measures_only_without_a_cache(cache_home, quick_profile, monkeypatch):
     calls = []
-    monkeypatch.setattr(flexh2o.profile, "measure", lambda *args, **kwargs: calls.append(args) or quick_profile[0])
+    monkeypatch.setattr(flexh2o.optimizer.measure, "measure", lambda *args, **kwargs: calls.append(args) or quick_profile[0])
     offload_dir = str(cache_home / "offload")
     assert flexh2o.profile.ensure_local_profile("cpu", offload_dir, log=lambda line: None) == quick_profile[0]
     assert flexh2o.profile.ensure_local_profile("cpu", offload_dir, log=lambda line: None) == quick_profile[0]
@@ -131,7 +132,7 @@ def test_ensure_local_profile_measures_only_without_a_cache(cache_home, quick_pr
 def test_bad_input_is_one_line_and_exit_code_2(cache_home, monkeypatch, capsys, args, flag):
     (cache_home / "file").write_text("")
     args = [a.format(file=cache_home / "file", tmp=cache_home) for a in args]
-    monkeypatch.setattr(flexh2o.profile, "measure", lambda *a, **k: pytest.fail("measured despite bad input"))
+    monkeypatch.setattr(flexh2o.optimizer.measure, "measure", lambda *a, **k: pytest.fail("measured despite bad input"))
     assert flexh2o.profile.main(["--device", "cpu", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {flag}: ") and err.count("\n") == 1, err

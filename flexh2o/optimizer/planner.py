@@ -2,7 +2,8 @@
 
 import torch
 
-from ..memory import capacities, format_size, tier_label
+from ..memory import capacities, format_size
+from ..names import tier_label
 from .cost_model import Prediction
 from .hardware import LOCAL
 from .search import caps_of

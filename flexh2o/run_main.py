@@ -1,0 +1,138 @@
+"""What `python -m flexh2o.run` does once its flags are parsed (run.py keeps the parser free of
+torch, so that --help answers at once): checks, the plan, loading, generation and the report."""
+
+import sys
+
+import torch
+
+from .disk import OffloadError, check_offload_dir
+from .engine import default_device, parse_device, parse_dtype
+from .errors import UsageError
+from .io_tasks import IOTaskError
+from .memory import parse_size
+from .models import resolve_model
+from .kv import check_budget
+from .policy import Policy, placement_flag, policy_percents
+from .prompts import load_tokenizer, pad_prompts, read_prompts, synthetic_prompts
+from .sampling import check_sampling, check_seed
+from .output import check_output_file, json_text, write_json_atomic
+from .report import build_report, format_report
+from .jobs.cli import check_job_flags, run_job
+from .run_setup import choose_policy, dtype_name, load_engine
+from .optimizer.cost_model import predict
+from .planning import DEFAULT_GPU_BATCH_SIZE, check_planning_flags
+
+
+STRING_FLAGS = ("model", "path", "weights", "cache", "act", "gpu_mem", "cpu_mem", "disk_mem", "max_memory", "device", "dtype",
+                "offload_dir", "json_out", "prompts_file", "input", "output")
+
+
+def check_not_empty(args):
+    for name in STRING_FLAGS:
+        value = getattr(args, name)
+        if value is not None and not value.strip():
+            raise UsageError(f"--{name.replace('_', '-')}", "is empty; give a value or leave the flag out")
+
+
+def check_positive(args):
+    for flag in ("prompt_len", "gen_len"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')}", f"must be a positive integer, got {getattr(args, flag)}")
+
+
+def run_parsed(args) -> int:
+    """The run of parsed flags, its errors as one line and an exit status."""
+    try:
+        with torch.no_grad():
+            return run(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (OffloadError, IOTaskError) as e:  # a full disk names the flag; any other I/O failure its task
+        cause = f"--offload-dir: {e.strerror}" if isinstance(e, OffloadError) else str(e)
+        print(f"error: {cause}; the run stopped and its offload files were removed", file=sys.stderr)
+        return 1
+
+
+def run(args) -> int:
+    check_not_empty(args)
+    check_positive(args)
+    check_sampling(args.temperature, args.top_k, args.top_p)
+    check_seed(args.seed)
+    if args.chat and not (args.prompts_file or args.input):
+        raise UsageError("--chat", "applies to the prompts of --prompts-file or --input: give one")
+    check_job_flags(args)
+    planning = args.gpu_batch_size is None and placement_flag(args) is None
+    check_planning_flags(args, planning)
+    w_gpu, w_cpu, c_gpu, c_cpu, a_gpu, a_cpu = policy_percents(args)
+    policy = Policy(args.gpu_batch_size or DEFAULT_GPU_BATCH_SIZE, args.num_gpu_batches or 1,
+                    w_gpu, w_cpu, c_gpu, c_cpu, a_gpu, a_cpu,
+                    overlap=args.overlap, cpu_cache_compute=args.cpu_cache_compute, kv_policy=args.kv_policy,
+                    hh_ratio=args.hh_ratio, recent_ratio=args.recent_ratio,
+                    compress_weight=args.compress_weight, compress_cache=args.compress_cache)
+    caps = {f"{t}_mem": parse_size(getattr(args, f"{t}_mem"), f"--{t}-mem")
+            for t in ("gpu", "cpu", "disk") if getattr(args, f"{t}_mem") is not None}
+    if args.max_memory is not None:
+        caps["max_memory"] = parse_size(args.max_memory, "--max-memory")
+    device = parse_device(args.device or default_device())
+    dtype = parse_dtype(args.dtype) if args.dtype else None
+    spec, weights_dir = resolve_model(args.model, args.path)
+    for flag in ("json_out", "output"):
+        if getattr(args, flag):
+            check_output_file(f"--{flag.replace('_', '-')}", getattr(args, flag))
+    if args.offload_dir is not None:
+        check_offload_dir(args.offload_dir)
+    if args.input:
+        return run_job(args, policy, spec, weights_dir, device, dtype, caps, planning)
+    if args.prompt_len + args.gen_len > spec.max_positions:
+        raise UsageError("--prompt-len/--gen-len", f"prompt_len + gen_len = {args.prompt_len + args.gen_len} "
+                         f"exceeds the {spec.max_positions} positions of {spec.name}")
+    check_budget(policy, args.prompt_len)
+    dummy = args.dummy or weights_dir is None
+    # Before the pre-flight reads the free memory: what the tokenizer holds is then already in use.
+    tokenizer = None if dummy and not args.prompts_file else load_tokenizer(weights_dir)
+    policy, profile = choose_policy(args, policy, spec, device, dtype, caps, planning)
+    tokens = read_prompts(args.prompts_file, tokenizer, policy.batch_size, args.prompt_len, args.chat) \
+        if args.prompts_file else None
+    engine = load_engine(args, policy, device, dtype, caps, dummy)
+    try:
+        predicted = None if profile is None else predict(spec, policy, args.prompt_len, args.gen_len, profile,
+                                                         dtype_name(dtype, device))
+        return generate_and_report(args, engine, policy, tokens, tokenizer, dummy, predicted)
+    finally:
+        engine.close()
+
+
+def batch_prompts(args, spec, batch: int, tokens):
+    """The batch's prompt ids and mask: made only once the pre-flight has passed (they are batch-sized)."""
+    if tokens is not None:
+        return pad_prompts(tokens, args.prompt_len, spec.pad_token_id)
+    return synthetic_prompts(batch, args.prompt_len, spec.vocab_size, args.seed)
+
+
+def generate_and_report(args, engine, policy, tokens, tokenizer, dummy, predicted=None) -> int:
+    input_ids, mask = batch_prompts(args, engine.spec, policy.batch_size, tokens)
+    if dummy and not args.dummy:
+        print(f"note: no --path given for {engine.spec.name}: using dummy weights", file=sys.stderr)
+    ids = engine.generate(input_ids, mask, max_new_tokens=args.gen_len, do_sample=args.do_sample,
+                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                          eos_token_id=-1 if args.stop_at_eos else None, progress=True)
+    sample, generated = None, None
+    if tokenizer is not None and not dummy:
+        texts = [tokenizer.decode(row[args.prompt_len:], skip_special_tokens=True) for row in ids]
+        sample, generated = texts[0], texts if tokens is not None else None
+    report = build_report(engine, engine.last_stats, policy, sample, predicted, generated)
+    print(format_report(report), flush=True)
+    return save_json(args.json_out, report) if args.json_out else 0
+
+
+def save_json(path: str, report: dict) -> int:
+    """Writes the JSON report; if that fails after all, prints it to stdout instead (exit code 1)."""
+    try:
+        write_json_atomic(path, report)
+        return 0
+    except OSError as e:
+        print(json_text(report), end="")
+        print(f"error: --json-out: cannot write {path}: {e.strerror or e}; the JSON report went to stdout",
+              file=sys.stderr)
+        return 1
