@@ -22,7 +22,7 @@ import time
 from typing import TYPE_CHECKING
 
 from .errors import OneLineErrorParser, UsageError
-from .names import KV_POLICY_NAMES
+from .names import add_kv_flags
 from .output import check_output_file
 
 if TYPE_CHECKING:
@@ -42,11 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--windows", type=int, default=4, metavar="N",
                    help="consecutive windows of the text, run as one batch")
     p.add_argument("--offset", type=int, default=0, metavar="N", help="text tokens skipped before the first window")
-    p.add_argument("--kv-policy", choices=KV_POLICY_NAMES, default=None, help="KV cache policy (default: full, or h2o with --hh-ratio)")
-    p.add_argument("--hh-ratio", type=float, default=None, metavar="R", help="as for flexh2o.run: heavy-hitter "
-                   "slots = int(R * prompt_len), 0 < R <= 1")
-    p.add_argument("--recent-ratio", type=float, default=None, metavar="R",
-                   help="recent-window slots = int(R * prompt_len) (default: the --hh-ratio)")
+    add_kv_flags(p)
     p.add_argument("--compress-weight", action="store_true", help="weights as 4-bit groups of 64")
     p.add_argument("--compress-cache", action="store_true", help="the KV cache as 4-bit groups of 64")
     p.add_argument("--num-gpu-batches", type=int, default=1, metavar="N",

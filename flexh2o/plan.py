@@ -13,7 +13,7 @@ import sys
 import time
 
 from .errors import OneLineErrorParser, UsageError
-from .names import KV_POLICY_NAMES
+from .names import add_kv_flags
 from .optimizer.hardware import LOCAL, load_profile, shipped
 from .output import check_output_file
 
@@ -26,11 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "or a path to a profile JSON")
     p.add_argument("--prompt-len", type=int, default=512, metavar="N", help="tokens per prompt")
     p.add_argument("--gen-len", type=int, default=32, metavar="N", help="tokens generated per prompt")
-    p.add_argument("--kv-policy", choices=KV_POLICY_NAMES, default=None, help="KV cache policy (default: full, or h2o with --hh-ratio)")
-    p.add_argument("--hh-ratio", type=float, default=None, metavar="R", help="as for flexh2o.run: heavy-hitter "
-                   "slots = int(R * prompt_len), 0 < R <= 1")
-    p.add_argument("--recent-ratio", type=float, default=None, metavar="R",
-                   help="recent-window slots = int(R * prompt_len) (default: the --hh-ratio)")
+    add_kv_flags(p)
     p.add_argument("--allow-compression", action="store_true",
                    help="let the plan store weights and/or cache as 4-bit groups")
     p.add_argument("--no-overlap", dest="overlap", action="store_false", help="plan for I/O not overlapped")

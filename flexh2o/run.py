@@ -12,7 +12,7 @@ if __name__ == "__main__":  # first, before torch loads: a signal while it does 
 import argparse
 import sys
 
-from .names import KV_POLICY_NAMES
+from .names import add_kv_flags
 from .errors import OneLineErrorParser
 
 
@@ -42,13 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     for kind, what in (("weights", "weights"), ("cache", "the KV cache"), ("act", "activations")):
         p.add_argument(f"--{kind}", metavar="gpu=P,cpu=P,disk=P",
                        help=f"placement of {what} in percent (the same as three of --percent's numbers)")
-    p.add_argument("--kv-policy", choices=KV_POLICY_NAMES, default=None,
-                   help="KV cache policy: full keeps every token (the default without --hh-ratio); the others "
-                   "hold a fixed budget per sequence and head (h2o is the default with --hh-ratio)")
-    p.add_argument("--hh-ratio", type=float, default=None, metavar="R",
-                   help="H2O: heavy-hitter slots = int(R * prompt_len), 0 < R <= 1; selects --kv-policy h2o")
-    p.add_argument("--recent-ratio", type=float, default=None, metavar="R",
-                   help="recent-window slots = int(R * prompt_len) (default: the --hh-ratio)")
+    add_kv_flags(p)
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                    help="overlap weight / cache I/O with compute (default: on)")
     p.add_argument("--cpu-cache-compute", action="store_true",
