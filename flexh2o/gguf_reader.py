@@ -2,11 +2,12 @@
 
 read_gguf(path) gives the model's Hugging Face config.json as a dict and its tensors one at a time,
 dequantized to float32, under Hugging Face names and shapes (without the leading "model."). The file
-is memory-mapped by the gguf package: only the tensor asked for is read and dequantized.
-tokenizer(path) builds a transformers tokenizer from the same file.
+is memory-mapped (gguf_file.py): only the tensor asked for is read and dequantized (by the gguf
+package). tokenizer(path) builds a transformers tokenizer from the same file.
 """
 
 import copy
+import importlib.util
 import os
 import re
 import struct
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 
 from flexh2o.errors import UsageError, check_regular_file
+from flexh2o.gguf_file import StringArray, read_layout
 
 FLAG = "--model"
 
@@ -49,16 +51,15 @@ ROPE_FREQS = "rope_freqs.weight"
 class GGUFModel:
     """An open GGUF file: `config` (Hugging Face config.json form) and its tensors by Hugging Face name."""
 
-    def __init__(self, path, reader, config, tensors, permute_qk):
+    def __init__(self, path, config, tensors, permute_qk):
         self.path = path
         self.config = config
-        self._reader = reader
-        self._tensors = tensors  # Hugging Face name -> gguf ReaderTensor
+        self._tensors = tensors  # Hugging Face name -> gguf_file.TensorEntry
         self._permute_qk = permute_qk
 
     def opened_as(self, path):
         """The same file under the path it was asked by, with a config of its own to change."""
-        return GGUFModel(path, self._reader, copy.deepcopy(self.config), self._tensors, self._permute_qk)
+        return GGUFModel(path, copy.deepcopy(self.config), self._tensors, self._permute_qk)
 
     def names(self):
         """The Hugging Face names of the tensors in the file (no lm_head.weight when it is tied)."""
@@ -90,9 +91,8 @@ class GGUFModel:
 def read_gguf(path) -> GGUFModel:
     """Opens a GGUF file of a supported architecture; a bad file raises a one-line UsageError.
 
-    The gguf package parses every metadata field up front (seconds, and over 100 MB of objects for a
-    tokenizer of 50k tokens), and one run asks for the same file several times (its config, its
-    weights): the last file read is kept while it stays the same file on disk.
+    One run asks for the same file several times (its config, its weights): the last file read is
+    kept while it stays the same file on disk.
     """
     global _last_read
     _check_magic(path)
@@ -115,17 +115,22 @@ def _parse(path) -> GGUFModel:
     model_type, architecture, permute_qk = ARCHITECTURES[arch]
     tensors = _hf_tensor_map(reader, path)
     config = {"model_type": model_type, "architectures": [architecture], **_config(reader, arch, path, tensors)}
-    return GGUFModel(path, reader, config, tensors, permute_qk)
+    return GGUFModel(path, config, tensors, permute_qk)
 
 
 def tokenizer(path):
     """The transformers tokenizer (chat template included, when the file has one) built from a GGUF file."""
-    from transformers import AutoTokenizer
+    try:
+        # The class AutoTokenizer gives a GGUF file in transformers 5, built directly: AutoTokenizer
+        # first builds the model's config with the gguf package's reader, 3.6 s of SmolLM2's start.
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend as Tokenizer
+    except ImportError:
+        from transformers import AutoTokenizer as Tokenizer
 
     _check_magic(path)
     directory, filename = os.path.split(os.path.abspath(path))
     try:
-        return AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+        return Tokenizer.from_pretrained(directory, gguf_file=filename)
     except (ValueError, IndexError, KeyError, OSError, struct.error) as err:
         # transformers' own GGUF reader fails on a cut-off or corrupt file with a multi-line message.
         reason = " ".join(str(err).split()) or type(err).__name__
@@ -147,15 +152,19 @@ def unpermute_rotary_rows(weights, num_heads):
     return pairs.swapaxes(1, 2).reshape(weights.shape)
 
 
-def _open_reader(path):
-    try:
-        import gguf
-    except ImportError:
+class _Layout:
+    """A parsed file: `fields` (metadata key -> value) and `tensors` (gguf_file.TensorEntry)."""
+
+    def __init__(self, fields, tensors):
+        self.fields, self.tensors = fields, tensors
+
+
+def _open_reader(path) -> _Layout:
+    if importlib.util.find_spec("gguf") is None:  # its tensor types and dequantization
         raise UsageError(FLAG, "reading GGUF files needs the gguf package: pip install 'flexh2o[models]'") from None
     try:
-        return gguf.GGUFReader(path)
-    except (ValueError, IndexError, KeyError, TypeError, OSError) as err:
-        # Past the magic number, a cut-off or corrupt file fails somewhere in gguf's header parsing.
+        return _Layout(*read_layout(path))
+    except (ValueError, IndexError, KeyError, TypeError, OSError, struct.error) as err:
         reason = " ".join(str(err).split()) or type(err).__name__
         raise UsageError(FLAG, f"{path} is not a readable GGUF file ({reason})") from None
 
@@ -172,6 +181,10 @@ def _check_magic(path):
 
 
 def _dequantize(gguf_tensor):
+    """float32 values of a tensor: the common 4- and 8-bit block types by whole-tensor torch ops
+    (the gguf package's numpy loops took 1.2 s of SmolLM2's start), the others by the gguf package."""
+    if gguf_tensor.tensor_type.name in BLOCK_LAYOUTS:
+        return _dequantize_blocks(gguf_tensor.data, gguf_tensor.tensor_type.name)
     from gguf import dequantize
 
     try:
@@ -179,6 +192,29 @@ def _dequantize(gguf_tensor):
     except NotImplementedError:
         raise UsageError(FLAG, f"{gguf_tensor.name}: the gguf package cannot dequantize "
                                f"{gguf_tensor.tensor_type.name}") from None
+
+
+# Block of 32 values: byte offsets of its float16 scale d, of its float16 minimum m (Q4_1), of its
+# quants, and the quants' kind. Q4_0: d * (q - 8); Q4_1: d * q + m; Q8_0: d * q (q signed).
+BLOCK_LAYOUTS = {"Q4_0": (0, None, 2, "nibbles"), "Q4_1": (0, 2, 4, "nibbles"), "Q8_0": (0, None, 2, "int8")}
+BLOCK_VALUES = 32
+
+
+def _dequantize_blocks(data, kind):
+    scale_at, min_at, quants_at, quants = BLOCK_LAYOUTS[kind]
+    block_bytes = quants_at + (BLOCK_VALUES // 2 if quants == "nibbles" else BLOCK_VALUES)
+    blocks = torch.from_numpy(np.array(data)).reshape(-1, block_bytes)  # a copy: the file's map is read-only
+
+    def half(at):
+        return blocks[:, at: at + 2].contiguous().view(torch.float16).float()
+    q = blocks[:, quants_at:]
+    if quants == "nibbles":
+        q = torch.cat([q & 0x0F, q >> 4], dim=1).float()
+        q = q - 8 if min_at is None else q
+    else:
+        q = q.contiguous().view(torch.int8).float()
+    values = q * half(scale_at) + (half(min_at) if min_at is not None else 0)
+    return values.reshape(*data.shape[:-1], -1).numpy()
 
 
 def _hf_tensor_map(reader, path):
@@ -316,17 +352,14 @@ def _float32(value):
 
 def _scalar(reader, key, path, default=...):
     """A single-valued metadata field (int, float, bool or str); `default` where it is absent."""
-    field = reader.fields.get(key)
-    if field is None:
+    if key not in reader.fields:
         if default is ...:
             raise UsageError(FLAG, f"{path} lacks the GGUF metadata {key!r}")
         return default
-    if len(field.data) != 1:
+    value = reader.fields[key]
+    if isinstance(value, (np.ndarray, StringArray)):
         raise UsageError(FLAG, f"{path}: GGUF metadata {key!r} is a list, not one value")
-    part = field.parts[field.data[0]]
-    if field.types[-1].name == "STRING":
-        return bytes(part).decode("utf-8")
-    return part[0].item()
+    return value
 
 
 def _string(reader, key, path):

@@ -9,6 +9,7 @@ import torch
 
 gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install -e '.[models]')")
 
+import flexh2o.gguf_reader  # noqa: E402
 from flexh2o.errors import UsageError  # noqa: E402
 from flexh2o.gguf_reader import read_gguf, tokenizer  # noqa: E402
 
@@ -248,8 +249,8 @@ def test_other_architecture_is_refused(tmp_path):
 def test_a_file_is_parsed_once_while_it_stays_the_same(tmp_path, monkeypatch):
     path = str(tmp_path / "tiny.gguf")
     write_tiny(path)
-    opened, parse = [], gguf.GGUFReader
-    monkeypatch.setattr(gguf, "GGUFReader", lambda *args, **kwargs: opened.append(args) or parse(*args, **kwargs))
+    opened, parse = [], flexh2o.gguf_reader.read_layout
+    monkeypatch.setattr(flexh2o.gguf_reader, "read_layout", lambda *args: opened.append(args) or parse(*args))
     first = read_gguf(path)
     first.config["hidden_size"] = -1  # a caller's config is its own
     second = read_gguf(path)
@@ -272,3 +273,13 @@ def test_an_impossible_gguf_header_is_one_line(tmp_path, header, says):
     with pytest.raises(UsageError) as e:
         read_gguf(str(tmp_path / "bad.gguf"))
     assert e.value.flag == "--model" and says in e.value.message
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_block_types_dequantize_as_the_gguf_package_does(kind):
+    """The whole-tensor torch dequantization of the common block types gives the gguf package's values, bit for bit."""
+    from flexh2o.gguf_reader import _dequantize_blocks
+    qtype = gguf.GGMLQuantizationType[kind]
+    values = np.random.default_rng(0).normal(size=(6, 128)).astype(np.float32)
+    packed = gguf.quants.quantize(values, qtype)
+    assert np.array_equal(_dequantize_blocks(packed, kind), gguf.quants.dequantize(packed, qtype))
