@@ -65,6 +65,14 @@ def planned_policy(args, policy, spec, dtype: str, caps: dict, profile, offload_
                          f"fits this machine ({describe_caps(limits, profile.device)} free)")
     p = plan.predicted
     print(f"note: planned with the local hardware profile ({local_cache_path()}): {' '.join(run_flags(plan.policy))} "
-          f"(predicted total {p.total_throughput:.3f} token/s, decode bound by {p.bottleneck['decode']}); give "
+          f"(predicted total {p.total_throughput:.3f} token/s: {duration(p.total_seconds)} to generate, decode "
+          f"bound by {p.bottleneck['decode']}); give "
           "--gpu-batch-size or --weights/--cache/--act to choose", file=sys.stderr)
     return plan.policy
+
+
+def duration(seconds: float) -> str:
+    """A predicted duration as people say it: 40 s, 3.5 min, 2.1 h."""
+    if seconds < 120:
+        return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s"
+    return f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"

@@ -37,10 +37,13 @@ class Schedule:
         self.load_weight(0, 0, 0)
         self.load_cache(0, 0, 0)
         steps_done = gen_len
-        for i in tqdm(range(gen_len), desc="generate", unit="tok", disable=not progress, leave=False):
+        bar = tqdm(range(gen_len), desc="generate", unit="tok", disable=not progress, leave=False)
+        for i in bar:
             start, counts = time.perf_counter(), self.counts()
             self.steps = self.seqs.steps(i, nb)
             for j in range(num_layers):
+                if i == 0:  # the prompt step can take minutes: it moves per layer
+                    bar.set_postfix_str(f"prompt: layer {j + 1}/{num_layers}")
                 for k in range(nb):
                     # No synchronize per (layer, gpu-batch): on CUDA every copy waits for an event of
                     # the compute queued before it (cuda_io.py). A store goes first: the load after it
@@ -53,6 +56,8 @@ class Schedule:
                         self.store_hidden(i, j, k - 1)
                         self.load_hidden(i, j, k + 1)
                     self.compute(i, j, k)
+            if i == 0:
+                bar.set_postfix_str("", refresh=False)
             self.step_seconds.append(time.perf_counter() - start)
             for per_step, before, now in zip(self.per_step, counts, self.counts()):
                 per_step.append(now - before)

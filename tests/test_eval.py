@@ -66,7 +66,10 @@ def test_eval_cli_writes_ppl_and_settings_and_repeats_itself(model_with_tokenize
     assert r["tokens_scored"] == 4 * 8 and r["ppl"] > 1 and 0 <= r["agreement"] <= 1 and r["full_cache_ppl"] > 1
     assert r["policy"]["kv_policy"] == "h2o" and r["prompt_len"] == 16 and r["windows"] == 4
     assert {k: v for k, v in r.items() if k != "seconds"} == {k: v for k, v in results[1].items() if k != "seconds"}
-    assert "perplexity:" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "perplexity:" in captured.out
+    assert "scoring 4 windows of 16 + 8 tokens (32 tokens scored, then again with the full cache)" in captured.err
+    assert "generate:" in captured.err  # the bar over the fed tokens
 
 
 @pytest.mark.parametrize("extra,flag,text_part", [

@@ -1,6 +1,7 @@
 """python -m flexh2o.plan, and flexh2o.run planning a job it is given no batch size or placement for."""
 
 import json
+import re
 import shlex
 
 import pytest
@@ -65,6 +66,7 @@ def test_run_without_a_batch_or_placement_plans_and_predicts(tiny_models, tmp_pa
                              "--max-batch", "4", "--dtype", "float32", "--json-out", str(out)]) == 0
     captured = capsys.readouterr()
     assert "note: planned with the local hardware profile" in captured.err
+    assert re.search(r"predicted total [0-9.]+ token/s: [0-9.]+ (s|min|h) to generate", captured.err)
     report = json.loads(out.read_text())
     assert report["batch_size"] <= 4
     assert report["predicted"]["total_throughput"] > 0
@@ -136,3 +138,8 @@ def test_a_planned_run_keeps_the_gpu_batch_count_it_is_given(model_with_tokenize
     assert (report["policy"]["gpu_batch_size"], report["policy"]["num_gpu_batches"]) == (2, 2)
     assert flexh2o.run.main(args + ["--num-gpu-batches", "3"]) == 2
     assert "--num-gpu-batches: 3 does not divide the 4 prompts" in capsys.readouterr().err
+
+
+def test_predicted_durations_read_as_people_say_them():
+    from flexh2o.planning import duration
+    assert [duration(s) for s in (0.14, 42.4, 210, 7500)] == ["0.1 s", "42 s", "3.5 min", "2.1 h"]
