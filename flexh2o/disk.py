@@ -37,6 +37,11 @@ from .overhead import DIRTY_WINDOW
 from .signals import deferred
 
 MAX_IO = 1 << 30    # bytes per system call; Linux caps a single read/write near 2 GiB
+# A write this large goes out as two halves at once: here one stream of buffered writes ran at
+# 0.43 GB/s, two at 1.6 (the profile's disk write, two threads: 1.26), and placing OPT-1.3B's dummy
+# weights on disk wrote at 0.26 GB/s.
+PARALLEL_WRITE_BYTES = 8 << 20
+DIRECT_WRITE_BYTES = 8 << 20  # per O_DIRECT write, through a bounce block of this size
 ALIGN = 4096        # O_DIRECT alignment of offsets, lengths and memory
 BOUNCE = 8 << 20    # largest aligned staging buffer per I/O thread
 
@@ -259,17 +264,18 @@ class DiskFile:
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         os.ftruncate(self.fd, -(-nbytes // ALIGN) * ALIGN)  # padded, so widened reads stay inside
         self.dfd = os.open(path, os.O_RDONLY | os.O_DIRECT) if direct else None
+        self.wfd = None  # O_DIRECT for writing, opened by the first such write
         if random:
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
 
     def close(self):
-        for fd in (self.fd, self.dfd):
+        for fd in (self.fd, self.dfd, self.wfd):
             if fd is not None:
                 try:
                     os.close(fd)
                 except OSError:
                     pass
-        self.fd = self.dfd = None
+        self.fd = self.dfd = self.wfd = None
 
 
 class DiskStore:
@@ -286,6 +292,9 @@ class DiskStore:
         self.bytes_written = 0
         self._count = threading.Lock()
         self._local = threading.local()  # per I/O thread: its aligned bounce buffer
+        # Whole tensors go out past the page cache where the filesystem allows it (not under a
+        # memory limit: those writes are flushed a window at a time, buffered).
+        self.direct_writes = not flush_writes and direct_io_works(self.dir)
 
     @contextmanager
     def _writing(self):
@@ -346,8 +355,35 @@ class DiskStore:
     def write(self, f: DiskFile, offset: int, data: torch.Tensor):
         """Writes the contiguous CPU tensor `data` to the file at `offset` (blocking). Called for
         whole tensors (weights at load time, the prompt's cache): with bypass on, their pages are
-        synced and dropped so they do not sit in RAM."""
+        synced and dropped so they do not sit in RAM. A large one goes out as two halves at once
+        (not under a memory limit, whose dirty pages are flushed a window at a time)."""
         view = as_bytes(data)
+        if len(view) < PARALLEL_WRITE_BYTES or self.flush_writes:
+            self._write_range(f, offset, view)
+        else:
+            half = len(view) // 2 // ALIGN * ALIGN
+            failed = []
+
+            def second_half():
+                try:
+                    self._write_range(f, offset + half, view[half:])
+                except BaseException as e:  # raised on the caller's thread below
+                    failed.append(e)
+            writer = threading.Thread(target=second_half, name="flexh2o-disk-write", daemon=True)
+            writer.start()
+            try:
+                self._write_range(f, offset, view[:half])
+            finally:
+                writer.join()
+            if failed:
+                raise failed[0]
+        with self._count:
+            self.bytes_written += len(view)
+
+    def _write_range(self, f: DiskFile, offset: int, view: memoryview):
+        if self.direct_writes and offset % ALIGN == 0 and (len(view) % ALIGN == 0 or offset + len(view) == f.nbytes):
+            self._write_direct(f, offset, view)
+            return
         step = DIRTY_WINDOW if self.flush_writes else len(view)
         with self._writing():
             for pos in range(0, len(view), max(step, 1)):
@@ -357,8 +393,21 @@ class DiskStore:
                 if self.page_cache in (DIRECT, EVICTED):
                     start, end = _widen(offset + pos, len(view[pos: pos + step]))
                     os.posix_fadvise(f.fd, start, end - start, os.POSIX_FADV_DONTNEED)
-        with self._count:
-            self.bytes_written += len(view)
+
+    def _write_direct(self, f: DiskFile, offset: int, view: memoryview):
+        """Writes past the page cache (O_DIRECT) through an aligned bounce block: buffered, placing
+        OPT-1.3B's dummy weights wrote at 0.26-0.52 GB/s here, as fast as the kernel wrote dirty
+        pages back. A last partial block is padded with zeros, inside the file's padding."""
+        with self._writing():
+            if f.wfd is None:
+                f.wfd = os.open(f.path, os.O_WRONLY | os.O_DIRECT)
+            for pos in range(0, len(view), DIRECT_WRITE_BYTES):
+                piece = view[pos: pos + DIRECT_WRITE_BYTES]
+                padded = -(-len(piece) // ALIGN) * ALIGN
+                bounce = as_bytes(self._bounce(padded))
+                bounce[:len(piece)] = piece
+                bounce[len(piece):] = bytes(padded - len(piece))
+                pwrite_all(f.wfd, bounce, offset + pos)
 
     def read_rows(self, f: DiskFile, rows: torch.Tensor, out: torch.Tensor):
         """Fills out[i] (a contiguous CPU tensor [n, ...]) from row rows[i] of a file of equal-sized

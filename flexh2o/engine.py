@@ -127,13 +127,14 @@ class Engine:
                         bypass_page_cache: bool = False, gpu_mem: int | None = None, cpu_mem: int | None = None,
                         disk_mem: int | None = None, max_memory: int | None = None, progress: bool = False, seed: int = 0,
                         prompt_len: int | None = None, gen_len: int | None = None,
-                        placement_flag: str = "--percent"):
+                        placement_flag: str = "--percent", before_loading=None):
         """Loads `model` (a preset name such as opt-1.3b or facebook/opt-1.3b, or a local HF
         directory) with its weights from `path` (or the directory itself), or dummy weights, and
         places them on the tiers the policy asks for. Tensors placed on disk go to a fresh
         sub-directory of `offload_dir`, removed by close() (or at exit). Given prompt_len and
         gen_len, the pre-flight covers the cache and activations of that job too, before loading.
-        A policy that does not fit is blamed on `placement_flag` (the CLI's placement flags)."""
+        A policy that does not fit is blamed on `placement_flag` (the CLI's placement flags).
+        before_loading(), if given, runs once the pre-flight passed (the CLI's note of what goes where)."""
         policy = policy or Policy()
         device = parse_device(device or default_device())
         dtype = parse_dtype(dtype) if dtype is not None else default_dtype(device)
@@ -163,6 +164,8 @@ class Engine:
             need = with_loading(weight_need(layers, dtype.itemsize, policy, device), none,
                                 load_transient(layers, dtype.itemsize, policy), device.type == "cuda")
         check_fits(need, caps, device, placement_flag)
+        if before_loading is not None:
+            before_loading()
         disk = DiskStore(offload_dir, bypass_page_cache, flush_writes=caps["limit"] is not None) if uses_disk else None
         tiers = Tiers(device, dtype, disk, overlap=policy.overlap)
         try:

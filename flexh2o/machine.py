@@ -85,3 +85,10 @@ class LoadMeter:
         others = (all_now - all_then - (own_now - own_then)) / (wall * psutil.cpu_count())
         return {"loadavg_1min": [round(self.start_load, 2), round(os.getloadavg()[0], 2)],
                 "others_cpu_share": round(max(0.0, others), 3)}
+
+
+def others_cpu_share_now(seconds: float = 0.5) -> float:
+    """The share of all cores other processes keep busy now, over `seconds`."""
+    meter = LoadMeter()
+    time.sleep(seconds)
+    return meter.result()["others_cpu_share"]

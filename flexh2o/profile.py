@@ -11,6 +11,7 @@ if __name__ == "__main__":  # first, before torch loads: a signal while it does 
     stop_at_once()
 
 import argparse
+import importlib
 import os
 import sys
 import tempfile
@@ -23,6 +24,9 @@ from .output import check_output_file, write_json_atomic
 
 if TYPE_CHECKING:  # torch and the measurements load once the flags parsed: --help answers without them
     import torch
+
+BUSY_SHARE = 0.15   # of the CPU taken by other processes while measuring: the figures are suspect
+QUIET_SHARE = 0.05  # ... now: quiet enough to measure again
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,7 +60,25 @@ def cached_profile(device: "torch.device", log) -> HardwareProfile | None:
     if profile is not None and profile.attention_costs is None:
         log("note: the cached profile was measured by an older flexh2o (no attention calls): measuring again")
         return None
+    if profile is not None and (profile.others_cpu_share or 0) > BUSY_SHARE:
+        return None if quiet_now(profile.others_cpu_share, log) else profile
     return profile
+
+
+def quiet_now(then: float, log) -> bool:
+    """For a profile measured while other processes kept `then` of the CPU busy: whether the machine
+    is quiet enough now to measure it again; if not, a note on what its predictions are worth."""
+    from .machine import others_cpu_share_now
+    now = others_cpu_share_now()
+    if now <= QUIET_SHARE:
+        log(f"note: the cached profile was measured while other processes kept {then:.0%} of the CPU busy; the "
+            f"machine is quiet now ({now:.0%}): measuring again")
+        return True
+    log(f"note: the cached profile was measured while other processes kept {then:.0%} of the CPU busy (now "
+        f"{now:.0%}): its figures may be low, and predictions off by as much (up to 30x for the per-layer "
+        "overhead); the first run that finds the machine quiet measures it again, or now: "
+        "python -m flexh2o.profile --force")
+    return False
 
 
 def measure_here(device: "torch.device", offload_dir: str, quick: bool, log) -> HardwareProfile:
@@ -113,7 +135,10 @@ def profile_rows(p: HardwareProfile) -> list[tuple[str, str]]:
                    ("disk write", bandwidth(p.disk_write)), ("dequantize", f"{p.dequant / 1e9:.3f} G values/s"),
                    ("layer overhead", f"{p.layer_overhead * 1e3:.3f} ms per layer call")] + attention_call_rows(p) \
         + [(f"process growth, {dtype}, {threads} threads", f"{nbytes / 1e6:.0f} MB beyond the projection")
-           for dtype, table in (p.process_growth or {}).items() for threads, nbytes in table.items()]
+           for dtype, table in (p.process_growth or {}).items() for threads, nbytes in table.items()] \
+        + ([("others' CPU share meanwhile", f"{p.others_cpu_share:.0%}" + (" (busy: measured again once quiet)"
+                                             if p.others_cpu_share > BUSY_SHARE else ""))]
+           if p.others_cpu_share is not None else [])
 
 
 def attention_call_rows(p: HardwareProfile) -> list[tuple[str, str]]:
@@ -191,5 +216,10 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    build_parser().parse_args()  # --help and bad flags answer before torch loads
+    # torch and the engine load while a signal still ends the process at once (stop_at_once): under
+    # run_stoppable's handlers, its one exception could land inside an import and be swallowed there.
+    importlib.import_module("flexh2o.optimizer.measure")
+    importlib.import_module("flexh2o.engine")
     from .signals import run_stoppable
     sys.exit(run_stoppable(main))

@@ -10,6 +10,7 @@ if __name__ == "__main__":  # first, before torch loads: a signal while it does 
     stop_at_once()
 
 import argparse
+import importlib
 import sys
 
 from .names import add_kv_flags
@@ -104,5 +105,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    build_parser().parse_args()  # --help and bad flags answer before torch loads
+    # torch and the engine load while a signal still ends the process at once (stop_at_once): under
+    # run_stoppable's handlers, its one exception could land inside an import and be swallowed there.
+    importlib.import_module("flexh2o.run_main")
     from .signals import run_stoppable
     sys.exit(run_stoppable(main))

@@ -8,11 +8,14 @@ import sys
 import tempfile
 
 from .disk import check_offload_dir
-from .engine import Engine, default_dtype
-from .memory import capacities
+from .engine import Engine, default_dtype, parse_device
+from .models import resolve_model
+from .buffers import TIERS
+from .memory import capacities, format_size, run_need, weight_need
+from .names import tier_label
 from .placement import WeightNeeds, describe as describe_placement, fits, fitted_placement, no_fit_error
 from .policy import Policy, placement_flag
-from .planning import cached_local_profile, local_profile, planned_policy
+from .planning import cached_local_profile, duration, local_profile, planned_policy
 
 
 def default_offload_dir() -> str:
@@ -65,10 +68,34 @@ def fit_default_placement(args, policy, spec, device, dtype, caps) -> Policy:
     return fitted
 
 
-def load_engine(args, policy, device, dtype, caps: dict, dummy: bool) -> Engine:
-    """The engine of a run, its weights placed by `policy`, sized for args.prompt_len + args.gen_len."""
+def placement_note(spec, policy, device, dtype, prompt_len: int, gen_len: int, offload_dir, dummy: bool,
+                   profile) -> str:
+    """One line: the bytes each tier will hold (weights and the KV cache), and where weights go to
+    disk, how long writing them should take at the profile's measured disk speed."""
+    dtype_bytes = (dtype or default_dtype(device)).itemsize
+    weights = weight_need(spec.build_layers(), dtype_bytes, policy, device)
+    run = run_need(spec, policy, dtype_bytes, prompt_len, gen_len, device)
+    places = {"gpu": f"on the {tier_label('gpu', device.type)}", "cpu": "in CPU memory", "disk": f"on disk ({offload_dir})"}
+    where = ", ".join(f"{format_size(weights[t] + run[t])} {places[t]}" for t in TIERS)
+    line = f"note: placing {where}; the weights' share: {' / '.join(format_size(weights[t]) for t in TIERS)}"
+    if weights["disk"] and profile is not None and profile.disk_write > 0:
+        what = "dummy " if dummy else ""
+        what += "4-bit weights (quantized first, which may take longer)" if policy.compress_weight else "weights"
+        line += (f"; writing {format_size(weights['disk'])} of {what} to disk takes about "
+                 f"{duration(weights['disk'] / profile.disk_write)} at its measured {profile.disk_write / 1e9:.2f} GB/s")
+    return line
+
+
+def load_engine(args, policy, device, dtype, caps: dict, dummy: bool, profile=None) -> Engine:
+    """The engine of a run, its weights placed by `policy`, sized for args.prompt_len + args.gen_len.
+    Where anything is placed off the compute device, a note says what goes where once the pre-flight passed."""
+    def announce():
+        print(placement_note(resolve_model(args.model, args.path)[0], policy, parse_device(device), dtype,
+                             args.prompt_len, args.gen_len, args.offload_dir, dummy, profile), file=sys.stderr, flush=True)
+    off_device = any(policy.disk_percent(kind) > 0 or getattr(policy, f"{kind}_cpu_percent") > 0 for kind in ("w", "cache"))
     return Engine.from_pretrained(args.model, policy=policy, device=device, dtype=dtype, dummy=dummy,
                                   path=args.path, offload_dir=args.offload_dir, progress=args.verbose,
                                   seed=args.seed, bypass_page_cache=args.no_page_cache,
                                   prompt_len=args.prompt_len, gen_len=args.gen_len,
-                                  placement_flag=placement_flag(args) or "--weights/--cache/--act", **caps)
+                                  placement_flag=placement_flag(args) or "--weights/--cache/--act",
+                                  before_loading=announce if off_device else None, **caps)

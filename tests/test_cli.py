@@ -167,3 +167,11 @@ def test_run_help_names_every_preset_and_the_model_forms():
     text = " ".join(build_parser().format_help().split())
     assert all(name in text for name in PRESETS), [n for n in PRESETS if n not in text]
     assert "HF config.json" in text and ".gguf file" in text and "(default: 512)" in text
+
+
+def test_a_placement_off_the_compute_device_is_announced_with_its_bytes(tmp_path, capsys):
+    assert main(["--model", "opt-125m", "--dummy", "--prompt-len", "16", "--gen-len", "2", "--gpu-batch-size", "2",
+                 "--weights", "gpu=50,cpu=20,disk=30", "--offload-dir", str(tmp_path), "--dtype", "float32"]) == 0
+    note = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("note: placing"))
+    assert "on the compute device (CPU)" in note and "in CPU memory" in note and f"on disk ({tmp_path})" in note
+    assert "the weights' share:" in note

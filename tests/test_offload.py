@@ -94,7 +94,7 @@ def test_preflight_refuses_a_policy_that_cannot_fit(tmp_path):
                        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
-    assert "needs" in r.stderr and "gpu tier, which holds 1.00 GB" in r.stderr
+    assert "needs" in r.stderr and "compute device (CPU) tier, which holds 1.00 GB" in r.stderr
     assert os.listdir(tmp_path) == []
 
 

@@ -10,10 +10,11 @@ import psutil
 import pytest
 import torch
 
+import flexh2o.machine
 import flexh2o.optimizer.measure
 import flexh2o.profile
 from flexh2o.engine import default_dtype
-from flexh2o.optimizer.hardware import HardwareProfile, from_dict, load_profile, local_cache_path
+from flexh2o.optimizer.hardware import HardwareProfile, from_dict, load_profile, local_cache_path, save_local
 from flexh2o.optimizer.attention_costs import CALLS, seconds
 from flexh2o.optimizer.measure import measure
 from flexh2o.overhead import DEFAULT_GROWTH
@@ -144,3 +145,22 @@ def test_bad_device_from_a_subprocess_has_no_traceback(cache_home):
     assert r.returncode == 2
     assert r.stderr.startswith("error: --device: ") and r.stderr.count("\n") == 1, r.stderr
     assert not os.path.exists(local_cache_path())
+
+
+@pytest.mark.parametrize("now,measures", [(0.01, True), (0.6, False)])
+def test_a_profile_measured_on_a_busy_machine_is_measured_again_once_it_is_quiet(cache_home, quick_profile,
+                                                                                 monkeypatch, now, measures):
+    busy = replace(quick_profile[0], others_cpu_share=0.74)
+    save_local(busy)
+    assert load_profile("local").others_cpu_share == 0.74  # kept in the cache
+    fresh = replace(quick_profile[0], others_cpu_share=0.02, source="measured again")
+    calls, notes = [], []
+    monkeypatch.setattr(flexh2o.optimizer.measure, "measure", lambda *a, **k: calls.append(a) or fresh)
+    monkeypatch.setattr(flexh2o.machine, "others_cpu_share_now", lambda: now)
+    got = flexh2o.profile.ensure_local_profile("cpu", str(cache_home / "offload"), log=notes.append)
+    assert (got, len(calls)) == ((fresh, 1) if measures else (busy, 0))
+    assert any("measured while other processes kept 74% of the CPU busy" in n for n in notes)
+    if not measures:  # one line: what the prediction is worth and how to measure again
+        assert any("python -m flexh2o.profile --force" in n and "predictions off" in n for n in notes)
+    else:
+        assert load_profile("local") == fresh

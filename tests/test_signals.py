@@ -68,8 +68,9 @@ def storm(proc, first):
 
 
 def message_lines(stderr: str) -> list[str]:
-    """stderr without the progress bar."""
-    return [line for line in re.split(r"[\r\n]", stderr) if line.strip() and not line.startswith("generate:")]
+    """stderr without the progress bar and the notes that announce the run."""
+    return [line for line in re.split(r"[\r\n]", stderr)
+            if line.strip() and not line.startswith(("generate:", "note: "))]
 
 
 # The storm mixes INT, TERM and HUP, so it also covers a SIGTERM right after a Ctrl-C.

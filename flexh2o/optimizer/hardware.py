@@ -51,6 +51,9 @@ class HardwareProfile:
     # Bytes a run's process grows by beyond the pre-flight's projection, per dtype and torch thread
     # count ({"float32": {"2": bytes}}), measured by overhead.py's probes; None where not measured.
     process_growth: dict | None = None
+    # The share of all cores other processes kept busy while it was measured (machine.LoadMeter);
+    # None where not recorded. A busy measurement is re-done once the machine is quiet (profile.py).
+    others_cpu_share: float | None = None
 
     def knows(self, dtype: str) -> bool:
         """Whether the profile has matrix-product figures for runs in this dtype."""
@@ -143,6 +146,11 @@ def check_fields(data: dict, where: str):
                 bad(f"attention_costs[{call!r}]", f"must be [fixed seconds, seconds per unit], not {line!r}")
             for value in line:
                 number(f"attention_costs[{call!r}]", value, strict=False)
+    share = data.get("others_cpu_share")
+    if share is not None:
+        number("others_cpu_share", share, strict=False)
+        if share > 1:
+            bad("others_cpu_share", f"must be a share between 0 and 1, not {share!r}")
     growth = data.get("process_growth")
     if growth is not None:
         if not isinstance(growth, dict):

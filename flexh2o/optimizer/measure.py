@@ -7,6 +7,7 @@ native bfloat16 ran ~300x slower than float32 (0.2 against 68 GFLOP/s on an AVX2
 that takes float32 a tenth of a second would take bfloat16 half a minute.
 """
 
+import dataclasses
 import datetime
 import itertools
 import os
@@ -24,6 +25,7 @@ from ..disk import ALIGN, MEMORY, DiskStore, existing_ancestor
 from ..engine import Engine, default_dtype
 from ..kv.home import cpu_attention_dtype
 from ..machine import LoadMeter, cpu_model
+from ..profile import BUSY_SHARE
 from ..memory import capacities
 from ..overhead import calibrate
 from ..models.opt import OPTSpec
@@ -47,7 +49,6 @@ DEQUANT_WIDTH = 4096
 TINY_OPT = OPTSpec(name="tiny", num_layers=2, hidden_size=64, num_heads=4, ffn_dim=256, vocab_size=1000,
                    max_positions=128)
 TINY_PROMPT, TINY_NEW_TOKENS = 8, 17
-BUSY_SHARE = 0.15     # of the CPU taken by other processes while measuring: the figures are suspect
 
 
 def print_to_stderr(line: str):
@@ -287,13 +288,12 @@ def matmul_dtypes(device: torch.device) -> tuple:
     return (torch.float16, torch.bfloat16) if device.type == "cuda" else (torch.float32, torch.bfloat16)
 
 
-def warn_if_others_were_busy(meter: LoadMeter, log):
+def warn_if_others_were_busy(others: float, log):
     """torch's threads wait on each other when another process takes a core: figures measured meanwhile
     came out up to 30x low (the engine's per-layer overhead most of all)."""
-    others = meter.result()["others_cpu_share"]
     if others > BUSY_SHARE:
         log(f"note: other processes kept {others:.0%} of the CPU busy while measuring: the figures may come out "
-            "low; measure again (--force) when the machine is quiet")
+            "low; the profile is marked, and measured again by the first run that finds the machine quiet")
 
 
 def logged(log, what: str, fn, *args):
@@ -310,8 +310,10 @@ def measure(device: torch.device, offload_dir: str, quick: bool = False, log=pri
     meter = LoadMeter()
     with torch.no_grad():
         profile = _measure(device, offload_dir, quick, log)
-    warn_if_others_were_busy(meter, log)
-    return profile
+    others = meter.result()["others_cpu_share"]
+    warn_if_others_were_busy(others, log)
+    # A quick profile's figures are rough anyway (tests): it is not marked for measuring again.
+    return profile if quick else dataclasses.replace(profile, others_cpu_share=others)
 
 
 def _measure(device: torch.device, offload_dir: str, quick: bool, log) -> HardwareProfile:
