@@ -8,9 +8,9 @@ A copy goes straight between pinned host memory and the device when the host sid
 contiguous, else through a pinned staging block (a CPU memcpy, then the DMA). A load's copies
 straight from pinned memory are only queued: the task ends with an event after them, and whoever
 waits for the load (Pending.wait) makes its own stream wait for that event, on the device. The I/O
-thread is then free at once to queue the next load, and the copy engine never sits idle while
-threads hand work to each other (blocking until each load landed left the copies busy 45% of a
-decode step streaming weights on an H200: 0.50 of the pinned-copy bound). Everything else (copies
+thread is then free at once to queue the next load, with no hand-off between threads between two
+loads' copies (blocking until each load landed left the copy engine busy 45% of a decode step
+streaming weights on an H200: 0.50 of the pinned-copy bound, now 0.63). Everything else (copies
 through staging, stores, device-side work on the load stream) the I/O thread waits for before the
 task ends, so a finished task means "the data is there, or queued ahead of anything that waits".
 """
