@@ -145,6 +145,22 @@ def _by_row_blocks(src: torch.Tensor, dst: torch.Tensor, values_per_row: int, fn
         fn(src[start: start + step], dst[start: start + step])
 
 
+class Packed:
+    """A weight already in its 4-bit groups (dummy weights made as groups, weights.py): `groups`,
+    uint8 [rows, packed_width(n)], standing for a tensor of `shape` [rows, n]. Layers join them
+    with join(), and Tiers.place stores them as they are."""
+
+    def __init__(self, groups: torch.Tensor, shape: tuple):
+        self.groups, self.shape = groups, tuple(shape)
+
+
+def join(items: list):
+    """torch.cat along the first dimension, of tensors or of Packed weights (rows of groups)."""
+    if isinstance(items[0], Packed):
+        return Packed(torch.cat([i.groups for i in items]), (sum(i.shape[0] for i in items), *items[0].shape[1:]))
+    return torch.cat(items)
+
+
 def compressible(shape) -> bool:
     """Whether a weight of this shape is stored compressed under compress_weight: matrices, grouped
     along their last (input) dimension; vectors (biases, norms) stay as they are."""

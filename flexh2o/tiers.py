@@ -21,7 +21,7 @@ from .buffers import TIERS, Buffers
 from .disk import OffloadError
 from .io_tasks import IOTaskError, IOThreads, Pending
 from .kv.cache import slot_grid
-from .quant import dequantize, quantize
+from .quant import Packed, dequantize, quantize
 from .signals import deferred
 
 
@@ -100,10 +100,13 @@ class Tiers(Buffers):
     def place(self, tensor: torch.Tensor, rows: dict, compressed: bool = False) -> Placed:
         """Puts a tensor's rows at their home tiers (rows: tier -> number of rows, in tier order),
         as 4-bit groups when compressed (ValueError if it holds inf, NaN or values beyond float16)."""
-        tensor = tensor.to(self.dtype)
-        decoded = tuple(tensor.shape) if compressed else None
-        if compressed:
-            tensor = quantize(tensor)
+        if isinstance(tensor, Packed):  # already groups
+            decoded, tensor = tensor.shape, tensor.groups
+        else:
+            tensor = tensor.to(self.dtype)
+            decoded = tuple(tensor.shape) if compressed else None
+            if compressed:
+                tensor = quantize(tensor)
         segments, start = [], 0
         for tier in TIERS:
             n = rows.get(tier, 0)

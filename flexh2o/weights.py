@@ -17,6 +17,7 @@ import zipfile
 import torch
 
 from .errors import UsageError, check_regular_file
+from .quant import GROUP, GROUP_BYTES, Packed, quantize
 
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
@@ -166,9 +167,32 @@ class DummyWeights:
     def __init__(self, seed: int = 0):
         gen = torch.Generator().manual_seed(seed)
         self.block = torch.randn(self.BLOCK * 2, generator=gen) * 0.02
+        self._groups = {}  # dtype -> the block quantized, GROUP values at a time
 
     def check(self, specs):
         pass
+
+    def offset(self, name: str) -> int:
+        """Where a tensor's window starts in the block: a whole number of groups in, so that a matrix
+        whose rows are whole groups is, in its 4-bit form, a window into the block's groups."""
+        return int(hashlib.sha256(name.encode()).hexdigest(), 16) % (self.BLOCK // GROUP) * GROUP
+
+    def get_packed(self, name: str, shape, dtype: torch.dtype):
+        """The 4-bit groups of get(name, shape, dtype), bit for bit, copied from the block's groups
+        (quantized once) instead of quantized anew: placing OPT-1.3B's dummy weights compressed took
+        9.3 s, quantizing. None where the rows are not whole groups (then get() and quantize)."""
+        if is_norm(name) or len(shape) != 2 or shape[-1] % GROUP:
+            return None
+        if dtype not in self._groups:
+            self._groups[dtype] = quantize(self.block.to(dtype).view(-1, GROUP), check=False)
+        block_groups, period = self._groups[dtype], self.BLOCK // GROUP
+        total, first = shape[0] * shape[-1] // GROUP, self.offset(name) // GROUP
+        out = torch.empty(total * GROUP_BYTES, dtype=torch.uint8)
+        source = block_groups.view(-1)[first * GROUP_BYTES: (first + period) * GROUP_BYTES]
+        for done in range(0, len(out), len(source)):  # get() repeats the window every BLOCK values
+            n = min(len(out) - done, len(source))
+            out[done: done + n].copy_(source[:n])  # flat: a plain memcpy (rows of 36 bytes copied 3x slower)
+        return Packed(out.view(shape[0], -1), shape)
 
     def get(self, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
         if is_norm(name):
@@ -176,7 +200,7 @@ class DummyWeights:
         numel = 1
         for d in shape:
             numel *= d
-        offset = int(hashlib.sha256(name.encode()).hexdigest(), 16) % self.BLOCK
+        offset = self.offset(name)
         out = torch.empty(numel, dtype=dtype)
         done = 0
         while done < numel:

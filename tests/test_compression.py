@@ -10,6 +10,7 @@ import torch
 
 import flexh2o.kv.compressed
 import flexh2o.kv.home
+import flexh2o.weights
 from flexh2o import Engine, Policy
 from flexh2o.kv import cache_bytes
 from flexh2o.kv.cache import KVCache
@@ -202,3 +203,20 @@ def test_a_budget_larger_than_the_prompt_attends_over_empty_slots_as_zeros(tiny_
     out = run(directory, policy, tmp_path)
     assert all(torch.isfinite(s).all() for s in out.scores)
     assert_same(out, reference(directory, policy, tmp_path, monkeypatch))
+
+
+def test_dummy_weights_made_as_groups_run_as_the_quantized_dummy_values(tmp_path, monkeypatch):
+    """A compressed run on dummy weights copies their groups (DummyWeights.get_packed) instead of
+    quantizing: the same tokens and scores as quantizing get()'s values, on every tier."""
+    ids, mask = padded_batch(4, 12, pads=[0, 1, 2, 3], seed=5)
+    policy = Policy(2, 2, 30, 30, hh_ratio=0.3, compress_weight=True)
+
+    def run():
+        with Engine.from_pretrained("opt-125m", policy=policy, device="cpu", dtype=torch.float32, dummy=True,
+                                    offload_dir=str(tmp_path)) as engine:
+            return engine.generate(ids, mask, max_new_tokens=3, output_scores=True, eos_token_id=None)
+    packed = run()
+    monkeypatch.setattr(flexh2o.weights.DummyWeights, "get_packed", lambda *args: None)
+    quantized = run()
+    assert torch.equal(packed.sequences, quantized.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(packed.scores, quantized.scores))

@@ -93,3 +93,17 @@ def test_dummy_weights_are_deterministic_and_finite(tiny_models):
     w = DummyWeights(0).get("decoder.layers.0.fc1.weight", (4096, 1024), torch.float32)
     assert w.shape == (4096, 1024) and torch.isfinite(w).all() and 0.015 < w.std() < 0.025
     assert not torch.equal(w, DummyWeights(0).get("decoder.layers.1.fc1.weight", (4096, 1024), torch.float32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dummy_weights_made_as_groups_are_the_groups_of_the_dummy_values(dtype):
+    """get_packed copies the block's groups: bit for bit what quantizing get()'s tensor gives, also
+    past the block's length, where get() repeats its window."""
+    from flexh2o.quant import Packed, quantize
+    dummy = DummyWeights(seed=3)
+    for name, shape in [("layers.0.fc1.weight", (2304, 4096)), ("layers.1.self_attn.q_proj.weight", (64, 128))]:
+        packed = dummy.get_packed(name, shape, dtype)
+        assert isinstance(packed, Packed) and packed.shape == shape
+        assert torch.equal(packed.groups, quantize(dummy.get(name, shape, dtype)))
+    assert dummy.get_packed("layers.0.fc1.weight", (8, 100), dtype) is None  # rows are not whole groups
+    assert dummy.get_packed("layers.0.self_attn_layer_norm.weight", (64, 64), dtype) is None

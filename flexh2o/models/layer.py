@@ -7,7 +7,7 @@ operations and never asks what kind of layer it holds.
 import torch
 
 from ..errors import UsageError
-from ..quant import check_quantizable, compressible, stored_row_bytes
+from ..quant import Packed, check_quantizable, compressible, join, stored_row_bytes
 from ..tiers import split_rows
 
 
@@ -33,15 +33,19 @@ class Layer:
         the gpu tier, w_cpu_percent in CPU memory, the rest on disk (split by rows); with
         compress_weight, matrices are placed as 4-bit groups and these shares are of compressed bytes."""
         self.tiers = tiers
-        raw = [source.get(name, shape, tiers.dtype) for name, shape in self.weight_specs()]
+        packed = getattr(source, "get_packed", None) if policy.compress_weight else None
+        raw = []
+        for name, shape in self.weight_specs():
+            groups = packed(name, shape, tiers.dtype) if packed is not None and compressible(shape) else None
+            raw.append(groups if groups is not None else source.get(name, shape, tiers.dtype))
         if policy.compress_weight:
             for (name, _), t in zip(self.weight_specs(), raw):
                 try:
-                    if compressible(t.shape):
+                    if compressible(t.shape) and not isinstance(t, Packed):
                         check_quantizable(t)
                 except ValueError as e:
                     raise UsageError("--compress-weight", f"weight {name}: {e}") from None
-        tensors = self.prepare(raw)
+        tensors = self.prepare(raw, cat=join)
         compressed = [policy.compress_weight and compressible(t.shape) for t in tensors]
         row_bytes = [stored_row_bytes(t.shape, tiers.dtype.itemsize, c) for t, c in zip(tensors, compressed)]
         rows = split_rows([tuple(t.shape) for t in tensors], row_bytes, policy.w_gpu_percent, policy.w_cpu_percent)
