@@ -1,17 +1,18 @@
 """The disk tier: tensors in files under the offload dir.
 
-Each run works in its own fresh sub-directory of --offload-dir, removed when the run ends (on
-close, at interpreter exit, or when the engine is garbage collected), so a crash or Ctrl-C leaves
-nothing behind; the offload dir itself (and its parents) are created only when a tensor goes to
-disk, and removed with it when this run created them and they are empty. The removal runs with
-signals deferred (see signals.py). A write that fails (the disk filled up after the pre-flight)
-raises OffloadError, which names the directory.
+Each run works in its own fresh sub-directory of --offload-dir (offload_dir.py), removed when the
+run ends (on close, at interpreter exit, or when the engine is garbage collected), so a crash or
+Ctrl-C leaves nothing behind. A write that fails (the disk filled up after the pre-flight) raises
+OffloadError, which names the directory.
+
+Whole tensors (weights at load time, the prompt's cache) are written past the page cache where the
+filesystem allows it (O_DIRECT, through an aligned bounce block), two halves at once; the per-token
+rows of the cache stay buffered (a per-token fdatasync would only measure the sync).
 
 With `bypass_page_cache`, reads miss every cache so benchmarks measure the disk: they use O_DIRECT
 where the filesystem allows it, else the pages a read touched are evicted after it, with readahead
-off. (An offload dir on tmpfs is memory: nothing to bypass, and the mode says so.) Writes stay
-buffered: an O_DIRECT read first flushes the dirty pages of its range, so it sees them; a per-token
-fdatasync would only measure the sync.
+off. (An offload dir on tmpfs is memory: nothing to bypass, and the mode says so.) An O_DIRECT read
+first flushes the dirty pages of its range, so it sees buffered writes.
 
 With `flush_writes` (a memory limit applies: a cgroup charges the process for its dirty pages until
 they reach the disk), written pages are flushed whenever the store has DIRTY_WINDOW bytes not yet
@@ -22,9 +23,6 @@ dirty (overhead.py counts that).
 import errno
 import os
 import shutil
-import socket
-import sys
-import tempfile
 import threading
 import weakref
 from contextlib import contextmanager
@@ -32,7 +30,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from .errors import UsageError
+from .offload_dir import make_run_dir, remove_empty
 from .overhead import DIRTY_WINDOW
 from .signals import deferred
 
@@ -41,7 +39,6 @@ MAX_IO = 1 << 30    # bytes per system call; Linux caps a single read/write near
 # 0.43 GB/s, two at 1.6 (the profile's disk write, two threads: 1.26), and placing OPT-1.3B's dummy
 # weights on disk wrote at 0.26 GB/s.
 PARALLEL_WRITE_BYTES = 8 << 20
-DIRECT_WRITE_BYTES = 8 << 20  # per O_DIRECT write, through a bounce block of this size
 ALIGN = 4096        # O_DIRECT alignment of offsets, lengths and memory
 BOUNCE = 8 << 20    # largest aligned staging buffer per I/O thread
 
@@ -62,130 +59,6 @@ class OffloadError(OSError):
     def __init__(self, directory: str, cause: OSError):
         reason = "the disk is full" if cause.errno in (errno.ENOSPC, errno.EDQUOT) else cause.strerror or str(cause)
         super().__init__(cause.errno, f"cannot write the offload files in {directory}: {reason}")
-
-
-def existing_ancestor(path: str) -> str:
-    """`path` itself if it exists, else the nearest folder above it that does."""
-    path = os.path.abspath(path)
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    return path
-
-
-def check_offload_dir(directory: str):
-    """The offload dir (or where it would be created) is writable; nothing is left behind."""
-    base = existing_ancestor(directory)
-    try:
-        if not os.path.isdir(base):
-            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
-        with tempfile.NamedTemporaryFile(dir=base, prefix=".flexh2o-probe-"):
-            pass
-    except OSError as e:
-        raise UsageError("--offload-dir", f"cannot write to {directory}: {e.strerror}") from None
-
-
-MADE_MARK = ".flexh2o-made"  # in a folder flexh2o created for offload files: whichever run ends last removes it
-RUN_PREFIX = "flexh2o-run-"
-
-
-def make_dirs(directory: str) -> list[str]:
-    """Creates `directory` and its missing parents, each marked as made by flexh2o; returns the
-    chain of marked folders from `directory` up (deepest first), whoever made them: runs sharing
-    a new folder each remove what is empty of it when they end, so the last one leaves nothing.
-    On an error, what this call created is removed again."""
-    missing, path = [], os.path.abspath(directory)
-    while not os.path.isdir(path) and path != os.path.dirname(path):
-        missing.append(path)
-        path = os.path.dirname(path)
-    created = []
-    try:
-        for d in reversed(missing):
-            try:
-                os.mkdir(d)
-            except FileExistsError:
-                continue
-            created.insert(0, d)
-            open(os.path.join(d, MADE_MARK), "w").close()
-    except OSError:
-        _remove_empty(created)
-        raise
-    chain, path = [], os.path.abspath(directory)
-    while os.path.exists(os.path.join(path, MADE_MARK)):
-        chain.append(path)
-        path = os.path.dirname(path)
-    return chain
-
-
-def remove_stale_runs(offload_dir: str) -> list[str]:
-    """Removes the run folders in `offload_dir` of runs on this host whose process is gone (killed
-    with SIGKILL, or a machine that lost power): each folder's name holds its host and PID. A live
-    run's folder, another host's, and a folder of unknown origin are never touched."""
-    host, removed = _host(), []
-    try:
-        names = os.listdir(offload_dir)
-    except OSError:
-        return removed
-    for name in names:
-        parts = name[len(RUN_PREFIX):].rsplit("-", 2) if name.startswith(RUN_PREFIX) else []
-        if len(parts) != 3 or parts[0] != host or not parts[1].isdigit() or _alive(int(parts[1])):
-            continue
-        path = os.path.join(offload_dir, name)
-        with deferred():
-            shutil.rmtree(path, ignore_errors=True)
-        if not os.path.exists(path):
-            removed.append(path)
-    return removed
-
-
-def _host() -> str:
-    return socket.gethostname().replace(os.sep, "_").replace("-", "_") or "host"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: it exists, another user's
-        return True
-    return True
-
-
-def make_run_dir(offload_dir: str) -> tuple[str, list[str]]:
-    """A fresh run folder in `offload_dir`, and the folders created for it (deepest first). A run
-    that ends removes the shared offload dir when empty, maybe between our make_dirs and mkdtemp:
-    tried once more then."""
-    for retries in (1, 0):
-        created = []
-        try:
-            created = make_dirs(offload_dir)
-            for path in remove_stale_runs(offload_dir):
-                print(f"note: removed {path}, the offload files of a run on this host whose process is gone",
-                      file=sys.stderr)
-            prefix = f"{RUN_PREFIX}{_host()}-{os.getpid()}-"  # whose it is, for a later run to tell if it is dead
-            return tempfile.mkdtemp(prefix=prefix, dir=offload_dir), created
-        except OSError as e:
-            _remove_empty(created)
-            if not (isinstance(e, FileNotFoundError) and retries):
-                raise UsageError("--offload-dir", f"cannot write to {offload_dir}: {e.strerror}") from None
-
-
-def _remove_empty(dirs: list[str]):
-    """Removes the folders (deepest first) while they hold nothing but flexh2o's mark."""
-    for d in dirs:
-        mark = os.path.join(d, MADE_MARK)
-        try:
-            if set(os.listdir(d)) - {MADE_MARK}:
-                return
-            if os.path.exists(mark):
-                os.unlink(mark)
-            os.rmdir(d)
-        except FileNotFoundError:
-            continue  # another run removed it
-        except OSError:
-            if os.path.isdir(d):  # a run put its folder in meanwhile: the mark goes back for it
-                open(mark, "a").close()
-                return
 
 
 def aligned_empty(nbytes: int) -> torch.Tensor:
@@ -401,8 +274,8 @@ class DiskStore:
         with self._writing():
             if f.wfd is None:
                 f.wfd = os.open(f.path, os.O_WRONLY | os.O_DIRECT)
-            for pos in range(0, len(view), DIRECT_WRITE_BYTES):
-                piece = view[pos: pos + DIRECT_WRITE_BYTES]
+            for pos in range(0, len(view), BOUNCE):
+                piece = view[pos: pos + BOUNCE]
                 padded = -(-len(piece) // ALIGN) * ALIGN
                 bounce = as_bytes(self._bounce(padded))
                 bounce[:len(piece)] = piece
@@ -463,4 +336,4 @@ def _remove(directory, files, created):
         for f in files:
             f.close()
         shutil.rmtree(directory, ignore_errors=True)
-        _remove_empty(created)
+        remove_empty(created)

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from .disk import DiskStore, check_offload_dir
+from .disk import DiskStore
+from .offload_dir import check_offload_dir
 from .errors import UsageError
 from .kv import make_policy
 from .machine import cpu_compute_dtype

@@ -14,7 +14,7 @@ import numpy as np
 import psutil
 import torch
 
-from .disk import existing_ancestor
+from .offload_dir import existing_ancestor
 from .errors import UsageError
 from .kv import POLICIES, budget, cache_bytes, slot_bytes
 from .kv.compressed import working_bytes

@@ -159,7 +159,7 @@ def format_profile(profile: HardwareProfile) -> str:
 # -- the command -------------------------------------------------------------------------------
 
 def check_args(args):
-    from .disk import check_offload_dir
+    from .offload_dir import check_offload_dir
     from .engine import default_device, parse_device
     for flag in ("device", "offload_dir", "json_out"):
         value = getattr(args, flag)

@@ -5,7 +5,8 @@ import sys
 
 import torch
 
-from .disk import OffloadError, check_offload_dir
+from .disk import OffloadError
+from .offload_dir import check_offload_dir
 from .engine import default_device, parse_device, parse_dtype
 from .errors import UsageError
 from .io_tasks import IOTaskError

@@ -7,7 +7,7 @@ import os
 import sys
 import tempfile
 
-from .disk import check_offload_dir
+from .offload_dir import check_offload_dir
 from .engine import Engine, default_dtype, parse_device
 from .models import resolve_model
 from .buffers import TIERS

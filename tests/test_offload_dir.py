@@ -8,7 +8,7 @@ import subprocess
 import sys
 import tempfile
 
-from flexh2o import disk
+from flexh2o import offload_dir
 from flexh2o.disk import DiskStore
 from flexh2o.run import main
 
@@ -46,7 +46,7 @@ def test_a_folder_a_parallel_run_makes_meanwhile_is_used_and_left_to_it(tmp_path
         if path == theirs:  # the other run gets there between our look and our mkdir
             mkdir(path, *args, **kw)
         mkdir(path, *args, **kw)
-    monkeypatch.setattr(disk.os, "mkdir", raced)
+    monkeypatch.setattr(offload_dir.os, "mkdir", raced)
     store = DiskStore(str(tmp_path / "a" / "b"))
     monkeypatch.undo()
     store.close()
@@ -62,7 +62,7 @@ def test_an_offload_dir_another_run_removes_meanwhile_is_made_again(tmp_path, mo
         if len(calls) == 1:  # the other run ends between our make_dirs and mkdtemp, taking the empty dir
             shutil.rmtree(shared)
         return mkdtemp(**kw)
-    monkeypatch.setattr(disk.tempfile, "mkdtemp", raced)
+    monkeypatch.setattr(offload_dir.tempfile, "mkdtemp", raced)
     store = DiskStore(str(shared))
     assert os.path.isdir(store.dir) and len(calls) == 2
     store.close()
@@ -86,7 +86,7 @@ def test_a_dead_runs_folder_is_removed_and_a_live_ones_is_not(tmp_path, capsys):
     and never touches a live run's folder, another host's, or one it cannot tell the origin of."""
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(gone.stdout)
-    host = disk._host()
+    host = offload_dir._host()
     dead = tmp_path / f"flexh2o-run-{host}-{dead_pid}-abcd1234"
     live = tmp_path / f"flexh2o-run-{host}-{os.getpid()}-live0000"
     other = tmp_path / f"flexh2o-run-otherhost-{dead_pid}-abcd1234"

@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import OPTConfig
 
-from flexh2o import disk, signals
+from flexh2o import disk, offload_dir, signals
 from flexh2o.disk import DiskStore
 from flexh2o.tiers import Tiers
 from conftest import REPO
@@ -202,7 +202,7 @@ def test_a_signal_while_a_store_is_made_leaves_no_folders(handlers, tmp_path, mo
         made = mkdtemp(**kw)
         signal.raise_signal(TERM)
         return made
-    monkeypatch.setattr(disk.tempfile, "mkdtemp", mkdtemp_interrupted)
+    monkeypatch.setattr(offload_dir.tempfile, "mkdtemp", mkdtemp_interrupted)
     with pytest.raises(signals.Stopped):
         DiskStore(str(tmp_path / "a" / "off"))
     gc.collect()

@@ -21,7 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import torch
 
-from ..disk import ALIGN, MEMORY, DiskStore, existing_ancestor
+from ..disk import ALIGN, MEMORY, DiskStore
+from ..offload_dir import existing_ancestor
 from ..engine import Engine, default_dtype
 from ..kv.home import cpu_attention_dtype
 from ..machine import LoadMeter, cpu_model
