@@ -115,10 +115,10 @@ def evaluate(args) -> dict:
     windows = text_windows(tokens, args.windows, args.prompt_len, args.eval_len, args.offset)
     device = args.device or default_device()
     dtype = parse_dtype(args.dtype) if args.dtype else None
-    runs = 2 if args.agreement else 1
-    print(f"scoring {args.windows} windows of {args.prompt_len} + {args.eval_len} tokens ({windows[:, args.prompt_len:].numel()} "
-          f"tokens scored{', then again with the full cache' if args.agreement else ''}): the bar counts the fed "
-          f"tokens of {'each run' if runs > 1 else 'the run'}", file=sys.stderr, flush=True)
+    scored = windows[:, args.prompt_len:].numel()
+    again = ", then again with the full cache" if args.agreement else ""
+    print(f"scoring {args.windows} windows of {args.prompt_len} + {args.eval_len} tokens ({scored} tokens scored{again}): "
+          f"the bar counts the fed tokens of {'each run' if again else 'the run'}", file=sys.stderr, flush=True)
     start = time.perf_counter()
     with Engine.from_pretrained(args.model, policy=policy, device=device, dtype=dtype, path=args.path,
                                 offload_dir=default_offload_dir(), prompt_len=args.prompt_len,

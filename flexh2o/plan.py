@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="float16, bfloat16 or float32: the run's (default: the profile's)")
     for tier in ("gpu", "cpu", "disk"):
         p.add_argument(f"--{tier}-mem", metavar="SIZE", help=f"cap on the {tier} tier (default: the profile's)")
-    p.add_argument("--offload-dir", default=None, metavar="DIR", help="where the local profile's disk is measured and found free")
+    p.add_argument("--offload-dir", default=None, metavar="DIR",
+                   help="where the local profile's disk is measured and found free")
     p.add_argument("--json-out", metavar="FILE", help="write the plan (policy, predicted throughput) as JSON here")
     return p
 
@@ -103,8 +104,8 @@ def plan(args) -> int:
                         f"--gen-len {args.gen_len}"] + run_flags(found.policy)
                        + [f"--{t}-mem {getattr(args, f'{t}_mem')}" for t in caps["given"]]
                        + ([f"--dtype {args.dtype}"] if args.dtype else []))
-    print(f"plan for {spec.name} on {profile.name} ({describe_caps(caps, profile.device)}), {args.prompt_len} + {args.gen_len} "
-          f"tokens, batch {found.policy.batch_size} ({found.policy.gpu_batch_size} x {found.policy.num_gpu_batches})")
+    print(f"plan for {spec.name} on {profile.name} ({describe_caps(caps, profile.device)}), "
+          f"{args.prompt_len} + {args.gen_len} tokens, batch {found.policy.batch_size} ({found.policy.gpu_batch_size} x {found.policy.num_gpu_batches})")
     print(command)
     print("\n".join(describe_prediction(found.predicted)))
     print(f"searched {found.candidates:,} policies in {seconds:.1f} s")

@@ -90,9 +90,11 @@ def load_engine(args, policy, device, dtype, caps: dict, dummy: bool, profile=No
     """The engine of a run, its weights placed by `policy`, sized for args.prompt_len + args.gen_len.
     Where anything is placed off the compute device, a note says what goes where once the pre-flight passed."""
     def announce():
-        print(placement_note(resolve_model(args.model, args.path)[0], policy, parse_device(device), dtype,
-                             args.prompt_len, args.gen_len, args.offload_dir, dummy, profile), file=sys.stderr, flush=True)
-    off_device = any(policy.disk_percent(kind) > 0 or getattr(policy, f"{kind}_cpu_percent") > 0 for kind in ("w", "cache"))
+        spec = resolve_model(args.model, args.path)[0]
+        print(placement_note(spec, policy, parse_device(device), dtype, args.prompt_len, args.gen_len, args.offload_dir,
+                             dummy, profile), file=sys.stderr, flush=True)
+    off_device = any(policy.disk_percent(kind) > 0 or getattr(policy, f"{kind}_cpu_percent") > 0
+                     for kind in ("w", "cache"))
     return Engine.from_pretrained(args.model, policy=policy, device=device, dtype=dtype, dummy=dummy,
                                   path=args.path, offload_dir=args.offload_dir, progress=args.verbose,
                                   seed=args.seed, bypass_page_cache=args.no_page_cache,
