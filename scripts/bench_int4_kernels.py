@@ -1,0 +1,129 @@
+"""Issue 27's first question: which kernel should multiply 4-bit weights without widening them first?
+
+Times one linear layer's product on this CPU, for matrices of OPT-125M, OPT-1.3B and SmolLM2 at 1,
+8 and 32 rows (decode batch sizes), in float32 and bfloat16 activations:
+
+- the full-width product (F.linear on float weights): what compressed weights are weighed against;
+- flexh2o's path today: dequantize the groups (quant.py) into a compute buffer, then F.linear;
+- torch's own CPU weight-only kernels: aten._weight_int4pack_mm_for_cpu (groups of 64, an affine
+  scale and zero per group: flexh2o's groups map onto it exactly, zero = minimum + 8 * scale, checked
+  here) and aten._weight_int8pack_mm (one scale per output row).
+
+Writes results/int4_kernels.{md,json}. Median of 5 timings of 10 calls each, after 2 warm-ups, with
+the CPU's own thread count.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from flexh2o.machine import cpu_compute_dtype, describe_machine  # noqa: E402
+from flexh2o.quant import GROUP, dequantize, quantize  # noqa: E402
+
+SHAPES = {"OPT-125M fc1": (3072, 768), "OPT-1.3B fc1": (8192, 2048), "SmolLM2 up": (1536, 576)}
+ROWS = (1, 8, 32)
+
+
+def seconds(fn, calls=10, repeats=5) -> float:
+    fn()
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls)
+    return statistics.median(times)
+
+
+def torch_int4(weight: torch.Tensor, dtype: torch.dtype):
+    """flexh2o's 4-bit groups of `weight` in the layout of aten._weight_int4pack_mm_for_cpu:
+    codes 0..15 packed, and per group [scale, zero] with value = (code - 8) * scale + zero."""
+    n, k = weight.shape
+    groups = weight.float().view(n, k // GROUP, GROUP)
+    low = groups.amin(-1, keepdim=True)
+    scale = (groups.amax(-1, keepdim=True) - low) / 15
+    codes = ((groups - low) / scale.clamp(min=1e-12)).round().clamp(0, 15).to(torch.int32).view(n, k)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    scales_zeros = torch.stack([scale.squeeze(-1).t(), (low + 8 * scale).squeeze(-1).t()], -1).contiguous().to(dtype)
+    reference = (codes.view(n, k // GROUP, GROUP).float() * scale + low).view(n, k)
+    return packed, scales_zeros, reference
+
+
+def measure_shape(name: str, n: int, k: int, dtype: torch.dtype) -> list[dict]:
+    torch.manual_seed(0)
+    weight = (torch.randn(n, k) * 0.02).to(dtype)
+    groups = quantize(weight)
+    buffer = torch.empty(n, k, dtype=dtype)
+    packed, scales_zeros, reference = torch_int4(weight, dtype)
+    int8 = (weight.float() / (weight.float().abs().amax(1, keepdim=True) / 127)).round().to(torch.int8)
+    int8_scales = (weight.float().abs().amax(1) / 127).to(dtype)
+    rows_out = []
+    for rows in ROWS:
+        x = torch.randn(rows, k).to(dtype)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scales_zeros)
+        error = (out.float() - x.float() @ reference.t()).abs().max().item()
+        row = {"matrix": name, "shape": [n, k], "dtype": str(dtype).removeprefix("torch."), "rows": rows,
+               "full_width_s": seconds(lambda: F.linear(x, weight)),
+               "dequantize_then_matmul_s": seconds(lambda: F.linear(x, dequantize(groups, k, buffer))),
+               "int4pack_mm_s": seconds(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP,
+                                                                                          scales_zeros)),
+               "int8pack_mm_s": seconds(lambda: torch.ops.aten._weight_int8pack_mm(x, int8, int8_scales)),
+               "int4pack_max_error": error, "output_scale": out.float().abs().max().item()}
+        rows_out.append(row)
+        print(f"{name} {row['dtype']} rows {rows}: full {row['full_width_s'] * 1e3:.3f} ms, dequantize+mm "
+              f"{row['dequantize_then_matmul_s'] * 1e3:.3f}, int4pack {row['int4pack_mm_s'] * 1e3:.3f}, int8pack "
+              f"{row['int8pack_mm_s'] * 1e3:.3f}", flush=True)
+    return rows_out
+
+
+def markdown(result: dict) -> str:
+    m = result["machine"]
+    lines = ["# 4-bit weight kernels on this CPU (issue 27, point 1)", "",
+             f"Machine: {m.get('cpu', '?')}, {m.get('logical_cores', '?')} cores, torch {m.get('torch', '?')}; the CPU "
+             f"computes in {result['cpu_compute_dtype']} (`machine.cpu_compute_dtype()`). Command: "
+             "`python scripts/bench_int4_kernels.py`. One linear layer's product, median of 5 x 10 calls; "
+             "milliseconds; the ratios are the int4 kernel's speed-up over each.", "",
+             "| matrix | activations | rows | full width | dequantize + matmul (flexh2o today) | torch int4pack | "
+             "torch int8pack | int4 vs dequantize | int4 vs full width |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['matrix']} {r['shape'][0]}x{r['shape'][1]} | {r['dtype']} | {r['rows']} | "
+                     f"{r['full_width_s'] * 1e3:.3f} | {r['dequantize_then_matmul_s'] * 1e3:.3f} | "
+                     f"{r['int4pack_mm_s'] * 1e3:.3f} | {r['int8pack_mm_s'] * 1e3:.3f} | "
+                     f"{r['dequantize_then_matmul_s'] / r['int4pack_mm_s']:.1f}x | "
+                     f"{r['full_width_s'] / r['int4pack_mm_s']:.2f}x |")
+    worst = max(r["int4pack_max_error"] / max(r["output_scale"], 1e-12) for r in result["rows"])
+    lines += ["", f"The int4 kernel's output against the same groups dequantized and multiplied in float32: at most "
+              f"{worst:.1e} of the output's scale (flexh2o's groups map onto its layout exactly: zero = minimum + "
+              "8 x scale).", ""]
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "results", "int4_kernels"))
+    args = ap.parse_args()
+    torch.set_grad_enabled(False)
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for name, (n, k) in SHAPES.items():
+            rows += measure_shape(name, n, k, dtype)
+    result = {"machine": describe_machine(), "cpu_compute_dtype": str(cpu_compute_dtype()).removeprefix("torch."),
+              "threads": torch.get_num_threads(), "rows": rows}
+    with open(args.out + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    with open(args.out + ".md", "w") as f:
+        f.write(markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
