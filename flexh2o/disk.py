@@ -255,8 +255,13 @@ class DiskStore:
 
     def _write_range(self, f: DiskFile, offset: int, view: memoryview):
         if self.direct_writes and offset % ALIGN == 0 and (len(view) % ALIGN == 0 or offset + len(view) == f.nbytes):
-            self._write_direct(f, offset, view)
-            return
+            try:
+                self._write_direct(f, offset, view)
+                return
+            except OffloadError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self.direct_writes = False  # a filesystem that reads O_DIRECT but refuses such writes: buffered
         step = DIRTY_WINDOW if self.flush_writes else len(view)
         with self._writing():
             for pos in range(0, len(view), max(step, 1)):

@@ -2,6 +2,7 @@
 and whether a read leaves the file's pages in the page cache."""
 
 import ctypes
+import errno
 import fcntl
 import mmap
 import os
@@ -160,5 +161,25 @@ def test_making_a_store_starts_no_threads(tmp_path, monkeypatch, mode):
     store = make_store(tmp_path, mode, monkeypatch)
     try:
         assert threading.active_count() == threads
+    finally:
+        store.close()
+
+
+def test_a_filesystem_refusing_direct_writes_gets_buffered_ones(tmp_path, monkeypatch):
+    """O_DIRECT writes refused with EINVAL (reads were allowed): the write goes out buffered, and
+    every later one too; the data reads back whole."""
+    store = DiskStore(str(tmp_path))
+    try:
+        def refuse(*args):
+            raise disk.OffloadError(str(tmp_path), OSError(errno.EINVAL, os.strerror(errno.EINVAL)))
+        monkeypatch.setattr(store, "_write_direct", refuse)
+        store.direct_writes = True
+        data = torch.randn(64 * ALIGN // 4)
+        f = store.create(data.numel() * 4)
+        store.write(f, 0, data)
+        assert not store.direct_writes
+        back = torch.empty_like(data)
+        store.read(f, 0, back)
+        assert torch.equal(back, data)
     finally:
         store.close()
