@@ -15,11 +15,9 @@ if __name__ == "__main__":  # first, before torch loads: a signal while it does 
     stop_at_once()
 
 import argparse
-import importlib
 import math
 import sys
 import time
-
 from typing import TYPE_CHECKING
 
 from .errors import OneLineErrorParser, UsageError
@@ -168,9 +166,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    build_parser().parse_args()  # --help and bad flags answer before torch loads
-    # torch and the engine load while a signal still ends the process at once (stop_at_once): under
-    # run_stoppable's handlers, its one exception could land inside an import and be swallowed there.
-    importlib.import_module("flexh2o.run_main")
-    from .signals import run_stoppable
-    sys.exit(run_stoppable(main))
+    from .signals import run_command
+    run_command(build_parser, main, heavy=("flexh2o.run_main",))

@@ -41,8 +41,14 @@ class TensorEntry:
     data: np.ndarray      # a view of the file (see the module's docstring)
 
 
-def read_layout(path: str) -> tuple[dict, list[TensorEntry]]:
-    """(metadata key -> value, the tensors in file order) of a GGUF file of version 2 or 3."""
+@dataclass
+class Layout:
+    fields: dict     # metadata key -> value (a StringArray for an array of strings)
+    tensors: list    # TensorEntry, in file order
+
+
+def read_layout(path: str) -> Layout:
+    """The metadata and the tensor table of a GGUF file of version 2 or 3."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     blob = np.memmap(path, dtype=np.uint8, mode="r")
@@ -84,7 +90,7 @@ def read_layout(path: str) -> tuple[dict, list[TensorEntry]]:
         else:  # rows of blocks
             data = raw.reshape(*outer[:-1], outer[-1] * block_bytes // block)
         tensors.append(TensorEntry(name, dims, kind, data))
-    return metadata, tensors
+    return Layout(metadata, tensors)
 
 
 class _Cursor:

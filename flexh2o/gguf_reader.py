@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from flexh2o.errors import UsageError, check_regular_file
-from flexh2o.gguf_file import StringArray, read_layout
+from flexh2o.gguf_file import Layout, StringArray, read_layout
 
 FLAG = "--model"
 
@@ -152,18 +152,11 @@ def unpermute_rotary_rows(weights, num_heads):
     return pairs.swapaxes(1, 2).reshape(weights.shape)
 
 
-class _Layout:
-    """A parsed file: `fields` (metadata key -> value) and `tensors` (gguf_file.TensorEntry)."""
-
-    def __init__(self, fields, tensors):
-        self.fields, self.tensors = fields, tensors
-
-
-def _open_reader(path) -> _Layout:
+def _open_reader(path) -> Layout:
     if importlib.util.find_spec("gguf") is None:  # its tensor types and dequantization
         raise UsageError(FLAG, "reading GGUF files needs the gguf package: pip install 'flexh2o[models]'") from None
     try:
-        return _Layout(*read_layout(path))
+        return read_layout(path)
     except (ValueError, IndexError, KeyError, TypeError, OSError, struct.error) as err:
         reason = " ".join(str(err).split()) or type(err).__name__
         raise UsageError(FLAG, f"{path} is not a readable GGUF file ({reason})") from None

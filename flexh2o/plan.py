@@ -9,7 +9,6 @@ if __name__ == "__main__":  # first, before torch loads: a signal while it does 
     stop_at_once()
 
 import argparse
-import importlib
 import sys
 import time
 
@@ -105,7 +104,8 @@ def plan(args) -> int:
                        + [f"--{t}-mem {getattr(args, f'{t}_mem')}" for t in caps["given"]]
                        + ([f"--dtype {args.dtype}"] if args.dtype else []))
     print(f"plan for {spec.name} on {profile.name} ({describe_caps(caps, profile.device)}), "
-          f"{args.prompt_len} + {args.gen_len} tokens, batch {found.policy.batch_size} ({found.policy.gpu_batch_size} x {found.policy.num_gpu_batches})")
+          f"{args.prompt_len} + {args.gen_len} tokens, batch {found.policy.batch_size} "
+          f"({found.policy.gpu_batch_size} x {found.policy.num_gpu_batches})")
     print(command)
     print("\n".join(describe_prediction(found.predicted)))
     print(f"searched {found.candidates:,} policies in {seconds:.1f} s")
@@ -120,9 +120,5 @@ def plan(args) -> int:
 
 
 if __name__ == "__main__":
-    build_parser().parse_args()  # --help and bad flags answer before torch loads
-    # torch and the engine load while a signal still ends the process at once (stop_at_once): under
-    # run_stoppable's handlers, its one exception could land inside an import and be swallowed there.
-    importlib.import_module("flexh2o.run_main")
-    from .signals import run_stoppable
-    sys.exit(run_stoppable(main))
+    from .signals import run_command
+    run_command(build_parser, main, heavy=("flexh2o.run_main",))

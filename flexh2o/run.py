@@ -10,8 +10,6 @@ if __name__ == "__main__":  # first, before torch loads: a signal while it does 
     stop_at_once()
 
 import argparse
-import importlib
-import sys
 
 from .names import add_kv_flags
 from .errors import OneLineErrorParser
@@ -32,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-len", type=int, default=32, metavar="N", help="tokens to generate per prompt")
     p.add_argument("--gpu-batch-size", type=int, default=None, metavar="N",
                    help="sequences per gpu-batch (default: planned, with the placement, by the cost model)")
-    p.add_argument("--num-gpu-batches", type=int, default=None, metavar="N", help="gpu-batches per block (default: planned, else 1)")
+    p.add_argument("--num-gpu-batches", type=int, default=None, metavar="N",
+                   help="gpu-batches per block (default: planned, else 1)")
     p.add_argument("--max-batch", type=int, default=None, metavar="N",
                    help="when planning: the largest batch (sequences) to consider")
     p.add_argument("--allow-compression", action="store_true",
@@ -105,9 +104,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    build_parser().parse_args()  # --help and bad flags answer before torch loads
-    # torch and the engine load while a signal still ends the process at once (stop_at_once): under
-    # run_stoppable's handlers, its one exception could land inside an import and be swallowed there.
-    importlib.import_module("flexh2o.run_main")
-    from .signals import run_stoppable
-    sys.exit(run_stoppable(main))
+    from .signals import run_command
+    run_command(build_parser, main, heavy=("flexh2o.run_main",))

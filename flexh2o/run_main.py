@@ -95,7 +95,7 @@ def run(args) -> int:
     policy, profile = choose_policy(args, policy, spec, device, dtype, caps, planning)
     tokens = read_prompts(args.prompts_file, tokenizer, policy.batch_size, args.prompt_len, args.chat) \
         if args.prompts_file else None
-    engine = load_engine(args, policy, device, dtype, caps, dummy, profile)
+    engine = load_engine(args, spec, policy, device, dtype, caps, dummy, profile)
     try:
         predicted = None if profile is None else predict(spec, policy, args.prompt_len, args.gen_len, profile,
                                                          dtype_name(dtype, device))

@@ -8,8 +8,7 @@ import sys
 import tempfile
 
 from .offload_dir import check_offload_dir
-from .engine import Engine, default_dtype, parse_device
-from .models import resolve_model
+from .engine import Engine, default_dtype
 from .buffers import TIERS
 from .memory import capacities, format_size, run_need, weight_need
 from .names import tier_label
@@ -86,13 +85,12 @@ def placement_note(spec, policy, device, dtype, prompt_len: int, gen_len: int, o
     return line
 
 
-def load_engine(args, policy, device, dtype, caps: dict, dummy: bool, profile=None) -> Engine:
+def load_engine(args, spec, policy, device, dtype, caps: dict, dummy: bool, profile=None) -> Engine:
     """The engine of a run, its weights placed by `policy`, sized for args.prompt_len + args.gen_len.
     Where anything is placed off the compute device, a note says what goes where once the pre-flight passed."""
     def announce():
-        spec = resolve_model(args.model, args.path)[0]
-        print(placement_note(spec, policy, parse_device(device), dtype, args.prompt_len, args.gen_len, args.offload_dir,
-                             dummy, profile), file=sys.stderr, flush=True)
+        print(placement_note(spec, policy, device, dtype, args.prompt_len, args.gen_len, args.offload_dir, dummy,
+                             profile), file=sys.stderr, flush=True)
     off_device = any(policy.disk_percent(kind) > 0 or getattr(policy, f"{kind}_cpu_percent") > 0
                      for kind in ("w", "cache"))
     return Engine.from_pretrained(args.model, policy=policy, device=device, dtype=dtype, dummy=dummy,

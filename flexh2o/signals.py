@@ -9,6 +9,7 @@ to any thread that leaves it unblocked (I/O threads, torch's workers), and Pytho
 handler in the main thread anyway.
 """
 
+import importlib
 import os
 import signal
 import sys
@@ -114,6 +115,17 @@ def _install(handler):
     for signum in HANDLED:
         if signal.getsignal(signum) is not signal.SIG_IGN:
             signal.signal(signum, handler)
+
+
+def run_command(build_parser, main, heavy: tuple):
+    """A command's `__main__`, after stop_at_once(): --help and bad flags answer from the parser
+    before torch loads; then the `heavy` modules load while a signal still ends the process at once
+    (under run_stoppable's handlers, its one exception could land inside an import and be swallowed
+    there); then main() runs stoppable, and its code is the exit status."""
+    build_parser().parse_args()
+    for module in heavy:
+        importlib.import_module(module)
+    sys.exit(run_stoppable(main))
 
 
 def run_stoppable(main) -> int:

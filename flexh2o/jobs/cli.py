@@ -87,7 +87,7 @@ def run_job(args, policy, spec, weights_dir, device, dtype, caps, planning: bool
     total = len(job_input.entries)
     set_stop_outcome(lambda: f"{len(output.done)} of {total} records are safe in {args.output}; "
                               f"run the same command again to finish the rest ({resume_command()})")
-    engine = load_engine(args, policy, device, dtype, caps, dummy=False, profile=profile)
+    engine = load_engine(args, spec, policy, device, dtype, caps, dummy=False, profile=profile)
     try:
         return generate_all(args, engine, job_input, output, tokenizer, spec, plans, read_seconds)
     finally:
