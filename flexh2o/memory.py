@@ -261,9 +261,9 @@ def run_need(spec, policy, dtype_bytes: int, prompt_len: int, gen_len: int, devi
     if POLICIES[policy.kv_policy].uses_attention:  # the observed prompt attention reshapes q, k, v: copies
         working += hidden
     need["gpu"] += working + nb * b * prompt_len * prompt_len  # every gpu-batch's prompt mask (bool) exists at once
-    if on_cuda and (rows["cpu"] or rows["disk"]):
+    if on_cuda and (rows["cpu"] or rows["disk"]) and not policy.compress_cache:
         # The prompt's K or V goes home through a contiguous copy on the device, one per I/O thread
-        # (in the CPU-attended cache's dtype, where that is wider).
+        # (in the CPU-attended cache's dtype, where that is wider). Compressed, its groups go (above).
         need["gpu"] += io_threads * max(rows["cpu"], rows["disk"]) * k_bytes * prompt_len // capacity * wide // dtype_bytes
     if policy.act_gpu_percent == 100 or nb == 1:
         need["gpu"] += nb * hidden

@@ -11,6 +11,7 @@ at the end of every load.
 
 import threading
 import time
+from collections import Counter
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -181,6 +182,30 @@ class Tiers(Buffers):
     def _in_place(self, placed: Placed) -> bool:
         return placed.resident() is not None and (placed.segments[0].tier == "gpu" or not self.on_cuda)
 
+    def pooled(self, placed: Placed) -> list[tuple]:
+        """(shape, dtype, per I/O thread) of each pooled buffer that load(placed) takes: the values
+        of a weight not used in place, and the groups of a compressed one moved (on CUDA an I/O
+        thread gives its groups' buffer back once dequantized, so one per thread is made)."""
+        in_place = self._in_place(placed)
+        if placed.decoded_shape is None:
+            return [] if in_place else [(placed.shape, placed.dtype, False)]
+        groups = [] if in_place else [(placed.shape, placed.dtype, self.on_cuda)]
+        return [(placed.decoded_shape, self.dtype, False)] + groups
+
+    def reserve_loads(self, layers_placed: list[list]):
+        """Makes, before a run, every pooled buffer its weight loads take, per layer the `placed`
+        tensors it loads. The layer computing and the next one loading (cyclically: the last and the
+        first) hold theirs at once, so a shape gets as many as two neighbours ever hold together
+        (the pre-flight's count, memory.compute_copy_bytes). Made lazily, the largest (an LM head's)
+        came only after the prompt step: a run that cannot hold them failed after its prompt."""
+        counts = [Counter(key for p in placed for key in self.pooled(p)) for placed in layers_placed]
+        most = Counter()
+        for j, count in enumerate(counts):
+            for key, n in (count + counts[(j + 1) % len(counts)]).items():
+                most[key] = max(most[key], n)
+        for (shape, dtype, per_thread), n in most.items():
+            self.reserve(shape, dtype, count=self.io_threads if per_thread else n)
+
     def load(self, placed: Placed) -> Pending:
         """The compute-device tensor of `placed`: the resident tensor itself, or a filled buffer."""
         whole = placed.resident()
@@ -249,7 +274,7 @@ class Tiers(Buffers):
             return self._load_compressed_for_cpu(placed, whole, out)
         if whole is None:
             # Its groups go through a buffer that the I/O task gives back once dequantized: at most
-            # one per thread is out at once, all made at the first load (later, timing would decide).
+            # one per thread is out at once, all made up front (later, timing would decide).
             self.reserve(placed.shape, placed.dtype, count=self.io_threads)
 
         def task():
@@ -352,10 +377,15 @@ class Tiers(Buffers):
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor):
         """dst in CPU memory <- src on the compute device (done when this returns)."""
+        self.to_host_all([(dst, src)])
+
+    def to_host_all(self, pairs: list):
+        """to_host of each (dst, src); on CUDA the copies are queued together and waited for once."""
         if self.on_cuda:
-            self.cuda.to_host(dst, src)
+            self.cuda.to_host(pairs)
         else:
-            copy_in_memory(dst, src)
+            for dst, src in pairs:
+                copy_in_memory(dst, src)
 
     def copy_on_device(self, dst: torch.Tensor, src: torch.Tensor):
         """dst <- src, both on the compute device, after the loads this task queued before it. On

@@ -3,6 +3,7 @@ streams checked for ordering, host registrations paired. Tokens equal the CPU ru
 agree to 1e-5 over the placement matrix; taking out a wait the ordering needs is caught."""
 
 import ctypes
+import math
 import time
 
 import pytest
@@ -10,6 +11,8 @@ import torch
 
 from flexh2o import Engine, Policy
 from flexh2o import cuda_io
+from flexh2o.buffers import Buffers
+from flexh2o.memory import compute_copy_bytes
 from flexh2o.cuda_io import Copied, CudaCopies, Landed
 from flexh2o.kv.home import CacheHome
 from flexh2o.tiers import Tiers
@@ -89,6 +92,42 @@ def test_cuda_branches_match_the_cpu_on_a_simulated_device(tiny_models, tmp_path
     assert stats.step_allocations[2:] == [0] * (NEW_TOKENS - 2)
     if name != "all-on-gpu":
         assert simulated.copies > 0  # the copies did go through the simulated streams
+
+
+@pytest.mark.parametrize("simulated", [False, True])
+@pytest.mark.parametrize("name", ["weights-cpu", "mixed-act-cpu", "compressed-mixed", "compressed-disk-h2o"])
+def test_weight_buffers_are_made_before_the_run_as_the_preflight_counts(tiny_models, tmp_path, monkeypatch, name,
+                                                                       simulated):
+    """Every pooled buffer a weight load takes is made before the prompt step (made on first use,
+    an LM head's came after it, when the prompt's work was already done), and they add up to the
+    pre-flight's compute copies; none of those shapes is made again during the run."""
+    directory, _ = tiny_models["wide"]
+    made, seen = [], {}
+    original_new, original_reserve, original_generate = Buffers._new_buffer, Tiers.reserve_loads, Engine.generate
+
+    def new_buffer(pool, key):
+        made.append(key)
+        return original_new(pool, key)
+
+    def reserve_loads(tiers, layers_placed):
+        original_reserve(tiers, layers_placed)
+        seen.update(tiers=tiers, keys=set(made), bytes=sum(math.prod(k[0]) * k[1].itemsize for k in made))
+        made.clear()
+
+    def generate_recording_layers(engine, *args, **kwargs):
+        seen["layers"] = engine.layers
+        return original_generate(engine, *args, **kwargs)
+    monkeypatch.setattr(Buffers, "_new_buffer", new_buffer)
+    monkeypatch.setattr(Tiers, "reserve_loads", reserve_loads)
+    monkeypatch.setattr(Engine, "generate", generate_recording_layers)
+    if simulated:
+        simulated_run(directory, MATRIX[name], tmp_path, monkeypatch)
+    else:
+        generate(directory, MATRIX[name], tmp_path)
+    device = torch.device("cuda" if simulated else "cpu")  # the simulated device computes on CPU tensors
+    assert seen["bytes"] == compute_copy_bytes(seen["layers"], seen["tiers"].dtype.itemsize, MATRIX[name], device)
+    assert (seen["bytes"] > 0) == (simulated or name != "weights-cpu")  # on the CPU, CPU memory is used in place
+    assert not seen["keys"] & set(made)
 
 
 SLOW_STORES = {

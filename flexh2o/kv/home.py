@@ -220,22 +220,11 @@ class CacheHome:
 
     def _write(self, part, buf, groups):
         tiers, slots = self.tiers, buf.written
-        tiers.to_host(part.pos, buf.pos)
-        if buf.score is not None:
-            tiers.to_host(part.score, buf.score)
-        if isinstance(slots, str):  # the prompt: every slot in use
-            length = buf.length
-            if part.home is not None:  # a home the CPU attends over (cpu_cache_compute)
-                for src, dst in ((buf.k, part.home.k), (buf.v, part.home.v)):
-                    tiers.to_host(dst[:, :, :length], src[:, :, :length])
-                return
-            for i, (src, mem, file) in enumerate(((buf.k, part.k_mem, part.k_file), (buf.v, part.v_mem, part.v_file))):
-                slot_major = groups[i] if groups else src[:, :, :length].permute(2, 0, 1, 3)
-                if file is not None:
-                    tiers.write_disk(file, 0, slot_major)
-                else:
-                    tiers.to_host(mem[:length], slot_major)
+        state = [(part.pos, buf.pos)] + ([(part.score, buf.score)] if buf.score is not None else [])
+        if isinstance(slots, str):  # the prompt: every slot in use, its copies queued together
+            tiers.to_host_all(state + self._prompt_copies(part, buf, groups))
             return
+        tiers.to_host_all(state)
         n, kv_heads = slots.shape
         written = tiers.host(slots)
         seq, head = slot_grid(written)
@@ -249,6 +238,22 @@ class CacheHome:
         order = rows.argsort()
         for file, data in zip((part.k_file, part.v_file), values):
             tiers.disk.write_rows(file, rows[order], data.flatten(0, 1)[order])  # [n * kv_heads, width]
+
+    def _prompt_copies(self, part, buf, groups) -> list:
+        """The (home, computed) pairs of the prompt's K and V that go to CPU memory; a disk part's
+        are written here."""
+        length = buf.length
+        if part.home is not None:  # a home the CPU attends over (cpu_cache_compute)
+            return [(home[:, :, :length], computed[:, :, :length])
+                    for computed, home in ((buf.k, part.home.k), (buf.v, part.home.v))]
+        copies = []
+        for i, (src, mem, file) in enumerate(((buf.k, part.k_mem, part.k_file), (buf.v, part.v_mem, part.v_file))):
+            slot_major = groups[i] if groups else src[:, :, :length].permute(2, 0, 1, 3)
+            if file is not None:
+                self.tiers.write_disk(file, 0, slot_major)
+            else:
+                copies.append((mem[:length], slot_major))
+        return copies
 
     def wait_store(self):
         """Waits for the last write-back (raising its error if it failed)."""
