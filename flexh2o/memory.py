@@ -261,10 +261,7 @@ def run_need(spec, policy, dtype_bytes: int, prompt_len: int, gen_len: int, devi
     if POLICIES[policy.kv_policy].uses_attention:  # the observed prompt attention reshapes q, k, v: copies
         working += hidden
     need["gpu"] += working + nb * b * prompt_len * prompt_len  # every gpu-batch's prompt mask (bool) exists at once
-    if on_cuda and (rows["cpu"] or rows["disk"]) and not policy.compress_cache:
-        # The prompt's K or V goes home through a contiguous copy on the device, one per I/O thread
-        # (in the CPU-attended cache's dtype, where that is wider). Compressed, its groups go (above).
-        need["gpu"] += io_threads * max(rows["cpu"], rows["disk"]) * k_bytes * prompt_len // capacity * wide // dtype_bytes
+    need["gpu"] += prompt_copy_home_bytes(spec, policy, dtype_bytes, prompt_len, gen_len, device, io_threads)
     if policy.act_gpu_percent == 100 or nb == 1:
         need["gpu"] += nb * hidden
     else:  # parked in CPU memory; on the device the one computing, the one loading, and up to two storing
@@ -281,6 +278,21 @@ def run_need(spec, policy, dtype_bytes: int, prompt_len: int, gen_len: int, devi
         if spec.num_kv_heads != spec.num_heads:  # a padded prompt's attention expands K and V (attention.py)
             need["gpu"] += 2 * b * spec.num_heads * prompt_len * spec.head_dim * dtype_bytes
     return need
+
+
+def prompt_copy_home_bytes(spec, policy, dtype_bytes: int, prompt_len: int, gen_len: int, device,
+                           io_threads: int = IO_THREADS) -> int:
+    """On CUDA the prompt's K or V goes home (CPU memory or disk) through a contiguous copy on the
+    device, one per I/O thread, in the CPU-attended cache's dtype where that is wider: of the slots
+    kept (an evicting policy keeps its capacity, fewer than the prompt). A compressed cache's
+    groups go instead (counted with the loaded parts' groups)."""
+    rows = batch_split(policy.gpu_batch_size, policy.cache_gpu_percent, policy.cache_cpu_percent)
+    if device.type != "cuda" or policy.compress_cache or not (rows["cpu"] or rows["disk"]):
+        return 0
+    capacity, _ = budget(policy, prompt_len, gen_len)
+    wide = cpu_attention_dtype(DTYPE_OF[dtype_bytes]).itemsize if policy.cpu_cache_compute else dtype_bytes
+    slots = min(prompt_len, capacity) * spec.num_kv_heads * slot_bytes(spec, policy, dtype_bytes)
+    return io_threads * max(rows["cpu"], rows["disk"]) * slots * wide // dtype_bytes
 
 
 def format_size(n: float) -> str:

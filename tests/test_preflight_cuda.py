@@ -7,7 +7,7 @@ import torch
 
 from flexh2o.kv.home import batch_split, cpu_attention_dtype
 from flexh2o.memory import (CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, CUDA_LAZY_KERNELS_BYTES, GB, IO_THREADS,
-                            capacities, run_need)
+                            capacities, prompt_copy_home_bytes, run_need)
 from flexh2o.kv import slot_bytes, budget
 from flexh2o.models.llama import PRESETS as LLAMA
 from flexh2o.models.opt import PRESETS as OPT
@@ -68,3 +68,25 @@ def test_a_cpu_attended_cache_is_staged_as_wide_as_it_is_held():
     held_wider = rows * spec.num_layers * 2 * k_bytes * (wider - 1)  # the home itself
     stages = (IO_THREADS + 1) * rows * k_bytes * (wider - 1)
     assert need(spec, attended, CUDA)["cpu"] - need(spec, plain, CUDA)["cpu"] == held_wider + stages
+
+
+
+def test_the_prompts_copy_home_holds_the_slots_kept():
+    """The prompt's K or V goes home (CPU memory or disk) through one contiguous device copy per I/O
+    thread: of every prompt slot, of an evicting policy's kept slots only, and none for a compressed
+    cache (its groups go instead) or one held on the GPU."""
+    spec = OPT["opt-1.3b"]
+    b, prompt_len, gen_len = 8, 512, 32
+
+    def copy(cache=(0, 100), **kwargs):
+        policy = Policy(gpu_batch_size=b, cache_gpu_percent=cache[0], cache_cpu_percent=cache[1], **kwargs)
+        return prompt_copy_home_bytes(spec, policy, 2, prompt_len, gen_len, CUDA)
+
+    slot = spec.num_kv_heads * spec.head_dim * 2  # one slot of one sequence's K, float16
+    assert copy() == IO_THREADS * b * prompt_len * slot
+    kept = budget(Policy(hh_ratio=0.1), prompt_len, gen_len)[0]
+    assert kept < prompt_len and copy(hh_ratio=0.1) == IO_THREADS * b * kept * slot
+    assert copy(cache=(0, 0)) == copy()  # on disk, alike
+    assert copy(cache=(100, 0)) == copy(compress_cache=True) == 0
+    assert prompt_copy_home_bytes(spec, Policy(gpu_batch_size=b, cache_gpu_percent=0, cache_cpu_percent=100), 2,
+                                  prompt_len, gen_len, CPU) == 0
