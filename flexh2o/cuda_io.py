@@ -34,6 +34,7 @@ class CudaCopies:
         self.store_stream = torch.cuda.Stream(device)
         self.stage_count, self.stage_bytes, self.free_stages = stages, 0, []
         self.lock = threading.Lock()
+        self.staged = threading.Condition(self.lock)  # signalled when a staging block comes back
         self.local = threading.local()
 
     @property
@@ -53,8 +54,9 @@ class CudaCopies:
             self.stage_bytes = nbytes
         self.tiers.free("cpu", old)
         stages = [self.tiers.alloc("cpu", (nbytes,), torch.uint8) for _ in range(self.stage_count)]
-        with self.lock:
+        with self.staged:
             self.free_stages = stages
+            self.staged.notify_all()
 
     @contextmanager
     def stage(self, shape, dtype):
@@ -62,13 +64,16 @@ class CudaCopies:
         nbytes = torch.Size(shape).numel() * dtype.itemsize
         if nbytes > self.stage_bytes:
             raise RuntimeError(f"staging of {nbytes} bytes was not reserved (blocks hold {self.stage_bytes})")
-        with self.lock:
+        with self.staged:  # more threads may stage than there are blocks (loads, stores, compute)
+            while not self.free_stages:
+                self.staged.wait()
             block = self.free_stages.pop()
         try:
             yield block[:nbytes].view(dtype).view(shape)
         finally:
-            with self.lock:
+            with self.staged:
                 self.free_stages.append(block)
+                self.staged.notify()
 
     # -- tasks ------------------------------------------------------------------------------
     def queued(self) -> torch.cuda.Event:

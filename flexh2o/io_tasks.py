@@ -7,6 +7,12 @@ wake-up for the whole group, whose tasks the threads then take oldest first. A t
 its own Pending: waiting for a cache load does not wait for a weight load queued after it. When
 everything is already where compute needs it, no task is queued and no thread is ever started.
 
+Loads and stores run on threads of their own (as many of each): a store blocks its thread until
+the step it stores has been computed, and on threads shared with loads it held back the loads
+queued behind it (decode with the cache in CPU memory on an H200: both threads blocked in stores
+nearly a quarter of the time, the copy engine idle a quarter of it for want of the next load). A
+load may wait for a store (a cache home's last write-back); a store never waits for a load.
+
 A task that fails raises IOTaskError (naming what it was doing) to whoever waits for it; the run
 then abandons the rest: the tasks not started are cancelled and the running ones finish, so
 nothing is left writing into buffers or files the run is about to free.
@@ -20,6 +26,7 @@ from contextlib import contextmanager
 
 
 EXIT_JOIN_SECONDS = 10.0  # at interpreter exit, how long a running task may take to finish
+LOAD, STORE = "load", "store"  # the lanes: a task runs on a thread of its lane
 
 
 class IOTaskError(RuntimeError):
@@ -58,11 +65,11 @@ class Pending:
 
 class IOThreads:
     def __init__(self, threads: int):
-        self.threads = threads
+        self.threads = threads  # threads that load, and as many that store
         self.workers = []     # started by the first hand-off
         self.handoffs = 0     # groups of tasks handed to the threads
-        self._group = None    # [(fn, future)] queued inside group(), not yet handed off
-        self._queue = deque()  # handed off, not yet taken by a thread
+        self._group = None    # [(fn, future, lane)] queued inside group(), not yet handed off
+        self._queues = {LOAD: deque(), STORE: deque()}  # handed off, not yet taken by a thread
         self._ready = threading.Condition()
         self._running = 0     # tasks taken by a thread and not yet finished
         # An engine never closed (or one whose close was cut short) still stops its threads before
@@ -70,13 +77,15 @@ class IOThreads:
         weakref.finalize(self, self.close, EXIT_JOIN_SECONDS)
         self._closed = False
 
-    def submit(self, fn) -> Future:
-        """Queues fn (inside group(): with the group's other tasks) and returns its future."""
+    def submit(self, fn, store: bool = False) -> Future:
+        """Queues fn, a load or a store (inside group(): with the group's other tasks), and returns
+        its future."""
         future = Future()
+        task = (fn, future, STORE if store else LOAD)
         if self._group is not None:
-            self._group.append((fn, future))
+            self._group.append(task)
         else:
-            self._hand_off([(fn, future)])
+            self._hand_off([task])
         return future
 
     @contextmanager
@@ -96,26 +105,30 @@ class IOThreads:
     def _hand_off(self, tasks):
         # Each thread is listed once started: a signal's exception between the two would otherwise
         # leave close() joining a thread never started (a RuntimeError instead of a clean exit).
-        for n in range(len(self.workers), self.threads):
-            worker = threading.Thread(target=self._work, name=f"flexh2o-io-{n}", daemon=True)
+        lanes = [LOAD] * self.threads + [STORE] * self.threads
+        for n in range(len(self.workers), len(lanes)):
+            worker = threading.Thread(target=self._work, args=(lanes[n],), name=f"flexh2o-io-{n}", daemon=True)
             worker.start()
             self.workers.append(worker)
         with self._ready:
             self.handoffs += 1
-            self._queue.extend(tasks)
-            self._ready.notify(len(tasks))
+            for fn, future, lane in tasks:
+                self._queues[lane].append((fn, future))
+            self._ready.notify_all()
 
-    def _work(self):
-        """A thread takes the queued tasks one at a time, oldest first: the tasks of one group run on
-        both threads at once (two disk reads in flight read faster than one), and a task only ever
-        waits for one queued before it, which has been taken already."""
+    def _work(self, lane: str):
+        """A thread takes its lane's queued tasks one at a time, oldest first: the loads of one group
+        run on the load threads at once (two disk reads in flight read faster than one), and a task
+        only ever waits for one queued before it in its lane, which has been taken already, or (a
+        load) for a store, which the store threads run."""
+        queue = self._queues[lane]
         while True:
             with self._ready:
-                while not self._queue and not self._closed:
+                while not queue and not self._closed:
                     self._ready.wait()
-                if not self._queue:
+                if not queue:
                     return
-                fn, future = self._queue.popleft()
+                fn, future = queue.popleft()
                 if not future.set_running_or_notify_cancel():
                     continue
                 self._running += 1
@@ -130,12 +143,18 @@ class IOThreads:
                     self._running -= 1
                     self._ready.notify_all()
 
+    def _take_queued(self) -> list:
+        """Empties the queues (the caller holds the lock): the tasks not started."""
+        left = [task for queue in self._queues.values() for task in queue]
+        for queue in self._queues.values():
+            queue.clear()
+        return left
+
     def abandon(self):
         """Cancels the tasks not started (their wait() raises) and waits for the running ones;
         the threads stay for a later run."""
         with self._ready:
-            left = list(self._queue)
-            self._queue.clear()
+            left = self._take_queued()
         for _, future in left:
             future.cancel()
         with self._ready:
@@ -146,8 +165,7 @@ class IOThreads:
         """Waits for the running tasks (at most `timeout` seconds per thread); those not started are
         cancelled (their wait() raises)."""
         with self._ready:
-            left = list(self._queue)
-            self._queue.clear()
+            left = self._take_queued()
             self._closed = True
             self._ready.notify_all()
         for _, future in left:

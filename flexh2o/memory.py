@@ -34,7 +34,7 @@ CUDA_LAZY_KERNELS_BYTES = 256 << 20
 # Inside the allocator (so in the projection checked against its reserved peak): cuBLAS's and
 # cuBLASLt's workspaces, made per (handle, stream) that multiplies: the compute thread's.
 CUBLAS_WORKSPACE_BYTES = 64 << 20
-IO_THREADS = 2             # Tiers' default I/O threads
+IO_THREADS = 2             # Tiers' default I/O threads that load, and as many that store
 DTYPE_OF = {2: torch.float16, 4: torch.float32}  # a run's dtype from its size (2 bytes: float16 on CUDA)
 UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
          "mib": 1 << 20, "g": GB, "gb": GB, "gib": GB, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
@@ -283,8 +283,8 @@ def run_need(spec, policy, dtype_bytes: int, prompt_len: int, gen_len: int, devi
 def prompt_copy_home_bytes(spec, policy, dtype_bytes: int, prompt_len: int, gen_len: int, device,
                            io_threads: int = IO_THREADS) -> int:
     """On CUDA the prompt's K or V goes home (CPU memory or disk) through a contiguous copy on the
-    device, one per I/O thread, in the CPU-attended cache's dtype where that is wider: of the slots
-    kept (an evicting policy keeps its capacity, fewer than the prompt). A compressed cache's
+    device, one per store thread, in the CPU-attended cache's dtype where that is wider: of the
+    slots kept (an evicting policy keeps its capacity, fewer than the prompt). A compressed cache's
     groups go instead (counted with the loaded parts' groups)."""
     rows = batch_split(policy.gpu_batch_size, policy.cache_gpu_percent, policy.cache_cpu_percent)
     if device.type != "cuda" or policy.compress_cache or not (rows["cpu"] or rows["disk"]):

@@ -128,10 +128,11 @@ class Tiers(Buffers):
         return Placed(tuple(tensor.shape), tensor.dtype, segments, decoded)
 
     # -- moving data ------------------------------------------------------------------------
-    def run_io(self, fn, value, what: str) -> Pending:
-        """Runs fn on an I/O thread (overlap on) or right here (overlap off). On CUDA its copies
-        follow the compute queued up to now, when the task is queued, not when a thread takes it.
-        `what` it does names it in the error if it fails (IOTaskError; a full disk stays OffloadError)."""
+    def run_io(self, fn, value, what: str, store: bool = False) -> Pending:
+        """Runs fn on an I/O thread (overlap on; a store on the store thread) or right here (overlap
+        off). On CUDA its copies follow the compute queued up to now, when the task is queued, not
+        when a thread takes it. `what` it does names it in the error if it fails (IOTaskError; a
+        full disk stays OffloadError)."""
         after = self.cuda.queued() if self.cuda else None
 
         def task():
@@ -156,7 +157,7 @@ class Tiers(Buffers):
         self.io_tasks += 1
         if self.io is None:
             return Pending(value, landed=task())
-        return Pending(value, self.io.submit(task))
+        return Pending(value, self.io.submit(task, store))
 
     def io_group(self):
         """The I/O tasks queued inside reach the I/O threads as one hand-off (io_tasks.py)."""
@@ -423,7 +424,8 @@ class Tiers(Buffers):
             return hidden
         self.reserve(hidden.shape, hidden.dtype, "cpu", count=self.parked_slots)
         parked = self.buffer(hidden.shape, hidden.dtype, tier="cpu")
-        return self.run_io(lambda: self.to_host(parked, hidden), parked, "parking a hidden state in CPU memory")
+        return self.run_io(lambda: self.to_host(parked, hidden), parked, "parking a hidden state in CPU memory",
+                           store=True)
 
     def load_act(self, parked):
         """Brings a parked hidden state back to the compute device."""

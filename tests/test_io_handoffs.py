@@ -79,3 +79,23 @@ def test_close_cancels_what_has_not_started():
     assert running.done() and not running.exception()
     with pytest.raises(CancelledError):
         waiting.result(timeout=10)
+
+
+def test_a_blocked_store_holds_back_no_load():
+    """A store waits for the step it stores (on CUDA: its copies); the loads queued after it run
+    meanwhile, on their own threads, and a load may wait for a store queued before it."""
+    io = IOThreads(2)
+    release = threading.Event()
+    try:
+        with io.group():
+            stores = [io.submit(release.wait, store=True) for _ in range(2)]
+            loads = [io.submit(lambda n=n: n) for n in range(4)]
+        assert [load.result(timeout=10) for load in loads] == [0, 1, 2, 3]
+        assert not any(store.done() for store in stores)
+        after = io.submit(lambda: stores[0].result())  # a load waiting for a blocked store
+        release.set()
+        assert after.result(timeout=10) is True and all(store.result(timeout=10) for store in stores)
+        assert len(io.workers) == 4
+    finally:
+        release.set()
+        io.close()

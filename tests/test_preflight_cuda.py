@@ -72,9 +72,9 @@ def test_a_cpu_attended_cache_is_staged_as_wide_as_it_is_held():
 
 
 def test_the_prompts_copy_home_holds_the_slots_kept():
-    """The prompt's K or V goes home (CPU memory or disk) through one contiguous device copy per I/O
-    thread: of every prompt slot, of an evicting policy's kept slots only, and none for a compressed
-    cache (its groups go instead) or one held on the GPU."""
+    """The prompt's K or V goes home (CPU memory or disk) through one contiguous device copy per store
+    thread: of every prompt slot, of an evicting policy's kept slots only, and none for a
+    compressed cache (its groups go instead) or one held on the GPU."""
     spec = OPT["opt-1.3b"]
     b, prompt_len, gen_len = 8, 512, 32
 

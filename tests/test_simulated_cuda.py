@@ -4,6 +4,7 @@ agree to 1e-5 over the placement matrix; taking out a wait the ordering needs is
 
 import ctypes
 import math
+import threading
 import time
 
 import pytest
@@ -207,6 +208,30 @@ def test_staged_copies_wait_before_their_block_is_reused(monkeypatch):
     finally:
         mode.__exit__(None, None, None)
     simulated.check()
+
+
+def test_more_threads_than_staging_blocks_wait_for_one(monkeypatch):
+    """Loads, stores and the compute thread may all stage at once: one more than there are blocks
+    waits until a block comes back, and then gets it."""
+    simulated = SimulatedCuda(seed=2)
+    mode = simulated.install(monkeypatch)
+    try:
+        tiers = Tiers("cpu", torch.float32, io_threads=1)
+        tiers.reserve_staging(64)
+        copies = tiers.cuda
+        held = [copies.stage((16,), torch.float32) for _ in range(copies.stage_count)]
+        blocks = [h.__enter__() for h in held]
+        got = []
+        waiter = threading.Thread(target=lambda: got.append(copies.stage((16,), torch.float32).__enter__()))
+        waiter.start()
+        waiter.join(0.3)
+        assert waiter.is_alive() and not got, "a stager with no free block waits"
+        held[0].__exit__(None, None, None)
+        waiter.join(10)
+        assert got and got[0].data_ptr() == blocks[0].data_ptr()
+        tiers.close()
+    finally:
+        mode.__exit__(None, None, None)
 
 
 def skip_stream_wait(monkeypatch):

@@ -200,7 +200,7 @@ class CacheHome:
                     for t in buf.tensors():
                         self.tiers.release(t)
         if todo:
-            self.last_store = self.tiers.run_io(write, None, "storing the KV cache")
+            self.last_store = self.tiers.run_io(write, None, "storing the KV cache", store=True)
         return self.last_store or Pending(None)
 
     def _quantize_written(self, part, buf):
