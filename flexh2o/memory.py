@@ -22,7 +22,7 @@ from .kv.home import IN_FLIGHT, batch_split, cpu_attention_dtype
 from .memory_limit import process_limit
 from .names import tier_label
 from .overhead import DEFAULT_GROWTH, Growth, process_growth
-from .models.attention import PROBS_CHUNK_BYTES
+from .models.attention import PROBS_CHUNK_BYTES, observed_chunk_bytes
 from .quant import BLOCK_VALUES, DEQUANT_WORKING_BYTES, compressible, stored_row_bytes
 from .tiers import split_rows
 
@@ -254,11 +254,14 @@ def run_need(spec, policy, dtype_bytes: int, prompt_len: int, gen_len: int, devi
     if policy.compress_cache:  # loaded parts' K and V groups on their way home; the working copies of one block
         need["gpu"] += IN_FLIGHT * loaded * 2 * k_bytes + working_bytes(device)
     hidden = spec.hidden_bytes(b, prompt_len, dtype_bytes)
-    # The prompt's attention works in blocks (fused kernels, or PROBS_CHUNK_BYTES of probabilities).
-    attention = min(b * spec.num_heads * prompt_len * prompt_len * 4, PROBS_CHUNK_BYTES)
+    # The prompt's attention works in blocks: fused kernels, or (observed, for a policy that scores
+    # keys) a chunk of logits, probabilities and weighted probabilities at once.
+    observed = POLICIES[policy.kv_policy].uses_attention
+    attention = observed_chunk_bytes(b * spec.num_heads, prompt_len) if observed else \
+        min(b * spec.num_heads * prompt_len * prompt_len * 4, PROBS_CHUNK_BYTES)
     working = (b * prompt_len * (3 * spec.hidden_size + spec.mlp_working_width) * dtype_bytes + attention
                + b * spec.vocab_size * 4)
-    if POLICIES[policy.kv_policy].uses_attention:  # the observed prompt attention reshapes q, k, v: copies
+    if observed:  # the observed prompt attention reshapes q, k, v: copies
         working += hidden
     need["gpu"] += working + nb * b * prompt_len * prompt_len  # every gpu-batch's prompt mask (bool) exists at once
     need["gpu"] += prompt_copy_home_bytes(spec, policy, dtype_bytes, prompt_len, gen_len, device, io_threads)

@@ -32,6 +32,18 @@ def repeat_kv_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t[:, :, None].expand(b, kv_heads, heads // kv_heads, s, d).reshape(b, heads, s, d)
 
 
+def observed_chunk_rows(s: int) -> int:
+    """Rows (sequence, head) of the observed prompt attention done at once: a chunk's logits, its
+    probabilities and the policy's weighted probabilities, float32 [rows, s, s] each, within
+    PROBS_CHUNK_BYTES (one row where a single one is larger)."""
+    return max(1, PROBS_CHUNK_BYTES // (3 * s * s * 4))
+
+
+def observed_chunk_bytes(rows: int, s: int) -> int:
+    """Bytes a chunk of the observed prompt attention holds at once, for `rows` (sequence, head) rows."""
+    return min(rows, observed_chunk_rows(s)) * 3 * s * s * 4
+
+
 def prompt_attention_observed(q, k, v, mask, real, scale: float, contribution):
     """Prompt attention that also returns contribution(logits, probs, real_rows) per key and query
     head: [b, heads, s]. real bool [b, s] marks real (non-padding) query rows. k and v may have
@@ -42,7 +54,7 @@ def prompt_attention_observed(q, k, v, mask, real, scale: float, contribution):
     causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril_() if mask is None else None
     out = torch.empty_like(qf)
     seen = torch.empty(rows, s, dtype=torch.float32, device=q.device)
-    chunk = max(1, PROBS_CHUNK_BYTES // (3 * s * s * 4))
+    chunk = observed_chunk_rows(s)
     for start in range(0, rows, chunk):
         r = slice(start, min(start + chunk, rows))
         seq = torch.arange(r.start, r.stop, device=q.device) // heads  # the sequence of each row
