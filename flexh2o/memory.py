@@ -257,7 +257,7 @@ def run_need(spec, policy, dtype_bytes: int, prompt_len: int, gen_len: int, devi
     # The prompt's attention works in blocks: fused kernels, or (observed, for a policy that scores
     # keys) a chunk of logits, probabilities and weighted probabilities at once.
     observed = POLICIES[policy.kv_policy].uses_attention
-    attention = observed_chunk_bytes(b * spec.num_heads, prompt_len) if observed else \
+    attention = observed_chunk_bytes(b * spec.num_heads, prompt_len, dtype_bytes) if observed else \
         min(b * spec.num_heads * prompt_len * prompt_len * 4, PROBS_CHUNK_BYTES)
     working = (b * prompt_len * (3 * spec.hidden_size + spec.mlp_working_width) * dtype_bytes + attention
                + b * spec.vocab_size * 4)

@@ -39,9 +39,11 @@ def observed_chunk_rows(s: int) -> int:
     return max(1, PROBS_CHUNK_BYTES // (3 * s * s * 4))
 
 
-def observed_chunk_bytes(rows: int, s: int) -> int:
-    """Bytes a chunk of the observed prompt attention holds at once, for `rows` (sequence, head) rows."""
-    return min(rows, observed_chunk_rows(s)) * 3 * s * s * 4
+def observed_chunk_bytes(rows: int, s: int, dtype_bytes: int = 4) -> int:
+    """Bytes a chunk of the observed prompt attention holds at once, for `rows` (sequence, head)
+    rows; in a 16-bit run also the product as computed and the probabilities cast back."""
+    per_value = 3 * 4 + (2 * dtype_bytes if dtype_bytes != 4 else 0)
+    return min(rows, observed_chunk_rows(s)) * s * s * per_value
 
 
 def prompt_attention_observed(q, k, v, mask, real, scale: float, contribution):
