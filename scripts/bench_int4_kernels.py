@@ -1,14 +1,19 @@
 """Issue 27's first question: which kernel should multiply 4-bit weights without widening them first?
 
 Times one linear layer's product on this CPU, for matrices of OPT-125M, OPT-1.3B and SmolLM2 at 1,
-8 and 32 rows (decode batch sizes), in float32 and bfloat16 activations:
+8 and 32 rows (decode batch sizes) in float32 and bfloat16 activations, and at 128 and 512 rows
+(prompt steps) in bfloat16 (in float32 the weight-only kernels take seconds there):
 
 - the full-width product (F.linear on float weights): what compressed weights are weighed against;
 - flexh2o's path today: dequantize the groups (quant.py) into a compute buffer, then F.linear;
 - torch's own CPU weight-only kernels: aten._weight_int4pack_mm_for_cpu (groups of 64, an affine
   scale and zero per group: it is given flexh2o's own groups, codes as stored and zero = minimum +
   8 * scale, and checked against them dequantized) and aten._weight_int8pack_mm (one scale per
-  output row).
+  output row);
+- what it costs to bring flexh2o's groups into that kernel's layout (convert_s, once per matrix):
+  the kernel's weight is blocked across rows (a byte holds a code of two neighbouring rows, in tiles
+  of rows), so flexh2o's row-major records cannot be handed over as they are; converting at every
+  load is weighed against dequantizing at every load.
 
 Writes results/int4_kernels.{md,json}. Median of 5 timings of 10 calls each, after 2 warm-ups, with
 the CPU's own thread count.
@@ -29,7 +34,7 @@ from flexh2o.machine import cpu_compute_dtype, describe_machine  # noqa: E402
 from flexh2o.quant import GROUP, GROUP_BYTES, dequantize, quantize  # noqa: E402
 
 SHAPES = {"OPT-125M fc1": (3072, 768), "OPT-1.3B fc1": (8192, 2048), "SmolLM2 up": (1536, 576)}
-ROWS = (1, 8, 32)
+ROWS = {torch.float32: (1, 8, 32), torch.bfloat16: (1, 8, 32, 128, 512)}
 
 
 def seconds(fn, calls=10, repeats=5) -> float:
@@ -64,10 +69,12 @@ def measure_shape(name: str, n: int, k: int, dtype: torch.dtype) -> list[dict]:
     buffer = torch.empty(n, k, dtype=dtype)
     packed, scales_zeros = torch_int4(groups, n, k, dtype)
     reference = dequantize(groups, k)  # float32
+    convert_s = seconds(lambda: torch_int4(groups, n, k, dtype), calls=3, repeats=3)
+    dequantize_s = seconds(lambda: dequantize(groups, k, buffer), calls=3, repeats=3)
     int8 = (weight.float() / (weight.float().abs().amax(1, keepdim=True) / 127)).round().to(torch.int8)
     int8_scales = (weight.float().abs().amax(1) / 127).to(dtype)
     rows_out = []
-    for rows in ROWS:
+    for rows in ROWS[dtype]:
         x = torch.randn(rows, k).to(dtype)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scales_zeros)
         error = (out.float() - x.float() @ reference.t()).abs().max().item()
@@ -77,7 +84,8 @@ def measure_shape(name: str, n: int, k: int, dtype: torch.dtype) -> list[dict]:
                "int4pack_mm_s": seconds(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP,
                                                                                           scales_zeros)),
                "int8pack_mm_s": seconds(lambda: torch.ops.aten._weight_int8pack_mm(x, int8, int8_scales)),
-               "int4pack_max_error": error, "output_scale": out.float().abs().max().item()}
+               "int4pack_max_error": error, "output_scale": out.float().abs().max().item(),
+               "convert_s": convert_s, "dequantize_s": dequantize_s}
         rows_out.append(row)
         print(f"{name} {row['dtype']} rows {rows}: full {row['full_width_s'] * 1e3:.3f} ms, dequantize+mm "
               f"{row['dequantize_then_matmul_s'] * 1e3:.3f}, int4pack {row['int4pack_mm_s'] * 1e3:.3f}, int8pack "
@@ -95,16 +103,25 @@ def markdown(result: dict) -> str:
              "| matrix | activations | rows | full width | dequantize + matmul (flexh2o today) | torch int4pack | "
              "torch int8pack | int4 vs dequantize | int4 vs full width |",
              "|---|---|---|---|---|---|---|---|---|"]
+    converts = {}
     for r in result["rows"]:
         lines.append(f"| {r['matrix']} {r['shape'][0]}x{r['shape'][1]} | {r['dtype']} | {r['rows']} | "
                      f"{r['full_width_s'] * 1e3:.3f} | {r['dequantize_then_matmul_s'] * 1e3:.3f} | "
                      f"{r['int4pack_mm_s'] * 1e3:.3f} | {r['int8pack_mm_s'] * 1e3:.3f} | "
                      f"{r['dequantize_then_matmul_s'] / r['int4pack_mm_s']:.1f}x | "
                      f"{r['full_width_s'] / r['int4pack_mm_s']:.2f}x |")
+        converts[(r["matrix"], tuple(r["shape"]), r["dtype"])] = (r["convert_s"], r["dequantize_s"])
     worst = max(r["int4pack_max_error"] / max(r["output_scale"], 1e-12) for r in result["rows"])
     lines += ["", f"The int4 kernel, given flexh2o's own groups (codes as stored, zero = minimum + 8 x scale), "
               f"against the same groups dequantized by quant.py and multiplied in float32: at most {worst:.1e} of "
-              "the output's scale.", ""]
+              "the output's scale.", "",
+              "Bringing flexh2o's groups into the int4 kernel's layout, once per matrix, against dequantizing them "
+              "(milliseconds; the conversion unpacks the codes to int32 and re-packs them blocked across rows):", "",
+              "| matrix | activations | convert | dequantize | convert / dequantize |", "|---|---|---|---|---|"]
+    for (matrix, shape, dtype), (convert, dequant) in converts.items():
+        lines.append(f"| {matrix} {shape[0]}x{shape[1]} | {dtype} | {convert * 1e3:.2f} | {dequant * 1e3:.2f} | "
+                     f"{convert / dequant:.1f}x |")
+    lines.append("")
     return "\n".join(lines)
 
 
