@@ -24,7 +24,7 @@ from .names import tier_label
 from .overhead import DEFAULT_GROWTH, Growth, process_growth
 from .models.attention import PROBS_CHUNK_BYTES, observed_chunk_bytes
 from .quant import BLOCK_VALUES, DEQUANT_WORKING_BYTES, compressible, stored_row_bytes
-from .tiers import split_rows
+from .placed import split_rows
 
 GB = 1 << 30
 # CUDA memory outside torch's allocator: the context, then the kernels loaded lazily as first used.
@@ -182,7 +182,7 @@ def compute_copy_bytes(layers, dtype_bytes: int, policy, device) -> int:
     each, so a shape needs as many buffers as those two layers ever hold together. On CUDA a buffer
     of groups goes back as soon as it is dequantized, on its I/O thread: one per thread is made;
     where the CPU computes, the compute thread dequantizes when it waits, so they count as values
-    do (tiers.py)."""
+    do (weight_io.py)."""
     counts = per_layer(layers, lambda layer: buffered(layer, dtype_bytes, policy, device))
     most = Counter()
     for j in range(len(layers)):

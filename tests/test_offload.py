@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flexh2o import Engine, Policy, UsageError
-from flexh2o.tiers import TIERS
+from flexh2o.buffers import TIERS
 from conftest import REPO, hf_generate, padded_batch
 
 WEIGHTS = [(100, 0), (50, 50), (50, 0), (0, 100), (0, 50), (0, 0)]

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from ..machine import cpu_compute_dtype
-from ..tiers import TIERS, Pending
+from ..buffers import TIERS
+from ..io_tasks import Pending
 from ..quant import packed_width, quantize
 from .cache import KVCache, slot_grid
 from .compressed import CompressedKVCache, quantize_slot_major

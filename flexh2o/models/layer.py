@@ -8,7 +8,7 @@ import torch
 
 from ..errors import UsageError
 from ..quant import Packed, check_quantizable, compressible, join, stored_row_bytes
-from ..tiers import split_rows
+from ..placed import split_rows
 
 
 class Layer:

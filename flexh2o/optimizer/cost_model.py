@@ -15,7 +15,7 @@ longest of its compute and of each I/O channel's busy time, and without overlap 
 - disk: reads and writes of the offload files, without the page cache (where the CPU computes,
   the cache's count as compute: see _cache_io).
 
-Bytes are counted as the engine places and moves them (tiers.split_rows, kv.home.batch_split, the
+Bytes are counted as the engine places and moves them (placed.split_rows, kv.home.batch_split, the
 stored width of compressed rows), and the KV policy's budget sets the slots each step reads. Decode
 steps differ only in how many slots they read; long generations are summed over a sample of them.
 

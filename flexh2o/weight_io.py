@@ -1,0 +1,215 @@
+"""Weights on the tiers: placed by rows, loaded into compute buffers (a mixin of Tiers).
+
+A tensor is placed by rows of its first dimension: some rows on the gpu tier, some in CPU memory,
+the rest on disk, so each tier gets the share of bytes the policy asks for. Loading assembles the
+rows into a reusable compute buffer; with overlap on, that work runs on the I/O threads and the
+caller gets a `Pending` to wait on. Where the compute device is the CPU, a tensor held whole by
+the gpu or cpu tier is used in place, never copied. A compressed tensor (quant.py) is placed, and
+moved, as its uint8 groups, and dequantized into a compute buffer at the end of every load. The
+moves themselves (run_io, to_device, copy_on_device, read_disk) and the buffer pool are Tiers'.
+"""
+
+import time
+from collections import Counter
+
+import torch
+
+from .buffers import TIERS
+from .io_tasks import IOTaskError, Pending
+from .placed import Placed, Segment
+from .quant import Packed, dequantize, quantize
+
+
+class WeightIO:
+    def place(self, tensor: torch.Tensor, rows: dict, compressed: bool = False) -> Placed:
+        """Puts a tensor's rows at their home tiers (rows: tier -> number of rows, in tier order),
+        as 4-bit groups when compressed (ValueError if it holds inf, NaN or values beyond float16)."""
+        if isinstance(tensor, Packed):  # already groups
+            decoded, tensor = tensor.shape, tensor.groups
+        else:
+            tensor = tensor.to(self.dtype)
+            decoded = tuple(tensor.shape) if compressed else None
+            if compressed:
+                tensor = quantize(tensor)
+        segments, start = [], 0
+        for tier in TIERS:
+            n = rows.get(tier, 0)
+            if n == 0:
+                continue
+            part = tensor[start: start + n].contiguous()
+            seg = Segment(tier, start, start + n)
+            if tier == "disk":
+                seg.file = self.disk.create(part.numel() * part.element_size())
+                self.disk.write(seg.file, 0, part)
+                self.reserve_staging(seg.file.nbytes)
+                self.track("disk", seg.file.nbytes)
+            else:
+                seg.data = self.alloc(tier, part.shape, tensor.dtype)
+                seg.data.copy_(part)
+            segments.append(seg)
+            start += n
+        return Placed(tuple(tensor.shape), tensor.dtype, segments, decoded)
+
+    # -- loading ----------------------------------------------------------------------------
+    def used_in_place(self, placed: Placed) -> bool:
+        """Whether compute reads `placed` where it lives: held whole by memory the compute device
+        uses, and not compressed. Loading it then moves nothing."""
+        return placed.decoded_shape is None and self._in_place(placed)
+
+    def _in_place(self, placed: Placed) -> bool:
+        return placed.resident() is not None and (placed.segments[0].tier == "gpu" or not self.on_cuda)
+
+    def pooled(self, placed: Placed) -> list[tuple]:
+        """(shape, dtype, per I/O thread) of each pooled buffer that load(placed) takes: the values
+        of a weight not used in place, and the groups of a compressed one moved (on CUDA an I/O
+        thread gives its groups' buffer back once dequantized, so one per thread is made)."""
+        in_place = self._in_place(placed)
+        if placed.decoded_shape is None:
+            return [] if in_place else [(placed.shape, placed.dtype, False)]
+        groups = [] if in_place else [(placed.shape, placed.dtype, self.on_cuda)]
+        return [(placed.decoded_shape, self.dtype, False)] + groups
+
+    def reserve_loads(self, layers_placed: list[list]):
+        """Makes, before a run, every pooled buffer its weight loads take, per layer the `placed`
+        tensors it loads. The layer computing and the next one loading (cyclically: the last and the
+        first) hold theirs at once, so a shape gets as many as two neighbours ever hold together
+        (the pre-flight's count, memory.compute_copy_bytes). Made lazily, the largest (an LM head's)
+        came only after the prompt step: a run that cannot hold them failed after its prompt."""
+        counts = [Counter(key for p in placed for key in self.pooled(p)) for placed in layers_placed]
+        most = Counter()
+        for j, count in enumerate(counts):
+            for key, n in (count + counts[(j + 1) % len(counts)]).items():
+                most[key] = max(most[key], n)
+        for (shape, dtype, per_thread), n in most.items():
+            self.reserve(shape, dtype, count=self.io_threads if per_thread else n)
+
+    def load(self, placed: Placed) -> Pending:
+        """The compute-device tensor of `placed`: the resident tensor itself, or a filled buffer."""
+        whole = placed.resident()
+        in_place = self._in_place(placed)
+        if placed.decoded_shape is not None:
+            return self._load_compressed(placed, whole if in_place else None)
+        if in_place:
+            return Pending(whole)
+        buf = self.buffer(placed.shape, placed.dtype)
+        return self.run_io(lambda: self.fill(buf, placed.segments), buf, "loading weights")
+
+    def load_all(self, placed: list) -> list[Pending]:
+        """load() of each; on CUDA those moved from memory alone go as one I/O task, whose copies
+        are queued back to back under one event: per tensor, a task's hand-off and events cost the
+        I/O thread more than a bias takes to copy, and left the copy engine idle between them.
+        Tensors read from disk keep a task each, so that two threads read at once."""
+        grouped = [self.on_cuda and p.decoded_shape is None and not self._in_place(p) and
+                   all(seg.tier != "disk" for seg in p.segments) for p in placed]
+        if sum(grouped) < 2:
+            return [self.load(p) for p in placed]
+        buffers = {i: self.buffer(p.shape, p.dtype) for i, p in enumerate(placed) if grouped[i]}
+        together = self.run_io(lambda: [self.fill(buffers[i], placed[i].segments) for i in buffers], None,
+                               "loading weights")
+        return [Pending(buffers[i], then=together.wait) if i in buffers else self.load(p) for i, p in enumerate(placed)]
+
+    def gather_rows(self, placed: Placed, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (a CPU tensor of row indices, any shape) of a placed matrix, as a compute-device
+        tensor [*ids.shape, columns]: an embedding's lookup, where only the rows looked up move,
+        each once, on the compute thread (a few rows: no I/O task, no pooled buffer). A matrix
+        used in place is simply indexed."""
+        if self.used_in_place(placed):
+            return placed.resident()[ids.to(self.compute)]
+        rows, inverse = torch.unique(ids.flatten(), return_inverse=True)  # sorted
+        picked = torch.empty(len(rows), placed.shape[1], dtype=placed.dtype)
+        on_device = []  # (positions in `rows`, the rows themselves) of a segment on the compute device
+        for seg in placed.segments:
+            inside = ((rows >= seg.start) & (rows < seg.stop)).nonzero().flatten()
+            if not len(inside):
+                continue
+            local = rows[inside] - seg.start
+            if seg.tier == "gpu" and self.on_cuda:
+                on_device.append((inside, seg.data[local.to(self.compute)]))
+            elif seg.tier == "disk":
+                got = torch.empty(len(local), placed.shape[1], dtype=placed.dtype)
+                try:
+                    self.disk.read_rows(seg.file, local, got)
+                except OSError as e:
+                    raise IOTaskError("loading weights", e) from e
+                picked[inside] = got
+            else:
+                picked[inside] = seg.data[local]
+        moved = len(rows) - sum(len(inside) for inside, _ in on_device)
+        self.count_h2d(picked[:moved])  # the rows not on the device already (their bytes, whichever they are)
+        picked = picked.to(self.compute)
+        for inside, data in on_device:
+            picked[inside.to(self.compute)] = data
+        if placed.decoded_shape is not None:
+            values = torch.empty(len(rows), placed.decoded_shape[1], dtype=self.dtype, device=self.compute)
+            picked = dequantize(picked, values.shape[-1], values)
+        return picked[inverse.to(self.compute)].view(*ids.shape, -1)
+
+    def _load_compressed(self, placed: Placed, whole) -> Pending:
+        """Its groups, moved to the compute device unless they are there, dequantized into a buffer."""
+        out = self.buffer(placed.decoded_shape)
+        if not self.on_cuda:
+            return self._load_compressed_for_cpu(placed, whole, out)
+        if whole is None:
+            # Its groups go through a buffer that the I/O task gives back once dequantized: at most
+            # one per thread is out at once, all made up front (later, timing would decide).
+            self.reserve(placed.shape, placed.dtype, count=self.io_threads)
+
+        def task():
+            if whole is not None:
+                self.dequantize(whole, out)
+                return
+            packed = self.buffer(placed.shape, placed.dtype)
+            try:
+                self.fill(packed, placed.segments)
+                self.dequantize(packed, out)
+            finally:
+                self.release(packed)
+        return self.run_io(task, out, "loading compressed weights")
+
+    def _load_compressed_for_cpu(self, placed: Placed, whole, out) -> Pending:
+        """Where the CPU computes, the compute thread dequantizes, when it waits for the load: on an
+        I/O thread the dequantizing took cores from the compute's own threads (opt-350m, 4-bit
+        weights on disk: decode as slow as with overlap off, the dequantizing itself 2.5x slower).
+        The groups' buffer is taken and given back on the compute thread, in program order, so
+        how many the pool makes does not depend on timing."""
+        if whole is not None:  # nothing to move: no I/O task at all
+            return Pending(out, then=lambda: self.dequantize(whole, out))
+        packed = self.buffer(placed.shape, placed.dtype)
+
+        def fill():
+            try:
+                self.fill(packed, placed.segments)
+            except BaseException:  # finish() will not run: the groups' buffer goes back here
+                self.release(packed)
+                raise
+
+        def finish():
+            self.dequantize(packed, out)
+            self.release(packed)
+        pending = self.run_io(fill, out, "loading compressed weights")
+        pending.then = finish
+        return pending
+
+    def dequantize(self, packed: torch.Tensor, out: torch.Tensor):
+        """out <- the values of `packed`, on the device both are on; on CUDA after the loads queued
+        before it, and done when this returns (packed may be a buffer going back to the pool)."""
+        start = time.perf_counter()
+        if self.on_cuda:  # where both always are on CUDA: only compute buffers are dequantized into
+            self.cuda.on_device_run(lambda: dequantize(packed, out.shape[-1], out))
+        else:
+            dequantize(packed, out.shape[-1], out)
+        self.count_dequant(time.perf_counter() - start)
+
+    def count_dequant(self, seconds: float):
+        with self._lock:
+            self.dequant_seconds += seconds
+
+    def fill(self, buf: torch.Tensor, segments: list):
+        for seg in segments:
+            rows = buf[seg.start: seg.stop]
+            if seg.tier == "disk":
+                self.read_disk(seg.file, 0, rows)
+            elif seg.tier == "gpu":
+                self.copy_on_device(rows, seg.data)
+            else:
+                self.to_device(rows, seg.data)
