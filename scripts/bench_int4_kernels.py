@@ -11,9 +11,10 @@ Times one linear layer's product on this CPU, for matrices of OPT-125M, OPT-1.3B
   8 * scale, and checked against them dequantized) and aten._weight_int8pack_mm (one scale per
   output row);
 - what it costs to bring flexh2o's groups into that kernel's layout (convert_s, once per matrix):
-  the kernel's weight is blocked across rows (a byte holds a code of two neighbouring rows, in tiles
-  of rows), so flexh2o's row-major records cannot be handed over as they are; converting at every
-  load is weighed against dequantizing at every load.
+  the kernel's weight is tiled across rows (tiles of 64 rows, k-major inside a tile, byte j holding
+  rows j and j + 32; where the rows are not a multiple of 64, tiles of 32 pairing rows 2j and 2j + 1),
+  so flexh2o's row-major records cannot be handed over as they are; converting at every load is
+  weighed against dequantizing at every load.
 
 Writes results/int4_kernels.{md,json}. Median of 5 timings of 10 calls each, after 2 warm-ups, with
 the CPU's own thread count.
@@ -116,7 +117,7 @@ def markdown(result: dict) -> str:
               f"against the same groups dequantized by quant.py and multiplied in float32: at most {worst:.1e} of "
               "the output's scale.", "",
               "Bringing flexh2o's groups into the int4 kernel's layout, once per matrix, against dequantizing them "
-              "(milliseconds; the conversion unpacks the codes to int32 and re-packs them blocked across rows):", "",
+              "(milliseconds; the conversion unpacks the codes to int32 and re-packs them in tiles of rows):", "",
               "| matrix | activations | convert | dequantize | convert / dequantize |", "|---|---|---|---|---|"]
     for (matrix, shape, dtype), (convert, dequant) in converts.items():
         lines.append(f"| {matrix} {shape[0]}x{shape[1]} | {dtype} | {convert * 1e3:.2f} | {dequant * 1e3:.2f} | "
