@@ -3,7 +3,7 @@
 Handing a task to a thread costs the compute thread a lock, a queue put and later a wait, and
 on a busy machine a wake-up that may come late. So the schedule queues all of one step's loads
 and stores inside `group()`, and they reach the I/O threads as one hand-off: one lock and one
-wake-up for the whole group, whose tasks the threads then take oldest first. A task still gets
+notification for the whole group, whose tasks the threads then take oldest first. A task still gets
 its own Pending: waiting for a cache load does not wait for a weight load queued after it. When
 everything is already where compute needs it, no task is queued and no thread is ever started.
 
