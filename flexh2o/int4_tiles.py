@@ -16,7 +16,10 @@ is faster dequantized, get back exactly the values quant.dequantize gives (at th
 37 ms into bfloat16 either way, on this CPU). Keeping only the kernel's pair would bring the bytes
 back to 36 and make prompt and decode steps use the same (bfloat16-rounded) values.
 
-Not used by the engine yet (issue 27): a building block, measured and tested.
+The engine places compressed matrices with pack() where the CPU computes in bfloat16 (weight_io.py):
+the kernel's codes, then its bfloat16 scales and zeros, in quant.py's bytes; a prompt step then
+widens from those, so prompt and decode steps use the same values. Tiles and its exact float16
+pair are kept for measuring against quant.py (tests/test_int4_tiles.py).
 """
 
 from dataclasses import dataclass
@@ -124,3 +127,42 @@ def dequantize(tiles: Tiles, out: torch.Tensor | None = None) -> torch.Tensor:
         return values
     out.copy_(values)
     return out
+
+
+# -- as the engine places them: one uint8 tensor of quant.py's size ----------------------------
+
+def pack(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """quant.py's groups [n, packed_width(k)] -> the same bytes' worth holding the kernel's codes
+    (n * k / 2 bytes) then its scales and zeros (bfloat16 [groups, n, 2]), as [n, packed_width(k)].
+    A prompt step dequantizes from the kernel's bfloat16 scales and zeros, so the prompt and decode
+    steps multiply by the same values."""
+    tiles = to_tiles(packed, k)
+    flat = torch.cat([tiles.codes.reshape(-1), tiles.kernel.reshape(-1).view(torch.uint8)])
+    return flat.view(packed.shape)
+
+
+class TiledWeight:
+    """A weight as pack() lays it out, loaded: multiplied unwidened for steps of few rows, and
+    dequantized into `values` (a compute buffer, once per load) for steps of many."""
+
+    def __init__(self, data: torch.Tensor, k: int, values: torch.Tensor):
+        n = data.shape[0]
+        flat = data.reshape(-1)
+        self.codes = flat[: n * k // 2].view(n, k // 2)
+        self.kernel = flat[n * k // 2:].view(torch.bfloat16).view(groups(k), n, 2)
+        self.data, self.values, self.shape, self._dequantized = data, values, (n, k), False
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.codes, GROUP, self.kernel)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    def widened(self) -> torch.Tensor:
+        """The values [n, k] in `values`: (code - 8) * scale + zero, as the kernel computes them."""
+        if not self._dequantized:
+            n, k = self.shape
+            codes = untile_codes(self.codes).view(n, groups(k), GROUP).float().sub_(8)
+            scale, zero = self.kernel.float().transpose(0, 1).unbind(-1)  # [n, groups] each
+            self.values.copy_(codes.mul_(scale.unsqueeze(-1)).add_(zero.unsqueeze(-1)).view(n, k))
+            self._dequantized = True
+        return self.values

@@ -20,6 +20,7 @@ class Placed:
     dtype: torch.dtype  # as stored: uint8 when compressed
     segments: list
     decoded_shape: tuple | None = None  # compressed: the shape it dequantizes to
+    tiled: bool = False  # compressed in the int4 kernel's layout (int4_tiles.pack), not quant.py's
 
     def resident(self) -> torch.Tensor | None:
         """The tensor itself when one memory tier holds it whole."""

@@ -14,6 +14,7 @@ from collections import Counter
 
 import torch
 
+from . import int4_tiles
 from .buffers import TIERS
 from .io_tasks import IOTaskError, Pending
 from .placed import Placed, Segment
@@ -21,9 +22,15 @@ from .quant import Packed, dequantize, quantize
 
 
 class WeightIO:
-    def place(self, tensor: torch.Tensor, rows: dict, compressed: bool = False) -> Placed:
+    def tiles_for(self, shape) -> bool:
+        """Whether a compressed matrix of this shape is placed in the int4 kernel's layout: where
+        the CPU computes in bfloat16 (the kernel's activations) and the shape fits its tiles."""
+        return not self.on_cuda and self.dtype == torch.bfloat16 and len(shape) == 2 and int4_tiles.tileable(*shape)
+
+    def place(self, tensor: torch.Tensor, rows: dict, compressed: bool = False, tiled: bool = False) -> Placed:
         """Puts a tensor's rows at their home tiers (rows: tier -> number of rows, in tier order),
-        as 4-bit groups when compressed (ValueError if it holds inf, NaN or values beyond float16)."""
+        as 4-bit groups when compressed (ValueError if it holds inf, NaN or values beyond float16),
+        in the int4 kernel's layout when tiled (the same bytes)."""
         if isinstance(tensor, Packed):  # already groups
             decoded, tensor = tensor.shape, tensor.groups
         else:
@@ -31,6 +38,8 @@ class WeightIO:
             decoded = tuple(tensor.shape) if compressed else None
             if compressed:
                 tensor = quantize(tensor)
+        if tiled:
+            tensor = int4_tiles.pack(tensor, decoded[-1])
         segments, start = [], 0
         for tier in TIERS:
             n = rows.get(tier, 0)
@@ -48,7 +57,7 @@ class WeightIO:
                 seg.data.copy_(part)
             segments.append(seg)
             start += n
-        return Placed(tuple(tensor.shape), tensor.dtype, segments, decoded)
+        return Placed(tuple(tensor.shape), tensor.dtype, segments, decoded, tiled)
 
     # -- loading ----------------------------------------------------------------------------
     def used_in_place(self, placed: Placed) -> bool:
@@ -172,6 +181,13 @@ class WeightIO:
         weights on disk: decode as slow as with overlap off, the dequantizing itself 2.5x slower).
         The groups' buffer is taken and given back on the compute thread, in program order, so
         how many the pool makes does not depend on timing."""
+        if placed.tiled:  # multiplied as it is: nothing to dequantize now (models/linear.py)
+            k = placed.decoded_shape[-1]
+            if whole is not None:
+                return Pending(int4_tiles.TiledWeight(whole, k, out))
+            packed = self.buffer(placed.shape, placed.dtype)
+            return self.run_io(lambda: self.fill(packed, placed.segments), int4_tiles.TiledWeight(packed, k, out),
+                               "loading compressed weights")
         if whole is not None:  # nothing to move: no I/O task at all
             return Pending(out, then=lambda: self.dequantize(whole, out))
         packed = self.buffer(placed.shape, placed.dtype)
@@ -189,6 +205,17 @@ class WeightIO:
         pending = self.run_io(fill, out, "loading compressed weights")
         pending.then = finish
         return pending
+
+    def release_loaded(self, value, placed: Placed):
+        """Gives back the buffers a load of `placed` took: its compute buffer, or a tiled weight's
+        values and (where its bytes were moved) the buffer holding them; nothing for a weight
+        used where it lives."""
+        if isinstance(value, int4_tiles.TiledWeight):
+            self.release(value.values)
+            if value.data is not placed.resident():
+                self.release(value.data)
+        elif value is not placed.resident():
+            self.release(value)
 
     def dequantize(self, packed: torch.Tensor, out: torch.Tensor):
         """out <- the values of `packed`, on the device both are on; on CUDA after the loads queued

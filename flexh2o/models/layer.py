@@ -49,7 +49,8 @@ class Layer:
         compressed = [policy.compress_weight and compressible(t.shape) for t in tensors]
         row_bytes = [stored_row_bytes(t.shape, tiers.dtype.itemsize, c) for t, c in zip(tensors, compressed)]
         rows = split_rows([tuple(t.shape) for t in tensors], row_bytes, policy.w_gpu_percent, policy.w_cpu_percent)
-        self.home = [tiers.place(t, r, c) for t, r, c in zip(tensors, rows, compressed)]
+        tiled = [c and i >= self.gathered and tiers.tiles_for(tuple(t.shape)) for i, (t, c) in enumerate(zip(tensors, compressed))]
+        self.home = [tiers.place(t, r, c, tl) for t, r, c, tl in zip(tensors, rows, compressed, tiled)]
         self._loading = None
         # Weights all used where they live: every token's "load" is this same list, nothing moves.
         loaded = self.home[self.gathered:]
@@ -80,8 +81,7 @@ class Layer:
             self._loading = None
             return
         for home, pending in zip(self.home[self.gathered:], self._loading):
-            if pending.value is not home.resident():
-                self.tiers.release(pending.wait())
+            self.tiers.release_loaded(pending.wait(), home)
         self._loading = None
 
     def init_cache(self, batch_sizes: list[int], kv, policy):

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from .cached_attention import CachedAttention
 from .layer import Layer
+from .linear import linear
 from .lm_head import logits
 from .real_tokens import real_tokens
 
@@ -132,14 +133,14 @@ class SelfAttention(CachedAttention):
         s = self.spec
         b, n, _ = hidden.shape
         tokens = real_tokens(step)
-        qkv = tokens.scatter(F.linear(rms_norm(tokens.gather(hidden), norm, s.rms_norm_eps), qkv_w, qkv_b), b, n)
+        qkv = tokens.scatter(linear(rms_norm(tokens.gather(hidden), norm, s.rms_norm_eps), qkv_w, qkv_b), b, n)
         qk_heads = s.num_heads + s.num_kv_heads
         qkv = qkv.view(b, n, qk_heads + s.num_kv_heads, s.head_dim).transpose(1, 2)  # [b, all heads, n, d]
         cos, sin = self.rotary.phases(step, qkv.dtype)
         qk = rotate(qkv[:, :qk_heads], cos, sin)  # q and k turned together: one set of kernels
         q, k = qk.split([s.num_heads, s.num_kv_heads], dim=1)
         out = self.attend(q, k, qkv[:, qk_heads:], step)
-        return tokens.add_into(hidden, F.linear(tokens.gather(out), o_w, o_b))
+        return tokens.add_into(hidden, linear(tokens.gather(out), o_w, o_b))
 
 
 class MLP(Layer):
@@ -159,8 +160,8 @@ class MLP(Layer):
     def forward(self, hidden, step):
         norm, gate_up_w, down_w = self.weights
         tokens = real_tokens(step)
-        gate, up = F.linear(rms_norm(tokens.gather(hidden), norm, self.spec.rms_norm_eps), gate_up_w).chunk(2, dim=-1)
-        return tokens.add_into(hidden, F.linear(F.silu(gate).mul_(up), down_w))
+        gate, up = linear(rms_norm(tokens.gather(hidden), norm, self.spec.rms_norm_eps), gate_up_w).chunk(2, dim=-1)
+        return tokens.add_into(hidden, linear(F.silu(gate).mul_(up), down_w))
 
 
 class OutputEmbed(Layer):

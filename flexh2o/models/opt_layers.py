@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from .cached_attention import CachedAttention
 from .layer import Layer
+from .linear import linear
 from .lm_head import logits
 from .real_tokens import real_tokens
 
@@ -36,7 +37,7 @@ class InputEmbed(Layer):
     def forward(self, hidden, step):
         x = self.rows(0, step.host_token_ids)
         if self.weights:  # project_in
-            x = F.linear(x, self.weights[0])
+            x = linear(x, self.weights[0])
         return x + self.rows(1, step.host_positions + POSITION_OFFSET)
 
 
@@ -64,9 +65,9 @@ class SelfAttention(CachedAttention):
         tokens = real_tokens(step)
         x = tokens.gather(hidden)
         x = _layer_norm(x, ln_w, ln_b) if s.do_layer_norm_before else x
-        qkv = tokens.scatter(F.linear(x, qkv_w, qkv_b), b, n).view(b, n, 3, s.num_heads, s.head_dim)
+        qkv = tokens.scatter(linear(x, qkv_w, qkv_b), b, n).view(b, n, 3, s.num_heads, s.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [b, heads, n, head_dim]
-        hidden = tokens.add_into(hidden, F.linear(tokens.gather(self.attend(q, k, v, step)), out_w, out_b))
+        hidden = tokens.add_into(hidden, linear(tokens.gather(self.attend(q, k, v, step)), out_w, out_b))
         return hidden if s.do_layer_norm_before else _layer_norm(hidden, ln_w, ln_b)
 
 
@@ -87,8 +88,8 @@ class MLP(Layer):
         tokens = real_tokens(step)
         x = tokens.gather(hidden)
         x = _layer_norm(x, ln_w, ln_b) if pre else x
-        x = F.linear(x, fc1_w, fc1_b).relu_()
-        hidden = tokens.add_into(hidden, F.linear(x, fc2_w, fc2_b))
+        x = linear(x, fc1_w, fc1_b).relu_()
+        hidden = tokens.add_into(hidden, linear(x, fc2_w, fc2_b))
         return hidden if pre else _layer_norm(hidden, ln_w, ln_b)
 
 
@@ -116,5 +117,5 @@ class OutputEmbed(Layer):
         if s.final_layer_norm:
             x = _layer_norm(x, w.pop(0), w.pop(0))
         if s.embed_dim != s.hidden_size:
-            x = F.linear(x, w.pop(0))
+            x = linear(x, w.pop(0))
         return step.choose_next(logits(x, w.pop(0)).float())
