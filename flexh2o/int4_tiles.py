@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .quant import GROUP, GROUP_BYTES, groups
+from .quant import BLOCK_VALUES, GROUP, GROUP_BYTES, groups
 
 TILE = 64
 
@@ -131,14 +131,31 @@ def dequantize(tiles: Tiles, out: torch.Tensor | None = None) -> torch.Tensor:
 
 # -- as the engine places them: one uint8 tensor of quant.py's size ----------------------------
 
+def _block_rows(k: int) -> int:
+    """Rows converted at once: whole tiles, about BLOCK_VALUES values (bounds the temporaries)."""
+    return max(TILE, BLOCK_VALUES // k // TILE * TILE)
+
+
+def _views(data: torch.Tensor, k: int) -> tuple:
+    """(codes [n, k / 2], kernel scales [groups, n, 2]) inside a packed weight's bytes."""
+    n = data.shape[0]
+    flat = data.reshape(-1)
+    return flat[: n * k // 2].view(n, k // 2), flat[n * k // 2:].view(torch.bfloat16).view(groups(k), n, 2)
+
+
 def pack(packed: torch.Tensor, k: int) -> torch.Tensor:
     """quant.py's groups [n, packed_width(k)] -> the same bytes' worth holding the kernel's codes
-    (n * k / 2 bytes) then its scales and zeros (bfloat16 [groups, n, 2]), as [n, packed_width(k)].
-    A prompt step dequantizes from the kernel's bfloat16 scales and zeros, so the prompt and decode
-    steps multiply by the same values."""
-    tiles = to_tiles(packed, k)
-    flat = torch.cat([tiles.codes.reshape(-1), tiles.kernel.reshape(-1).view(torch.uint8)])
-    return flat.view(packed.shape)
+    (n * k / 2 bytes) then its scales and zeros (bfloat16 [groups, n, 2]), as [n, packed_width(k)],
+    converted a block of rows at a time. A prompt step dequantizes from the kernel's bfloat16 scales
+    and zeros, so the prompt and decode steps multiply by the same values."""
+    out = torch.empty(packed.shape, dtype=torch.uint8)
+    codes, kernel = _views(out, k)
+    step = _block_rows(k)
+    for start in range(0, packed.shape[0], step):
+        tiles = to_tiles(packed[start: start + step], k)
+        codes[start: start + step] = tiles.codes
+        kernel[:, start: start + step] = tiles.kernel
+    return out
 
 
 class TiledWeight:
@@ -146,11 +163,8 @@ class TiledWeight:
     dequantized into `values` (a compute buffer, once per load) for steps of many."""
 
     def __init__(self, data: torch.Tensor, k: int, values: torch.Tensor):
-        n = data.shape[0]
-        flat = data.reshape(-1)
-        self.codes = flat[: n * k // 2].view(n, k // 2)
-        self.kernel = flat[n * k // 2:].view(torch.bfloat16).view(groups(k), n, 2)
-        self.data, self.values, self.shape, self._dequantized = data, values, (n, k), False
+        self.codes, self.kernel = _views(data, k)
+        self.data, self.values, self.shape, self._dequantized = data, values, (data.shape[0], k), False
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
@@ -158,11 +172,16 @@ class TiledWeight:
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def widened(self) -> torch.Tensor:
-        """The values [n, k] in `values`: (code - 8) * scale + zero, as the kernel computes them."""
+        """The values [n, k] in `values`: (code - 8) * scale + zero, as the kernel computes them; a
+        block of rows at a time, so that the float32 temporaries stay small beside a large weight."""
         if not self._dequantized:
             n, k = self.shape
-            codes = untile_codes(self.codes).view(n, groups(k), GROUP).float().sub_(8)
-            scale, zero = self.kernel.float().transpose(0, 1).unbind(-1)  # [n, groups] each
-            self.values.copy_(codes.mul_(scale.unsqueeze(-1)).add_(zero.unsqueeze(-1)).view(n, k))
+            step = _block_rows(k)
+            for start in range(0, n, step):
+                rows = min(step, n - start)
+                codes = untile_codes(self.codes[start: start + rows]).view(rows, groups(k), GROUP).float().sub_(8)
+                scale, zero = self.kernel[:, start: start + rows].float().transpose(0, 1).unbind(-1)
+                values = codes.mul_(scale.unsqueeze(-1)).add_(zero.unsqueeze(-1))
+                self.values[start: start + rows].copy_(values.view(rows, k))
             self._dequantized = True
         return self.values

@@ -38,3 +38,19 @@ def test_a_weight_the_tiles_cannot_hold_is_refused():
     assert not int4_tiles.tileable(48, 128) and not int4_tiles.tileable(64, 100)
     with pytest.raises(ValueError, match="tiles"):
         int4_tiles.to_tiles(quantize(torch.randn(48, 64)), 64)
+
+
+def test_packed_in_blocks_and_widened_in_blocks_as_whole(monkeypatch):
+    """pack() and TiledWeight.widened() work a block of whole tiles at a time (bounded temporaries):
+    with blocks of 64 rows, a 160-row weight (two tiles, then a 32-row tail) comes out as in one go."""
+    n, k = 160, 128
+    packed = quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(3)))
+    whole = int4_tiles.pack(packed, k)
+    expected = int4_tiles.TiledWeight(whole, k, torch.empty(n, k)).widened().clone()
+    monkeypatch.setattr(int4_tiles, "BLOCK_VALUES", 64 * k)
+    assert int4_tiles._block_rows(k) == 64
+    blocked = int4_tiles.pack(packed, k)
+    assert torch.equal(blocked, whole)
+    assert torch.equal(int4_tiles.TiledWeight(blocked, k, torch.empty(n, k)).widened(), expected)
+    # the kernel's own values: within a bfloat16 scale's rounding of quant.py's
+    assert (expected - dequantize(packed, k)).abs().max() <= 0.01 * dequantize(packed, k).abs().max()

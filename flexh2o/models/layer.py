@@ -49,7 +49,9 @@ class Layer:
         compressed = [policy.compress_weight and compressible(t.shape) for t in tensors]
         row_bytes = [stored_row_bytes(t.shape, tiers.dtype.itemsize, c) for t, c in zip(tensors, compressed)]
         rows = split_rows([tuple(t.shape) for t in tensors], row_bytes, policy.w_gpu_percent, policy.w_cpu_percent)
-        tiled = [c and i >= self.gathered and tiers.tiles_for(tuple(t.shape)) for i, (t, c) in enumerate(zip(tensors, compressed))]
+        # Matrices loaded whole (not the gathered tables) go in the int4 kernel's layout where it applies.
+        tiled = [c and i >= self.gathered and tiers.tiles_for(tuple(t.shape))
+                 for i, (t, c) in enumerate(zip(tensors, compressed))]
         self.home = [tiers.place(t, r, c, tl) for t, r, c, tl in zip(tensors, rows, compressed, tiled)]
         self._loading = None
         # Weights all used where they live: every token's "load" is this same list, nothing moves.
