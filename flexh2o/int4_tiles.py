@@ -8,18 +8,13 @@ and row j + 32 in its high one. Where n is 32 more than a multiple of 64, the la
 tile of their own whose byte j holds rows 2j and 2j + 1. Each group of 64 inputs of a row has a
 scale and a zero, bfloat16: value = (code - 8) * scale + zero.
 
-Tiles keep quant.py's codes in that layout, each group's float16 scale and minimum as quant.py
-stores them, and the kernel's bfloat16 scales and zeros, made once: 40 bytes per 64 values (quant.py:
-36). Made at every load the kernel's scales took 3.3 ms for OPT-1.3B's fc1, against 0.5 ms for its
-product at one row; the exact float16 pair lets a prompt step, which multiplies many rows at once and
-is faster dequantized, get back exactly the values quant.dequantize gives (at the same speed:
-37 ms into bfloat16 either way, on this CPU). Keeping only the kernel's pair would bring the bytes
-back to 36 and make prompt and decode steps use the same (bfloat16-rounded) values.
-
 The engine places compressed matrices with pack() where the CPU computes in bfloat16 (weight_io.py):
-the kernel's codes, then its bfloat16 scales and zeros, in quant.py's bytes; a prompt step then
-widens from those, so prompt and decode steps use the same values. Tiles and its exact float16
-pair are kept for measuring against quant.py (tests/test_int4_tiles.py).
+the kernel's codes, then its bfloat16 scales and zeros, made once (made at every load they took
+3.3 ms for OPT-1.3B's fc1, against 0.5 ms for its product at one row), in quant.py's 36 bytes per 64
+values. A prompt step, which multiplies many rows at once and is faster widened, widens from those
+(TiledWeight), so prompt and decode steps use the same values. Tiles, which also keep quant.py's
+exact float16 scale and minimum, measure the layout against quant.py: it dequantizes back exactly,
+and as fast (37 ms into bfloat16 for that fc1 either way, on this CPU; tests/test_int4_tiles.py).
 """
 
 from dataclasses import dataclass
@@ -110,8 +105,9 @@ def kernel_scales(scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     return torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
 
 
-def matmul(x: torch.Tensor, tiles: Tiles) -> torch.Tensor:
-    """x [..., k] (bfloat16) times the weight's transpose: [..., n], the weight never widened."""
+def matmul(x: torch.Tensor, tiles) -> torch.Tensor:
+    """x [..., k] (bfloat16) times the weight's transpose (Tiles or a TiledWeight: its codes and
+    kernel scales): [..., n], the weight never widened."""
     rows = x.reshape(-1, x.shape[-1])
     out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, tiles.codes, GROUP, tiles.kernel)
     return out.view(*x.shape[:-1], out.shape[-1])
@@ -167,9 +163,7 @@ class TiledWeight:
         self.data, self.values, self.shape, self._dequantized = data, values, (data.shape[0], k), False
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.codes, GROUP, self.kernel)
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return matmul(x, self)
 
     def widened(self) -> torch.Tensor:
         """The values [n, k] in `values`: (code - 8) * scale + zero, as the kernel computes them; a

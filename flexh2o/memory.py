@@ -248,7 +248,7 @@ def run_need(spec, policy, dtype_bytes: int, prompt_len: int, gen_len: int, devi
     need["gpu"] += IN_FLIGHT * loaded * (2 * k_values + state)
     moved = [n for n in (rows["disk"], 0 if policy.cpu_cache_compute else rows["cpu"] if on_cuda else 0) if n]
     need["gpu"] += io_threads * sum(n * k_bytes for n in set(moved))
-    wide = cpu_attention_dtype(DTYPE_OF[dtype_bytes]).itemsize if policy.cpu_cache_compute else dtype_bytes
+    wide = homeward_width(policy, dtype_bytes)
     if on_cuda and (rows["cpu"] or rows["disk"]):  # pinned staging blocks: a K part, as it goes home
         need["cpu"] += (io_threads + 1) * max(rows["cpu"] * wide // dtype_bytes, rows["disk"]) * k_bytes
     if policy.compress_cache:  # loaded parts' K and V groups on their way home; the working copies of one block
@@ -283,6 +283,12 @@ def run_need(spec, policy, dtype_bytes: int, prompt_len: int, gen_len: int, devi
     return need
 
 
+def homeward_width(policy, dtype_bytes: int) -> int:
+    """Bytes per value of the cache on its way home: the CPU-attended cache's dtype under
+    cpu_cache_compute (possibly wider than the run's), else the run's."""
+    return cpu_attention_dtype(DTYPE_OF[dtype_bytes]).itemsize if policy.cpu_cache_compute else dtype_bytes
+
+
 def prompt_copy_home_bytes(spec, policy, dtype_bytes: int, prompt_len: int, gen_len: int, device,
                            io_threads: int = IO_THREADS) -> int:
     """On CUDA the prompt's K or V goes home (CPU memory or disk) through a contiguous copy on the
@@ -293,7 +299,7 @@ def prompt_copy_home_bytes(spec, policy, dtype_bytes: int, prompt_len: int, gen_
     if device.type != "cuda" or policy.compress_cache or not (rows["cpu"] or rows["disk"]):
         return 0
     capacity, _ = budget(policy, prompt_len, gen_len)
-    wide = cpu_attention_dtype(DTYPE_OF[dtype_bytes]).itemsize if policy.cpu_cache_compute else dtype_bytes
+    wide = homeward_width(policy, dtype_bytes)
     slots = min(prompt_len, capacity) * spec.num_kv_heads * slot_bytes(spec, policy, dtype_bytes)
     return io_threads * max(rows["cpu"], rows["disk"]) * slots * wide // dtype_bytes
 

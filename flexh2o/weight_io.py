@@ -5,7 +5,9 @@ the rest on disk, so each tier gets the share of bytes the policy asks for. Load
 rows into a reusable compute buffer; with overlap on, that work runs on the I/O threads and the
 caller gets a `Pending` to wait on. Where the compute device is the CPU, a tensor held whole by
 the gpu or cpu tier is used in place, never copied. A compressed tensor (quant.py) is placed, and
-moved, as its uint8 groups, and dequantized into a compute buffer at the end of every load. The
+moved, as its uint8 groups, and dequantized into a compute buffer at the end of every load; where
+the CPU computes in bfloat16, a matrix placed in the int4 kernel's layout (int4_tiles.py) is handed
+over as it is, to be multiplied unwidened (models/linear.py). The
 moves themselves (run_io, to_device, copy_on_device, read_disk) and the buffer pool are Tiers'.
 """
 
