@@ -172,6 +172,7 @@ class Engine:
         try:
             for layer in tqdm(layers, desc="load weights", unit="layer", disable=not progress, leave=False):
                 layer.init_weight(source, tiers, policy)
+            tiers.sync()  # weights placed on the device are written before a caller's own stream reads them
         except BaseException:
             tiers.close()
             raise

@@ -150,8 +150,7 @@ def per_layer(layers, fn) -> list:
 def split_as_placed(layer, dtype_bytes: int, policy):
     """(shape, compressed, row bytes, rows per tier) of each tensor, split as init_weight splits."""
     stored = stored_shapes(layer, dtype_bytes, policy)
-    splits = split_rows([shape for shape, _, _ in stored], [rb for _, _, rb in stored],
-                        policy.w_gpu_percent, policy.w_cpu_percent)
+    splits = split_rows([shape for shape, _, _ in stored], [rb for _, _, rb in stored], *layer.weight_shares(policy))
     return [(*item, rows) for item, rows in zip(stored, splits)]
 
 

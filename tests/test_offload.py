@@ -67,6 +67,8 @@ def test_each_tier_gets_its_share_of_every_layer(tiny_models, tmp_path, gpu, cpu
                                 offload_dir=str(tmp_path)) as engine:
         asked = {"gpu": gpu, "cpu": cpu, "disk": 100 - gpu - cpu}
         for layer in engine.layers:
+            # the LM head's layer stays on the compute device whatever the shares
+            asked_here = {"gpu": 100, "cpu": 0, "disk": 0} if layer.one_of_a_kind else asked
             placed = {t: 0 for t in TIERS}
             for home in layer.home:
                 row_bytes = torch.Size(home.shape[1:]).numel() * 4
@@ -74,7 +76,7 @@ def test_each_tier_gets_its_share_of_every_layer(tiny_models, tmp_path, gpu, cpu
                     placed[seg.tier] += (seg.stop - seg.start) * row_bytes
             total = sum(placed.values())
             for tier in TIERS:
-                assert abs(placed[tier] / total * 100 - asked[tier]) <= 5, (type(layer).__name__, placed)
+                assert abs(placed[tier] / total * 100 - asked_here[tier]) <= 5, (type(layer).__name__, placed)
 
 
 def test_offload_dir_is_emptied_when_a_run_fails(tiny_models, tmp_path):

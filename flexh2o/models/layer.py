@@ -19,6 +19,15 @@ class Layer:
     # token, by the LM head, and an input embedding moves a row per token instead of the vocabulary.
     gathered = 0
 
+    # A layer of its own kind (the LM head) sits on the compute device whatever the weight shares:
+    # elsewhere, its loads would need a compute buffer of its own, as large as itself and held for
+    # the whole run (no other layer's weights share its shapes), and every token would move it too.
+    one_of_a_kind = False
+
+    def weight_shares(self, policy) -> tuple[float, float]:
+        """(gpu, cpu): the percentages of this layer's bytes placed on the gpu tier and in CPU memory."""
+        return (100, 0) if self.one_of_a_kind else (policy.w_gpu_percent, policy.w_cpu_percent)
+
     def weight_specs(self) -> list[tuple[str, tuple]]:
         """(checkpoint name, shape) of every weight this layer reads."""
         raise NotImplementedError
@@ -29,8 +38,8 @@ class Layer:
         return tensors
 
     def init_weight(self, source, tiers, policy):
-        """Reads this layer's weights and places them: policy.w_gpu_percent of the layer's bytes on
-        the gpu tier, w_cpu_percent in CPU memory, the rest on disk (split by rows); with
+        """Reads this layer's weights and places them: weight_shares() of the layer's bytes on the
+        gpu tier and in CPU memory, the rest on disk (split by rows); with
         compress_weight, matrices are placed as 4-bit groups and these shares are of compressed bytes."""
         self.tiers = tiers
         packed = getattr(source, "get_packed", None) if policy.compress_weight else None
@@ -48,7 +57,7 @@ class Layer:
         tensors = self.prepare(raw, cat=join)
         compressed = [policy.compress_weight and compressible(t.shape) for t in tensors]
         row_bytes = [stored_row_bytes(t.shape, tiers.dtype.itemsize, c) for t, c in zip(tensors, compressed)]
-        rows = split_rows([tuple(t.shape) for t in tensors], row_bytes, policy.w_gpu_percent, policy.w_cpu_percent)
+        rows = split_rows([tuple(t.shape) for t in tensors], row_bytes, *self.weight_shares(policy))
         # Matrices loaded whole (not the gathered tables) go in the int4 kernel's layout where it applies.
         tiled = [c and i >= self.gathered and tiers.tiles_for(tuple(t.shape))
                  for i, (t, c) in enumerate(zip(tensors, compressed))]

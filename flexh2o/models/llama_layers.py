@@ -166,6 +166,7 @@ class MLP(Layer):
 
 class OutputEmbed(Layer):
     """Final RMSNorm and the LM head (tied to the token embedding or not); picks the next token of each sequence."""
+    one_of_a_kind = True
 
     def __init__(self, spec):
         self.spec = spec

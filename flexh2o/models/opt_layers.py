@@ -95,6 +95,7 @@ class MLP(Layer):
 
 class OutputEmbed(Layer):
     """Final layer norm, projection and the (tied) LM head; picks the next token of each sequence."""
+    one_of_a_kind = True
 
     def __init__(self, spec):
         self.spec = spec
