@@ -34,8 +34,11 @@ DEFAULT_GROWTH = 512 << 20
 MARGIN = 1.5
 FLOOR = 64 << 20
 # Bytes of buffered writes the kernel holds dirty before a run flushes them (disk.py flushes at this
-# many under a memory limit); one such window per I/O thread and the compute thread.
-DIRTY_WINDOW = 32 << 20
+# many under a memory limit); one such window per I/O thread and the compute thread. Small, as the
+# allowance comes out of the batch's memory: a decode step's new cache slots are few (OPT-125M,
+# batch 64, all on disk: 4.7 MB a step), and flushing 8 MB at a time cost nothing measurable (that
+# run, 32 + 48 under --max-memory: decode 192 and 195 tok/s with 8 MB, 189 and 198 with 32).
+DIRTY_WINDOW = 8 << 20
 
 # The probes: (label, engine keywords). Each runs in its own interpreter.
 PROBES = {
