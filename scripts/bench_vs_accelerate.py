@@ -15,10 +15,10 @@ Each engine gets its best configuration under that budget:
 - accelerate (`device_map="auto"`, `max_memory`, `offload_folder`; the offloaded weights are read
   from the checkpoint itself): for each resident share of the weights (--acc-resident), the batch
   doubles from --acc-start-batch until a probe run is OOM-killed; probes use the full prompt and
-  --probe-gen-len new tokens, so their cache is smaller than at the end. The configuration with the
-  best throughput projected from its probe (prefill + (gen_len - 1) x decode step) then runs at
-  full length; if that is OOM-killed, the batch steps down (scaled by how far into the generation
-  it got) until a run completes. The reported figure is that measured run.
+  --probe-gen-len new tokens, so their cache is smaller than at the end. Each share's probe with
+  the best throughput projected from it (prefill + (gen_len - 1) x decode step) then runs at full
+  length, the best projected first; if that is OOM-killed, the batch steps down (scaled by how far
+  into the generation it got) until a run completes. The reported figure is the best measured run.
 - flexh2o: `python -m flexh2o.run` as a user runs it, with no caps, no reserve and no placement: it
   finds its cgroup's limit, allows its process's growth as its local profile calibrated it, and
   plans batch and placement from what is left (memory.py, overhead.py). It runs once before
@@ -210,10 +210,20 @@ def search_accelerate(runner, weights_bytes):
                 break
             else:  # even the first batch did not fit: halve down
                 batch //= 2
+    # Each resident share's best probe runs at full length, the best projected first: a projection
+    # from 4 tokens can rank the shares wrongly once the cache has grown.
     ok = [p for p in probes if p["outcome"] == "ok"]
-    if not ok:
-        return probes, []
-    best = max(ok, key=lambda p: projected_tok_s(p, a.gen_len))
+    per_share = [max((p for p in ok if p["resident_share"] == share), key=lambda p: projected_tok_s(p, a.gen_len))
+                 for share in a.acc_resident if any(p["resident_share"] == share for p in ok)]
+    runs = []
+    for best in sorted(per_share, key=lambda p: -projected_tok_s(p, a.gen_len)):
+        runs += full_length_runs(runner, best)
+    return probes, runs
+
+
+def full_length_runs(runner, best) -> list:
+    """Full-length runs at a probe's resident share, from its batch down until one completes."""
+    a = runner.args
     runs, batch = [], best["batch"]
     timeout = 3 * (best["load_s"] + a.gen_len * best["batch"] / projected_tok_s(best, a.gen_len)) + 120
     while batch >= 1:
@@ -223,7 +233,7 @@ def search_accelerate(runner, weights_bytes):
         if r["outcome"] == "ok":
             break
         if r["outcome"] not in DID_NOT_FIT:
-            return probes, runs
+            return runs
         # Stopped with the cache at prompt_len + steps: scale the batch to what that much cache holds at the end.
         reached = (r["steps_reached"] or 1) + a.prompt_len - 1
         batch = min(batch - 1, int(batch * reached / (a.prompt_len + a.gen_len) * 0.95) or batch // 2)
@@ -233,7 +243,7 @@ def search_accelerate(runner, weights_bytes):
             and batch > 1:
         runs.append(runner.run("accelerate", batch * 3 // 4, a.gen_len, timeout, resident=best["resident"],
                                resident_share=best["resident_share"]))
-    return probes, runs
+    return runs
 
 
 def run_flexh2o_planned(runner):
@@ -323,6 +333,12 @@ def describe_run(r, weights_bytes) -> str:
             f"gpu-batches, {placement} (gpu/cpu/disk %); growth allowed {r['growth_allowed_bytes'] / GB:.2f} GB")
 
 
+def worst_ratio(r) -> float:
+    """flexh2o's slowest completed run over accelerate's best."""
+    ours = min(x["total_tok_s"] for x in r["flexh2o_runs"] if x["outcome"] == "ok")
+    return ours / best_run(r["accelerate_runs"])["total_tok_s"]
+
+
 def outcome(x) -> str:
     if x["outcome"] == "ok":
         return "ok"
@@ -360,7 +376,8 @@ def markdown(r, args) -> str:
         lines += [f"flexh2o / accelerate total throughput: **{q['total_tok_s']:.2f}x**. Of that, flexh2o runs "
                   f"{q['batch']:.2f}x the batch, and its decode step is {q['decode_step']:.2f}x as fast as "
                   f"accelerate's (accelerate's step time over flexh2o's); per sequence and token step that is "
-                  f"{q['decode_step'] * q['batch']:.2f}x.", ""]
+                  f"{q['decode_step'] * q['batch']:.2f}x. The machine's disk speed drifts between runs: flexh2o's "
+                  f"slowest run against accelerate's best is {worst_ratio(r):.2f}x.", ""]
     ok = [x for x in r["flexh2o_runs"] + r["accelerate_runs"] + r["accelerate_probes"] if x["outcome"] == "ok"]
     if any(x["batch"] * 2 > args.max_batch for x in ok):
         lines += [f"Note: the searches stop at --max-batch {args.max_batch}, and a run above came within a doubling "
@@ -368,9 +385,10 @@ def markdown(r, args) -> str:
     lines += ["## How each configuration was found", "",
               f"accelerate: probe runs with the full prompt and {args.probe_gen_len} new tokens (their cache is "
               f"smaller than at the end of a full run), batch doubling from {args.acc_start_batch} until one did not "
-              "fit, for each resident share; the probe with the best projected throughput (prefill + "
-              f"{r['gen_len'] - 1} x its decode step) then ran at full length, stepping the batch down until a run "
-              "completed (and once more by a quarter if that run fell short of its projection by over a quarter):",
+              "fit, for each resident share; each share's probe with the best projected throughput (prefill + "
+              f"{r['gen_len'] - 1} x its decode step) then ran at full length, the best projected first, stepping the "
+              "batch down until a run completed (and once more by a quarter if that run fell short of its projection "
+              "by over a quarter):",
               "", "| resident share | batch | outcome | prefill s | decode step s | projected tok/s | cgroup peak GB |",
               "|---|---|---|---|---|---|---|"]
     for p in r["accelerate_probes"]:
