@@ -25,6 +25,7 @@ import os
 import shutil
 import threading
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import numpy as np
@@ -41,6 +42,7 @@ MAX_IO = 1 << 30    # bytes per system call; Linux caps a single read/write near
 PARALLEL_WRITE_BYTES = 8 << 20
 ALIGN = 4096        # O_DIRECT alignment of offsets, lengths and memory
 BOUNCE = 8 << 20    # largest aligned staging buffer per I/O thread
+ROW_READERS = 8     # reads of scattered rows in flight at once (read_rows)
 
 USED = "used"
 DIRECT = "bypassed by reads (O_DIRECT)"
@@ -165,6 +167,7 @@ class DiskStore:
         self.bytes_written = 0
         self._count = threading.Lock()
         self._local = threading.local()  # per I/O thread: its aligned bounce buffer
+        self._row_readers = None  # threads of read_rows, started by its first scattered read
         # Whole tensors go out past the page cache where the filesystem allows it (not under a
         # memory limit: those writes are flushed a window at a time, buffered).
         self.direct_writes = not flush_writes and direct_io_works(self.dir)
@@ -206,11 +209,17 @@ class DiskStore:
             self.bytes_read += n
 
     def _read_direct(self, f: DiskFile, offset: int, dst: torch.Tensor):
+        if offset % ALIGN == 0 and dst.data_ptr() % ALIGN == 0:
+            # Whole blocks straight into dst; only a last partial block goes through the bounce
+            # block (a copy there leaves the disk idle, as far as this thread is concerned).
+            whole = dst.numel() // ALIGN * ALIGN
+            if whole:
+                pread_all(f.dfd, as_bytes(dst[:whole]), offset, f.path)
+            offset, dst = offset + whole, dst[whole:]
         n = dst.numel()
-        start, end = _widen(offset, n)
-        if (start, end) == (offset, offset + n) and dst.data_ptr() % ALIGN == 0:
-            pread_all(f.dfd, as_bytes(dst), offset, f.path)
+        if not n:
             return
+        start, end = _widen(offset, n)
         for pos in range(start, end, BOUNCE):
             chunk = min(BOUNCE, end - pos)
             bounce = self._bounce(chunk)
@@ -289,10 +298,18 @@ class DiskStore:
 
     def read_rows(self, f: DiskFile, rows: torch.Tensor, out: torch.Tensor):
         """Fills out[i] (a contiguous CPU tensor [n, ...]) from row rows[i] of a file of equal-sized
-        rows; rows sorted ascending. Neighbouring rows come in one read."""
+        rows; rows sorted ascending. Neighbouring rows come in one read, and up to ROW_READERS reads
+        at once: each is a round trip to the device (an input embedding's 64 rows, one at a time,
+        took 13 ms of a 0.35 s decode step)."""
         row_bytes = out[0].numel() * out.element_size()
-        for a, b, first in runs(rows):
+        pieces = list(runs(rows))
+        if len(pieces) == 1:
+            a, b, first = pieces[0]
             self.read(f, first * row_bytes, out[a:b])
+            return
+        if self._row_readers is None:
+            self._row_readers = ThreadPoolExecutor(ROW_READERS, thread_name_prefix="flexh2o-rows")
+        list(self._row_readers.map(lambda p: self.read(f, p[2] * row_bytes, out[p[0]:p[1]]), pieces))
 
     def write_rows(self, f: DiskFile, rows: torch.Tensor, data: torch.Tensor):
         """Writes data[i] (a contiguous CPU tensor [n, ...]) at row rows[i] of a file of equal-sized rows;
@@ -320,6 +337,8 @@ class DiskStore:
                 os.fdatasync(g.fd)
 
     def close(self):
+        if self._row_readers is not None:
+            self._row_readers.shutdown()
         self._cleanup()
 
 

@@ -25,6 +25,7 @@ from .overhead import DEFAULT_GROWTH, Growth, process_growth
 from .models.attention import PROBS_CHUNK_BYTES, observed_chunk_bytes
 from .quant import BLOCK_VALUES, DEQUANT_WORKING_BYTES, compressible, stored_row_bytes
 from .placed import split_rows
+from .schedule import held_together
 
 GB = 1 << 30
 # CUDA memory outside torch's allocator: the context, then the kernels loaded lazily as first used.
@@ -177,15 +178,15 @@ def buffered(layer, dtype_bytes: int, policy, device) -> Counter:
 
 def compute_copy_bytes(layers, dtype_bytes: int, policy, device) -> int:
     """Bytes of the pooled compute buffers. The pool keeps buffers per shape, and at any time the
-    layer computing and the next one loading (cyclically: the last layer and the first) hold one
-    each, so a shape needs as many buffers as those two layers ever hold together. On CUDA a buffer
+    layer computing, the next one loading and any loaded ahead (schedule.held_together) hold one
+    each, so a shape needs as many buffers as such a group ever holds. On CUDA a buffer
     of groups goes back as soon as it is dequantized, on its I/O thread: one per thread is made;
     where the CPU computes, the compute thread dequantizes when it waits, so they count as values
     do (weight_io.py)."""
     counts = per_layer(layers, lambda layer: buffered(layer, dtype_bytes, policy, device))
     most = Counter()
-    for j in range(len(layers)):
-        for key, count in (counts[j] + counts[(j + 1) % len(layers)]).items():
+    for group in held_together(layers):
+        for key, count in sum((counts[j] for j in group), Counter()).items():
             per_thread = key[0][0] == "groups" and device.type == "cuda"
             most[key] = max(most[key], IO_THREADS if per_thread else count)
     return sum(nbytes * count for (_, nbytes), count in most.items())

@@ -80,16 +80,17 @@ class WeightIO:
         groups = [] if in_place else [(placed.shape, placed.dtype, self.on_cuda)]
         return [(placed.decoded_shape, self.dtype, False)] + groups
 
-    def reserve_loads(self, layers_placed: list[list]):
+    def reserve_loads(self, layers_placed: list[list], held_together: list[list[int]]):
         """Makes, before a run, every pooled buffer its weight loads take, per layer the `placed`
-        tensors it loads. The layer computing and the next one loading (cyclically: the last and the
-        first) hold theirs at once, so a shape gets as many as two neighbours ever hold together
-        (the pre-flight's count, memory.compute_copy_bytes). Made lazily, the largest (an LM head's)
-        came only after the prompt step: a run that cannot hold them failed after its prompt."""
+        tensors it loads. The layers of each group in `held_together` (schedule.py: the one computing,
+        the next one loading, and any loaded ahead) hold theirs at once, so a shape gets as many as
+        a group ever holds (the pre-flight's count, memory.compute_copy_bytes). Made lazily, the
+        largest (an LM head's) came only after the prompt step: a run that cannot hold them failed
+        after its prompt."""
         counts = [Counter(key for p in placed for key in self.pooled(p)) for placed in layers_placed]
         most = Counter()
-        for j, count in enumerate(counts):
-            for key, n in (count + counts[(j + 1) % len(counts)]).items():
+        for group in held_together:
+            for key, n in sum((counts[j] for j in group), Counter()).items():
                 most[key] = max(most[key], n)
         for (shape, dtype, per_thread), n in most.items():
             self.reserve(shape, dtype, count=self.io_threads if per_thread else n)

@@ -1,8 +1,8 @@
 """What a decode step copies to the compute device, counted where the copies happen (the figure
 `make gpu-check` divides by the host-to-device bandwidth for its bounds): with every weight on
 disk and the cache on the device, each step reads each weight exactly once, but an input
-embedding, which reads only the rows it looks up, and the last layer (the LM head), which stays on
-the compute device whatever the placement."""
+embedding, which reads only the rows it looks up, and the last layer (the LM head) and every
+vector (a bias, a norm), which stay on the compute device whatever the placement."""
 
 import math
 
@@ -17,7 +17,8 @@ from test_llama import make_tiny_llama
 def decode_step_bytes(directory, tmp_path) -> tuple[list, int, int]:
     """Bytes copied to the compute device in each decode step but the last (which prefetches
     nothing); the bytes of the weights loaded whole (each once), and of one row of every table
-    looked up by rows (an input embedding). The LM head's layer is checked to be on the device."""
+    looked up by rows (an input embedding). The LM head's layer and the vectors (biases, norms) are
+    checked to be on the device."""
     # Weights on disk, cache on the device; overlap off, so that each copy counts in the step that queued
     # it (an I/O thread may run a prefetch for the next token on either side of a step's end).
     policy = Policy(gpu_batch_size=2, w_gpu_percent=0, w_cpu_percent=0, overlap=False)
@@ -26,7 +27,10 @@ def decode_step_bytes(directory, tmp_path) -> tuple[list, int, int]:
                         max_new_tokens=6, eos_token_id=None)
         head = engine.layers[-1]
         assert head.one_of_a_kind and all(s.tier == "gpu" for p in head.home for s in p.segments)
-        whole = sum(math.prod(p.shape) * 4 for layer in engine.layers[:-1] for p in layer.home[layer.gathered:])
+        vectors = [p for layer in engine.layers for p in layer.home if len(p.shape) == 1]
+        assert vectors and all(s.tier == "gpu" for p in vectors for s in p.segments)
+        whole = sum(math.prod(p.shape) * 4 for layer in engine.layers[:-1] for p in layer.home[layer.gathered:]
+                    if len(p.shape) > 1)
         row = sum(p.shape[1] * 4 for layer in engine.layers for p in layer.home[:layer.gathered])
         return engine.last_stats.step_h2d_bytes[1:-1], whole, row
 
@@ -48,6 +52,6 @@ def test_a_tied_embedding_is_read_once_per_token(tiny_models, tmp_path):
     steps, whole, row = decode_step_bytes(directory, tmp_path)
     table = VOCAB * CONFIGS["tiny"]["hidden_size"] * 4
     assert whole == sum(p.numel() * 4 for n, p in tiny_models["tiny"][1].named_parameters()
-                        if "layers." in n)  # the decoder layers' weights only
+                        if "layers." in n and p.dim() > 1)  # the decoder layers' matrices only
     assert all(whole + row <= step <= whole + 2 * row for step in steps), (steps, whole, row)
     assert all(step < whole + table for step in steps)

@@ -122,9 +122,13 @@ def test_tiers_hold_compressed_bytes_and_the_preflight_bounds_them(head_dim_64, 
         weights = sum(stored_bytes(tuple(h.decoded_shape or h.shape), 2, h.decoded_shape is not None)
                       for layer in layers for h in layer.home)
         assert sum(placed.values()) == weights
-        # Shares of compressed bytes, to within a row of each tensor.
-        assert abs(placed["gpu"] - weights * w_gpu / 100) < weights * 0.08
-        assert abs(placed["cpu"] - weights * w_cpu / 100) < weights * 0.08
+        # Shares of compressed bytes, to within a row of each tensor; the LM head's layer and the
+        # vectors stay on the compute device whatever the shares (placed.split_rows).
+        pinned = sum(stored_bytes(tuple(h.decoded_shape or h.shape), 2, h.decoded_shape is not None)
+                     for layer in layers for h in layer.home if layer.one_of_a_kind or len(h.shape) == 1)
+        shared = weights - pinned
+        assert abs(placed["gpu"] - pinned - shared * w_gpu / 100) < shared * 0.08
+        assert abs(placed["cpu"] - shared * w_cpu / 100) < shared * 0.08
         engine.generate(ids, mask, max_new_tokens=4, eos_token_id=None)
         for tier in ("gpu", "cpu", "disk"):
             assert engine.tiers.peak[tier] <= engine.projected[tier], tier

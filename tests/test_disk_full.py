@@ -18,9 +18,10 @@ from conftest import REPO, fail_from, last_line
 RUN = ["--prompt-len", "8", "--gen-len", "4", "--dtype", "float32", "--gpu-batch-size", "2"]
 
 
-# The run below writes 17 times while placing the weights, then the cache: the prompt's, then each token's.
-@pytest.mark.parametrize("writes,overlap", [(3, "--overlap"), (20, "--overlap"), (30, "--overlap"),
-                                            (30, "--no-overlap")],
+# The run below writes 8 times while placing the weights (its vectors stay in memory), then the cache:
+# the prompt's (writes 9-12), then each token's (13-24).
+@pytest.mark.parametrize("writes,overlap", [(3, "--overlap"), (10, "--overlap"), (20, "--overlap"),
+                                            (20, "--no-overlap")],
                          ids=["placing-weights", "prompt-cache", "decode-cache", "decode-cache-no-overlap"])
 def test_a_full_disk_mid_run_is_one_line_and_leaves_nothing(tiny_models, tmp_path, capsys, monkeypatch,
                                                             writes, overlap):

@@ -6,13 +6,13 @@ import torch
 from flexh2o import Engine, Policy, UsageError
 from flexh2o.kv import KVCache
 from flexh2o.kv.eviction import FullCache
-from flexh2o.schedule import Schedule
+from flexh2o.schedule import Schedule, held_together
 from flexh2o.tiers import Tiers
 
 
 class RecordingLayer:
-    def __init__(self, j, log):
-        self.j, self.log = j, log
+    def __init__(self, j, log, looks_up_only=False):
+        self.j, self.log, self.looks_up_only = j, log, looks_up_only
 
     def load_weight(self, k):
         self.log.append(("load_weight", self.j))
@@ -66,6 +66,24 @@ def test_zig_zag_order():
             assert loads_before[-1] == ("load_weight", j + 1)
     # The run ends once every store is done: the last (layer, gpu-batch)'s, then each layer's waited for.
     assert log[-4:] == [("store_cache", 1, 2, 1)] + [("wait_stores", j) for j in range(3)]
+
+
+def test_the_layers_after_a_lookup_load_while_the_last_layer_computes():
+    """An input embedding (lookup only) waits for the tokens the last layer picks: the two layers
+    after it load with it, while that last layer computes, once per token; it computes before the
+    loads of its own turn are queued (its few small reads first in the device's queue)."""
+    log = []
+    layers = [RecordingLayer(j, log, looks_up_only=j == 0) for j in range(5)]
+    Schedule(layers, FakeSequences(), num_gpu_batches=2, tiers=Tiers("cpu", torch.float32)).run(gen_len=3)
+    loads = [e[1] for e in log if e[0] == "load_weight"]
+    assert loads == [0, 1, 2, 3, 4] * 3
+    for i in (1, 2):  # a decode step's embedding, then layers 1 and 2, queued as the last layer computes
+        turn = log[log.index(("compute", i - 1, 3, 1)): log.index(("compute", i - 1, 4, 0))]
+        assert [e[1] for e in turn if e[0] == "load_weight"] == [0, 1, 2]
+        first = log.index(("compute", i, 0, 0))
+        assert log[first + 1] == ("store_cache", i - 1, 4, 1)  # its turn's I/O comes after it
+    assert held_together(layers) == [[0, 1, 2], [1, 2], [2, 3], [3, 4], [0, 1, 2, 4]]
+    assert held_together([RecordingLayer(j, []) for j in range(3)]) == [[0, 1], [1, 2], [0, 2]]
 
 
 def test_full_cache_writes_slots_in_place():

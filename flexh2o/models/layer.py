@@ -24,6 +24,11 @@ class Layer:
     # the whole run (no other layer's weights share its shapes), and every token would move it too.
     one_of_a_kind = False
 
+    @property
+    def looks_up_only(self) -> bool:
+        """Whether every weight is a gathered table: a step reads a few rows, nothing whole."""
+        return self.gathered == len(self.weight_specs())
+
     def weight_shares(self, policy) -> tuple[float, float]:
         """(gpu, cpu): the percentages of this layer's bytes placed on the gpu tier and in CPU memory."""
         return (100, 0) if self.one_of_a_kind else (policy.w_gpu_percent, policy.w_cpu_percent)
