@@ -8,7 +8,6 @@ import torch
 from .disk import ALIGN
 
 
-
 @dataclass
 class Segment:
     tier: str
@@ -35,8 +34,8 @@ class Placed:
 def split_rows(shapes: list[tuple], row_bytes: list[int], gpu_percent: float, cpu_percent: float) -> list[dict]:
     """Rows of each tensor per tier, so that the tensors together put gpu_percent of their bytes on
     the gpu tier and cpu_percent in CPU memory (to within one row, or a few: see aligned_rows), the
-    rest on disk, but vectors, all on the gpu tier. Tensors are filled in order,
-    gpu first, and a tensor straddling a quota boundary is split by rows."""
+    rest on disk; vectors all go on the gpu tier. Tensors are filled in order, gpu first, and a
+    tensor straddling a quota boundary is split by rows."""
     total = sum(s[0] * b for s, b in zip(shapes, row_bytes))
     quota = {"gpu": total * gpu_percent / 100, "cpu": total * (gpu_percent + cpu_percent) / 100}
     used, out = 0, []
@@ -64,8 +63,8 @@ def split_rows(shapes: list[tuple], row_bytes: list[int], gpu_percent: float, cp
 
 
 def aligned_rows(n: int, rows: int, row_bytes: int) -> int:
-    """n rounded to a whole number of disk blocks' worth of rows (disk.ALIGN bytes), where that changes the
-    split by at most 1/32 of the tensor: a tensor's disk rows then start on a block boundary in its
+    """n rounded to a whole number of disk blocks' worth of rows (disk.ALIGN bytes), where that
+    changes the split by at most 1/32 of the tensor: a tensor's disk rows then start on a block boundary in its
     compute buffer, and O_DIRECT reads them straight in instead of through a bounce block and a
     copy (disk.py; a third of the bytes read went that way with OPT-125M's weights 95% on disk)."""
     step = ALIGN // math.gcd(row_bytes, ALIGN)

@@ -20,8 +20,8 @@ class Layer:
     gathered = 0
 
     # A layer of its own kind (the LM head) sits on the compute device whatever the weight shares:
-    # elsewhere, its loads would need a compute buffer of its own, as large as itself and held for
-    # the whole run (no other layer's weights share its shapes), and every token would move it too.
+    # elsewhere, its loads would need a compute buffer as large as itself, held for the whole run
+    # (in real models no other layer's weights share its shapes), and every token would move it too.
     one_of_a_kind = False
 
     @property
