@@ -17,7 +17,7 @@ from .memory import add, capacities, check_fits, load_transient, projected_need,
 from .models import eos_ids, is_gguf, resolve_model
 from .policy import Policy
 from .sampling import Sampler, check_seed
-from .schedule import Schedule, held_together
+from .schedule import Schedule
 from .sequences import Sequences
 from .tiers import Tiers
 from .weights import CheckpointWeights, DummyWeights, GGUFWeights
@@ -271,7 +271,7 @@ class Engine:
         batch_sizes = [policy.gpu_batch_size] * policy.num_gpu_batches
         io_before, read_before = self.tiers.io_seconds, self.tiers.disk.bytes_read if self.tiers.disk else 0
         try:
-            self.tiers.reserve_loads([layer.home[layer.gathered:] for layer in self.layers], held_together(self.layers))
+            self.tiers.reserve_loads(self.layers)
             for j, layer in enumerate(self.layers):
                 layer_seed = ((0 if seed is None else seed) * 100_003 + j) % (1 << 63)
                 layer.init_cache(batch_sizes, make_policy(policy, prompt_len, max_new_tokens, layer_seed), policy)

@@ -25,7 +25,7 @@ from .overhead import DEFAULT_GROWTH, Growth, process_growth
 from .models.attention import PROBS_CHUNK_BYTES, observed_chunk_bytes
 from .quant import BLOCK_VALUES, DEQUANT_WORKING_BYTES, compressible, stored_row_bytes
 from .placed import split_rows
-from .schedule import held_together
+from .schedule import most_held
 
 GB = 1 << 30
 # CUDA memory outside torch's allocator: the context, then the kernels loaded lazily as first used.
@@ -184,11 +184,10 @@ def compute_copy_bytes(layers, dtype_bytes: int, policy, device) -> int:
     where the CPU computes, the compute thread dequantizes when it waits, so they count as values
     do (weight_io.py)."""
     counts = per_layer(layers, lambda layer: buffered(layer, dtype_bytes, policy, device))
-    most = Counter()
-    for group in held_together(layers):
-        for key, count in sum((counts[j] for j in group), Counter()).items():
-            per_thread = key[0][0] == "groups" and device.type == "cuda"
-            most[key] = max(most[key], IO_THREADS if per_thread else count)
+    most = most_held(counts, layers)
+    for key in most:
+        if key[0][0] == "groups" and device.type == "cuda":
+            most[key] = IO_THREADS
     return sum(nbytes * count for (_, nbytes), count in most.items())
 
 

@@ -8,6 +8,7 @@ computes (load_weight). The layers and tiers do the work; this only orders it.
 """
 
 import time
+from collections import Counter
 
 from tqdm import tqdm
 
@@ -33,6 +34,15 @@ def held_together(layers) -> list[list[int]]:
             group.update(loaded_with(layers, held))
         groups.append(sorted(group))
     return groups
+
+
+def most_held(counts: list[Counter], layers) -> Counter:
+    """Per key, the most that any group of held_together holds at once, given each layer's counts."""
+    most = Counter()
+    for group in held_together(layers):
+        for key, n in sum((counts[j] for j in group), Counter()).items():
+            most[key] = max(most[key], n)
+    return most
 
 
 class Schedule:
@@ -136,9 +146,9 @@ class Schedule:
             self.loaded_early.remove(layer)
             return
         layer.load_weight(0)
-        for j in loaded_with(self.layers, at[1]):
-            self.layers[j].load_weight(0)
-            self.loaded_early.append(self.layers[j])
+        for ahead in loaded_with(self.layers, at[1]):
+            self.layers[ahead].load_weight(0)
+            self.loaded_early.append(self.layers[ahead])
 
     def load_cache(self, i, j, k):
         if at := self._at(i, j, k):

@@ -21,6 +21,7 @@ from .buffers import TIERS
 from .io_tasks import IOTaskError, Pending
 from .placed import Placed, Segment
 from .quant import Packed, dequantize, quantize
+from .schedule import most_held
 
 
 class WeightIO:
@@ -80,19 +81,14 @@ class WeightIO:
         groups = [] if in_place else [(placed.shape, placed.dtype, self.on_cuda)]
         return [(placed.decoded_shape, self.dtype, False)] + groups
 
-    def reserve_loads(self, layers_placed: list[list], held_together: list[list[int]]):
-        """Makes, before a run, every pooled buffer its weight loads take, per layer the `placed`
-        tensors it loads. The layers of each group in `held_together` (schedule.py: the one computing,
-        the next one loading, and any loaded ahead) hold theirs at once, so a shape gets as many as
-        a group ever holds (the pre-flight's count, memory.compute_copy_bytes). Made lazily, the
-        largest (an LM head's) came only after the prompt step: a run that cannot hold them failed
-        after its prompt."""
-        counts = [Counter(key for p in placed for key in self.pooled(p)) for placed in layers_placed]
-        most = Counter()
-        for group in held_together:
-            for key, n in sum((counts[j] for j in group), Counter()).items():
-                most[key] = max(most[key], n)
-        for (shape, dtype, per_thread), n in most.items():
+    def reserve_loads(self, layers):
+        """Makes, before a run, every pooled buffer the layers' weight loads take. The layers of each
+        group of schedule.held_together (the one computing, the next one loading, and any loaded
+        ahead) hold theirs at once, so a shape gets as many as a group ever holds (the pre-flight's
+        count, memory.compute_copy_bytes). Made lazily, the largest (an LM head's) came only after
+        the prompt step: a run that cannot hold them failed after its prompt."""
+        counts = [Counter(key for p in layer.home[layer.gathered:] for key in self.pooled(p)) for layer in layers]
+        for (shape, dtype, per_thread), n in most_held(counts, layers).items():
             self.reserve(shape, dtype, count=self.io_threads if per_thread else n)
 
     def load(self, placed: Placed) -> Pending:

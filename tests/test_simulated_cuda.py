@@ -110,8 +110,8 @@ def test_weight_buffers_are_made_before_the_run_as_the_preflight_counts(tiny_mod
         made.append(key)
         return original_new(pool, key)
 
-    def reserve_loads(tiers, layers_placed, held_together):
-        original_reserve(tiers, layers_placed, held_together)
+    def reserve_loads(tiers, layers):
+        original_reserve(tiers, layers)
         seen.update(tiers=tiers, keys=set(made), bytes=sum(math.prod(k[0]) * k[1].itemsize for k in made))
         made.clear()
 
