@@ -157,6 +157,7 @@ def pack(packed: torch.Tensor, k: int) -> torch.Tensor:
 class TiledWeight:
     """A weight as pack() lays it out, loaded: multiplied unwidened for steps of few rows, and
     dequantized into `values` (a compute buffer, once per load) for steps of many."""
+    kernel_name = "tiles"  # unwidened.py
 
     def __init__(self, data: torch.Tensor, k: int, values: torch.Tensor):
         self.codes, self.kernel = _views(data, k)

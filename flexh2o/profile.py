@@ -46,6 +46,9 @@ def default_offload_dir() -> str:
 
 # -- the cache ---------------------------------------------------------------------------------
 
+KERNEL_NAMES = {"native": "flexh2o's C kernels", "torch": "torch's operations"}
+
+
 def cached_profile(device: "torch.device", log) -> HardwareProfile | None:
     """The cached local profile if it was measured with this kind of device; None otherwise."""
     try:
@@ -59,6 +62,13 @@ def cached_profile(device: "torch.device", log) -> HardwareProfile | None:
     if profile is not None and profile.attention_costs is None:
         log("note: the cached profile was measured by an older flexh2o (no attention calls): measuring again")
         return None
+    if profile is not None and device.type == "cpu":
+        from .optimizer.measure import dequant_kernel
+        now = dequant_kernel(device)
+        if profile.dequant_kernel != now:
+            log(f"note: the cached profile timed the dequantization of {KERNEL_NAMES[profile.dequant_kernel or 'torch']}, "
+                f"and this run dequantizes with {KERNEL_NAMES[now]}: measuring again")
+            return None
     if profile is not None and (profile.others_cpu_share or 0) > BUSY_SHARE:
         return None if quiet_now(profile.others_cpu_share, log) else profile
     return profile
@@ -123,6 +133,8 @@ def profile_rows(p: HardwareProfile) -> list[tuple[str, str]]:
                        f"disk {gigabytes(p.disk_mem)} free")]
     for dtype, table in p.matmul_flops.items():
         rows += [(f"matmul {dtype}, {count} rows", flops(rate)) for count, rate in table.items()]
+    for dtype, table in (p.int4_matmul_flops or {}).items():
+        rows += [(f"4-bit weights unwidened {dtype}, {count} rows", flops(rate)) for count, rate in table.items()]
     rows += [(f"prompt attention {dtype}", flops(rate)) for dtype, rate in p.attention_flops.items()]
     rows += [("decode attention reads", bandwidth(p.device_bandwidth)),
              ("decode attention on the CPU", bandwidth(p.cpu_attention_bandwidth))]
@@ -131,7 +143,8 @@ def profile_rows(p: HardwareProfile) -> list[tuple[str, str]]:
                  ("host to device, pageable", bandwidth(p.h2d_pageable)),
                  ("device to host, pageable", bandwidth(p.d2h_pageable))]
     return rows + [("memcpy", bandwidth(p.memcpy)), ("disk read", bandwidth(p.disk_read)),
-                   ("disk write", bandwidth(p.disk_write)), ("dequantize", f"{p.dequant / 1e9:.3f} G values/s"),
+                   ("disk write", bandwidth(p.disk_write)), ("dequantize", f"{p.dequant / 1e9:.3f} G values/s"
+                                                                + (f" ({KERNEL_NAMES[p.dequant_kernel]})" if p.dequant_kernel else "")),
                    ("layer overhead", f"{p.layer_overhead * 1e3:.3f} ms per layer call")] + attention_call_rows(p) \
         + [(f"process growth, {dtype}, {threads} threads", f"{nbytes / 1e6:.0f} MB beyond the projection")
            for dtype, table in (p.process_growth or {}).items() for threads, nbytes in table.items()] \

@@ -16,6 +16,8 @@ import math
 
 import torch
 
+from . import native
+
 GROUP = 64
 LEVELS = 15                 # codes 0..15
 GROUP_BYTES = GROUP // 2 + 4  # the codes, then the float16 scale and minimum
@@ -79,6 +81,9 @@ def quantize(x: torch.Tensor, check: bool = True) -> torch.Tensor:
     such a group comes back as inf or NaN, never as finite garbage."""
     if check:
         check_quantizable(x)
+    lib = _native_for(x)
+    if lib is not None:
+        return _quantize_native(lib, x)
     if _over_a_block(x, x[0].numel() if x.dim() > 1 else 0):
         out = torch.empty(packed_shape(x.shape), dtype=torch.uint8, device=x.device)
         _by_row_blocks(x, out, x[0].numel(), lambda block, dst: dst.copy_(quantize(block, check=False)))
@@ -106,6 +111,9 @@ def dequantize(packed: torch.Tensor, n: int, out: torch.Tensor | None = None,
     if packed.shape[-1] != g * GROUP_BYTES:
         raise ValueError(f"a packed row of {packed.shape[-1]} bytes does not hold {n} values "
                          f"({g * GROUP_BYTES} bytes)")
+    lib = _native_for(packed)
+    if lib is not None and _native_takes(packed, out, dtype):
+        return _dequantize_native(lib, packed, n, out, dtype)
     per_row = packed[0].numel() // GROUP_BYTES * GROUP if packed.dim() > 1 else 0  # values
     if out is not None and _over_a_block(packed, per_row):
         _by_row_blocks(packed, out, per_row, lambda block, dst: dequantize(block, n, dst))
@@ -126,6 +134,69 @@ def dequantize(packed: torch.Tensor, n: int, out: torch.Tensor | None = None,
     if out is None:
         return target[..., :n].to(dtype)
     out.copy_(target[..., :n])
+    return out
+
+
+# -- the C kernels (native/quant4.c), bit-equal to the torch path above -------------------------
+NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _native_for(t: torch.Tensor):
+    """The C kernels, where they take `t` (on the CPU, not empty) and this machine has them."""
+    if t.device.type != "cpu" or t.numel() == 0:
+        return None
+    return native.library()
+
+
+def _rows_of(t: torch.Tensor) -> torch.Tensor | None:
+    """t as [rows, n] with each row's values adjacent, without a copy; None where its strides do not
+    allow that (or its dtype is not one the kernels write)."""
+    if t.dtype not in NATIVE_DTYPES or t.device.type != "cpu":
+        return None
+    try:
+        rows = t.view(-1, t.shape[-1])
+    except RuntimeError:
+        return None
+    return rows if rows.stride(1) == 1 or rows.shape[1] == 1 else None
+
+
+def _native_takes(packed: torch.Tensor, out, dtype) -> bool:
+    """Whether the kernel writes this dequantization: into a new tensor of a dtype it writes, or
+    into an `out` of one row per packed row whose rows it can address."""
+    if out is None:
+        return dtype in NATIVE_DTYPES
+    rows = _rows_of(out)
+    return rows is not None and len(rows) * packed.shape[-1] == packed.numel()
+
+
+def _as_groups(rows: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+    """Contiguous rows of whole groups are one group a row: the same bytes, split finer over threads."""
+    if n % GROUP == 0 and rows.stride(0) == n:
+        return rows.view(-1, GROUP), GROUP
+    return rows, n
+
+
+def _quantize_native(lib, x: torch.Tensor) -> torch.Tensor:
+    n = x.shape[-1]
+    rows = _rows_of(x) if x.dtype in NATIVE_DTYPES else None
+    if rows is None:
+        rows = x.to(torch.float32).contiguous().view(-1, n)
+    out = torch.empty(packed_shape(x.shape), dtype=torch.uint8)
+    rows, width = _as_groups(rows, n)
+    code, stride, ptr = NATIVE_DTYPES[rows.dtype], rows.stride(0), rows.data_ptr()
+    native.split_rows(lambda a, b: lib.quantize_rows(ptr, code, stride, width, out.data_ptr(), a, b),
+                      len(rows), rows.numel())
+    return out
+
+
+def _dequantize_native(lib, packed: torch.Tensor, n: int, out, dtype) -> torch.Tensor:
+    packed = packed.contiguous()
+    if out is None:
+        out = torch.empty(*packed.shape[:-1], n, dtype=dtype)
+    rows, width = _as_groups(_rows_of(out), n)
+    code, stride, ptr = NATIVE_DTYPES[rows.dtype], rows.stride(0), rows.data_ptr()
+    native.split_rows(lambda a, b: lib.dequantize_rows(packed.data_ptr(), width, ptr, code, stride, a, b),
+                      len(rows), rows.numel())
     return out
 
 

@@ -7,7 +7,8 @@ caller gets a `Pending` to wait on. Where the compute device is the CPU, a tenso
 the gpu or cpu tier is used in place, never copied. A compressed tensor (quant.py) is placed, and
 moved, as its uint8 groups, and dequantized into a compute buffer at the end of every load; where
 the CPU computes in bfloat16, a matrix placed in the int4 kernel's layout (int4_tiles.py) is handed
-over as it is, to be multiplied unwidened (models/linear.py). The
+over as it is, to be multiplied unwidened (models/linear.py), and so is, in float32, a matrix in
+quant.py's groups that flexh2o's own kernel takes (grouped_weight.py). The
 moves themselves (run_io, to_device, copy_on_device, read_disk) and the buffer pool are Tiers'.
 """
 
@@ -16,31 +17,37 @@ from collections import Counter
 
 import torch
 
-from . import int4_tiles
+from . import int4_tiles, native
 from .buffers import TIERS
+from .grouped_weight import GroupedWeight
 from .io_tasks import IOTaskError, Pending
 from .placed import Placed, Segment
 from .quant import Packed, dequantize, quantize
 from .schedule import most_held
+from .unwidened import kernel_for
 
 
 class WeightIO:
+    def unwidened_kernel(self, shape) -> str | None:
+        """The kernel that multiplies a compressed matrix of this shape as it is (unwidened.py)."""
+        return kernel_for(shape, self.dtype, not self.on_cuda, native.library() is not None)
+
     def tiles_for(self, shape) -> bool:
-        """Whether a compressed matrix of this shape is placed in the int4 kernel's layout: where
-        the CPU computes in bfloat16 (the kernel's activations) and the shape fits its tiles."""
-        return not self.on_cuda and self.dtype == torch.bfloat16 and len(shape) == 2 and int4_tiles.tileable(*shape)
+        """Whether a compressed matrix of this shape is placed in the int4 kernel's layout."""
+        return self.unwidened_kernel(shape) == "tiles"
 
     def place(self, tensor: torch.Tensor, rows: dict, compressed: bool = False, tiled: bool = False) -> Placed:
         """Puts a tensor's rows at their home tiers (rows: tier -> number of rows, in tier order),
-        as 4-bit groups when compressed (ValueError if it holds inf, NaN or values beyond float16),
-        in the int4 kernel's layout when tiled (the same bytes)."""
+        as 4-bit groups when compressed, in the int4 kernel's layout when tiled (the same bytes). A
+        tensor to compress has passed quant.check_quantizable (Layer.init_weight names the weight)."""
         if isinstance(tensor, Packed):  # already groups
             decoded, tensor = tensor.shape, tensor.groups
         else:
-            tensor = tensor.to(self.dtype)
+            if not (compressed and self.dtype == torch.float32):  # quantize reads any width in float32
+                tensor = tensor.to(self.dtype)
             decoded = tuple(tensor.shape) if compressed else None
             if compressed:
-                tensor = quantize(tensor)
+                tensor = quantize(tensor, check=False)
         if tiled:
             tensor = int4_tiles.pack(tensor, decoded[-1])
         segments, start = [], 0
@@ -180,12 +187,14 @@ class WeightIO:
         weights on disk: decode as slow as with overlap off, the dequantizing itself 2.5x slower).
         The groups' buffer is taken and given back on the compute thread, in program order, so
         how many the pool makes does not depend on timing."""
-        if placed.tiled:  # multiplied as it is: nothing to dequantize now (models/linear.py)
+        if placed.tiled or self.unwidened_kernel(placed.decoded_shape) == "groups":
+            # multiplied as it is: nothing to dequantize now (models/linear.py)
+            unwidened = int4_tiles.TiledWeight if placed.tiled else GroupedWeight
             k = placed.decoded_shape[-1]
             if whole is not None:
-                return Pending(int4_tiles.TiledWeight(whole, k, out))
+                return Pending(unwidened(whole, k, out))
             packed = self.buffer(placed.shape, placed.dtype)
-            return self.run_io(lambda: self.fill(packed, placed.segments), int4_tiles.TiledWeight(packed, k, out),
+            return self.run_io(lambda: self.fill(packed, placed.segments), unwidened(packed, k, out),
                                "loading compressed weights")
         if whole is not None:  # nothing to move: no I/O task at all
             return Pending(out, then=lambda: self.dequantize(whole, out))
@@ -209,7 +218,7 @@ class WeightIO:
         """Gives back the buffers a load of `placed` took: its compute buffer, or a tiled weight's
         values and (where its bytes were moved) the buffer holding them; nothing for a weight
         used where it lives."""
-        if isinstance(value, int4_tiles.TiledWeight):
+        if isinstance(value, (int4_tiles.TiledWeight, GroupedWeight)):
             self.release(value.values)
             if value.data is not placed.resident():
                 self.release(value.data)

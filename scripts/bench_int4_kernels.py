@@ -5,7 +5,9 @@ Times one linear layer's product on this CPU, for matrices of OPT-125M, OPT-1.3B
 (prompt steps) in bfloat16 (in float32 the weight-only kernels take seconds there):
 
 - the full-width product (F.linear on float weights): what compressed weights are weighed against;
-- flexh2o's path today: dequantize the groups (quant.py) into a compute buffer, then F.linear;
+- dequantize the groups (quant.py) into a compute buffer, then F.linear;
+- flexh2o's own kernel on its groups as they are (grouped_weight.py, native/quant4.c), with float32
+  activations: what a float32 run multiplies compressed weights with at few rows;
 - torch's own CPU weight-only kernels: aten._weight_int4pack_mm_for_cpu (groups of 64, an affine
   scale and zero per group: it is given flexh2o's own groups, codes as stored and zero = minimum +
   8 * scale, and checked against them dequantized) and aten._weight_int8pack_mm (one scale per
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from flexh2o.machine import cpu_compute_dtype, describe_machine  # noqa: E402
+from flexh2o import grouped_weight, native  # noqa: E402
 from flexh2o.quant import GROUP, GROUP_BYTES, dequantize, quantize  # noqa: E402
 
 SHAPES = {"OPT-125M fc1": (3072, 768), "OPT-1.3B fc1": (8192, 2048), "SmolLM2 up": (1536, 576)}
@@ -85,6 +88,8 @@ def measure_shape(name: str, n: int, k: int, dtype: torch.dtype) -> list[dict]:
                "int4pack_mm_s": seconds(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP,
                                                                                           scales_zeros)),
                "int8pack_mm_s": seconds(lambda: torch.ops.aten._weight_int8pack_mm(x, int8, int8_scales)),
+               "flexh2o_kernel_s": seconds(lambda: grouped_weight.matmul(x, groups, k))
+               if dtype == torch.float32 and native.library() is not None else None,
                "int4pack_max_error": error, "output_scale": out.float().abs().max().item(),
                "convert_s": convert_s, "dequantize_s": dequantize_s}
         rows_out.append(row)
@@ -101,16 +106,18 @@ def markdown(result: dict) -> str:
              f"computes in {result['cpu_compute_dtype']} (`machine.cpu_compute_dtype()`). Command: "
              "`python scripts/bench_int4_kernels.py`. One linear layer's product, median of 5 x 10 calls; "
              "milliseconds; the ratios are the int4 kernel's speed-up over each.", "",
-             "| matrix | activations | rows | full width | dequantize + matmul (flexh2o today) | torch int4pack | "
-             "torch int8pack | int4 vs dequantize | int4 vs full width |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| matrix | activations | rows | full width | dequantize + matmul | torch int4pack | "
+             "torch int8pack | flexh2o's kernel | int4 vs dequantize | int4 vs full width | flexh2o's vs full width |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     converts = {}
     for r in result["rows"]:
         lines.append(f"| {r['matrix']} {r['shape'][0]}x{r['shape'][1]} | {r['dtype']} | {r['rows']} | "
                      f"{r['full_width_s'] * 1e3:.3f} | {r['dequantize_then_matmul_s'] * 1e3:.3f} | "
                      f"{r['int4pack_mm_s'] * 1e3:.3f} | {r['int8pack_mm_s'] * 1e3:.3f} | "
+                     + (f"{own * 1e3:.3f}" if (own := r.get("flexh2o_kernel_s")) else "-") + " | "
                      f"{r['dequantize_then_matmul_s'] / r['int4pack_mm_s']:.1f}x | "
-                     f"{r['full_width_s'] / r['int4pack_mm_s']:.2f}x |")
+                     f"{r['full_width_s'] / r['int4pack_mm_s']:.2f}x | "
+                     + (f"{r['full_width_s'] / own:.2f}x" if own else "-") + " |")
         converts[(r["matrix"], tuple(r["shape"]), r["dtype"])] = (r["convert_s"], r["dequantize_s"])
     worst = max(r["int4pack_max_error"] / max(r["output_scale"], 1e-12) for r in result["rows"])
     lines += ["", f"The int4 kernel, given flexh2o's own groups (codes as stored, zero = minimum + 8 x scale), "

@@ -8,6 +8,8 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import OPTConfig, OPTForCausalLM, PreTrainedTokenizerFast
 
+from flexh2o import native
+
 # Tiny OPT shapes: plain pre-norm, a wider one, and opt-350m's post-norm with projections.
 CONFIGS = {
     "tiny": dict(hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4),
@@ -56,6 +58,40 @@ def padded_batch(batch, prompt_len, pads, seed=0):
     return ids, mask
 
 
+@pytest.fixture(scope="session")
+def tileable_model(tmp_path_factory):
+    """A tiny OPT whose matrices fit torch's int4 kernel's tiles (rows a multiple of 32, columns of
+    64) and flexh2o's own groups kernel (columns of 64)."""
+    directory = str(tmp_path_factory.mktemp("tileable"))
+    make_tiny_opt(directory, seed=7, hidden_size=64, num_hidden_layers=2, ffn_dim=128, num_attention_heads=4)
+    return directory
+
+
+def forced_logprobs(directory, policy, tmp_path, dtype, inspect=lambda engine: None, new=5):
+    """Teacher-forced log-probabilities of 4 padded prompts of 12 tokens (no argmax flip can make
+    two runs' inputs differ), checking that nothing is allocated after the first decode step; and
+    what inspect(engine) says of the loaded engine."""
+    from flexh2o import Engine
+    ids, mask = padded_batch(4, 12, pads=[0, 3, 1, 5], seed=4)
+    forced = torch.randint(3, 128, (4, new), generator=torch.Generator().manual_seed(9))
+    with Engine.from_pretrained(directory, policy=policy, device="cpu", dtype=dtype, offload_dir=str(tmp_path)) as engine:
+        seen = inspect(engine)
+        out = engine.generate(ids, mask, max_new_tokens=new, forced_tokens=forced)
+        allocations = engine.last_stats.step_allocations
+    assert allocations[2:] == [0] * (new - 2), allocations
+    return out.forced_logprobs, seen
+
+
+def count_calls(monkeypatch, owner, names) -> dict:
+    """How often each method `names` of class `owner` is called from now on (it still runs)."""
+    calls = dict.fromkeys(names, 0)
+    for name in names:
+        original = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda self, *a, _o=original, _n=name:
+                            (calls.__setitem__(_n, calls[_n] + 1), _o(self, *a))[1])
+    return calls
+
+
 def row_budgets(mask, hh_ratio: float, recent_ratio: float | None = None) -> tuple[list, list]:
     """Each sequence's (heavy, recent) slots from its own real prompt length L: int(ratio * L), at
     least 1 (DESIGN.md, "H2O, exactly")."""
@@ -99,6 +135,7 @@ TEST_CPU_PROFILE = {
     "attention_flops": {"float32": 60e9, "bfloat16": 3e9}, "device_bandwidth": 15e9, "cpu_attention_bandwidth": 15e9,
     "h2d": 0.0, "d2h": 0.0, "h2d_pageable": 0.0, "d2h_pageable": 0.0, "memcpy": 9e9, "disk_read": 1.2e9,
     "disk_write": 0.56e9, "dequant": 0.7e9, "layer_overhead": 0.0003,
+    "dequant_kernel": "native" if native.library() is not None else "torch",
     "attention_costs": {"prompt_fused": [1e-4, 2e-9], "prompt_observed": [4e-4, 5e-9],
                         "decode_fused": [1e-4, 35e-9], "decode_evicting": [6e-4, 70e-9]},
 }

@@ -7,34 +7,17 @@ nothing after its first decode step."""
 import pytest
 import torch
 
-import flexh2o.models.linear
-from flexh2o import Engine, Policy, int4_tiles
+from flexh2o import Engine, Policy, int4_tiles, unwidened
 from flexh2o.weight_io import WeightIO
-from conftest import make_tiny_opt, padded_batch
+from conftest import count_calls, forced_logprobs
 
-BATCH, PROMPT, NEW = 4, 12, 5
+BATCH, PROMPT = 4, 12  # conftest.forced_logprobs's
 TIERS = {"memory": (100, 0), "disk": (0, 0), "mixed": (34, 33)}
 
 
-@pytest.fixture(scope="module")
-def tileable_model(tmp_path_factory):
-    """A tiny OPT whose matrices fit the kernel's tiles: rows a multiple of 32, columns of 64."""
-    directory = str(tmp_path_factory.mktemp("tileable"))
-    make_tiny_opt(directory, seed=7, hidden_size=64, num_hidden_layers=2, ffn_dim=128, num_attention_heads=4)
-    return directory
-
-
 def logprobs(directory, policy, tmp_path):
-    """Teacher-forced log-probabilities (no argmax flip can make two runs' inputs differ)."""
-    ids, mask = padded_batch(BATCH, PROMPT, pads=[0, 3, 1, 5], seed=4)
-    forced = torch.randint(3, 128, (BATCH, NEW), generator=torch.Generator().manual_seed(9))
-    with Engine.from_pretrained(directory, policy=policy, device="cpu", dtype=torch.bfloat16,
-                                offload_dir=str(tmp_path)) as engine:
-        tiled = [p.tiled for layer in engine.layers for p in layer.home]
-        out = engine.generate(ids, mask, max_new_tokens=NEW, forced_tokens=forced)
-        allocations = engine.last_stats.step_allocations
-    assert allocations[2:] == [0] * (NEW - 2), allocations
-    return out.forced_logprobs, tiled
+    return forced_logprobs(directory, policy, tmp_path, torch.bfloat16,
+                           inspect=lambda engine: [p.tiled for layer in engine.layers for p in layer.home])
 
 
 @pytest.mark.parametrize("kv", [{}, {"hh_ratio": 0.3}])
@@ -43,12 +26,8 @@ def logprobs(directory, policy, tmp_path):
 def test_tiled_weights_agree_with_the_dequantize_path(tileable_model, tmp_path, monkeypatch, tier, kv, fused_rows):
     w = TIERS[tier]
     policy = Policy(BATCH // 2, 2, w_gpu_percent=w[0], w_cpu_percent=w[1], compress_weight=True, **kv)
-    calls = {"matmul": 0, "widened": 0}
-    for name in calls:
-        original = getattr(int4_tiles.TiledWeight, name)
-        monkeypatch.setattr(int4_tiles.TiledWeight, name,
-                            lambda self, *a, _o=original, _n=name: (calls.__setitem__(_n, calls[_n] + 1), _o(self, *a))[1])
-    monkeypatch.setattr(flexh2o.models.linear, "FUSED_MAX_ROWS", fused_rows)
+    calls = count_calls(monkeypatch, int4_tiles.TiledWeight, ["matmul", "widened"])
+    monkeypatch.setitem(unwidened.MAX_ROWS, "tiles", fused_rows)
     fused, tiled = logprobs(tileable_model, policy, tmp_path / "a")
     assert any(tiled) and calls["matmul"] > 0
     assert (calls["widened"] > 0) == (fused_rows < BATCH // 2 * PROMPT)
@@ -63,7 +42,7 @@ def test_tiled_weights_agree_with_the_dequantize_path(tileable_model, tmp_path, 
     assert (off < 0.1).float().mean() >= (1.0 if not kv else 0.9), off
 
 
-def test_a_float32_run_keeps_the_dequantize_path(tileable_model, tmp_path):
+def test_a_float32_run_is_not_placed_in_tiles(tileable_model, tmp_path):
     with Engine.from_pretrained(tileable_model, policy=Policy(2, compress_weight=True), device="cpu",
                                 dtype=torch.float32, offload_dir=str(tmp_path)) as engine:
         assert not any(p.tiled for layer in engine.layers for p in layer.home)

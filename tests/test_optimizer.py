@@ -149,9 +149,9 @@ def test_a_profile_without_attention_calls_goes_by_its_rates():
     assert predict(SMALL, dataclasses.replace(full, kv_policy="h2o", hh_ratio=0.2), 100, 8, hw).total_seconds > 0
 
 
-def test_compression_shrinks_disk_time_and_adds_dequantization():
+def test_compression_shrinks_disk_time_and_adds_dequantization_once_per_load():
     hw = cpu_profile(disk_read=1e8)
-    plain = Policy(gpu_batch_size=4, w_gpu_percent=0, w_cpu_percent=0)
+    plain = Policy(gpu_batch_size=4, num_gpu_batches=2, w_gpu_percent=0, w_cpu_percent=0)
     packed = dataclasses.replace(plain, compress_weight=True)
     model = CostModel(SMALL, 32, 4, hw)
     a, b = model.weight_io(plain)[1], model.weight_io(packed)[1]
@@ -159,7 +159,29 @@ def test_compression_shrinks_disk_time_and_adds_dequantization():
     matrices = 3 * h * h + h * h
     assert a.busy("disk") == pytest.approx(matrices * 4 / 1e8)
     assert b.busy("disk") == pytest.approx(matrices * 36 / 64 / 1e8)  # 36-byte groups of 64
-    assert b.busy("compute") > a.busy("compute")
+    for step in model.steps():  # no kernel timed in this profile: widened at every load, once for both gpu-batches
+        extra = model.compute(packed, step, 1).busy("compute") - model.compute(plain, step, 1).busy("compute")
+        assert extra == pytest.approx(matrices / hw.dequant)
+
+
+def test_a_timed_unwidened_kernel_replaces_dequantizing_for_steps_of_few_rows():
+    rate = {"1": 1e9, "8": 8e9, "32": 3.2e10}
+    hw = cpu_profile(int4_matmul_flops={"float32": rate})
+    plain = Policy(gpu_batch_size=8, num_gpu_batches=2)
+    packed = dataclasses.replace(plain, compress_weight=True)
+    model = CostModel(SMALL, 32, 4, hw)
+    prompt, decode = model.steps()[0], model.steps()[1]
+    h = SMALL.hidden_size
+    flops = 2 * 8 * 4 * h * h  # decode: 8 rows through q, k, v and the output matrix
+    assert model.compute(packed, decode, 1).busy("compute") == pytest.approx(
+        2 * (flops / 8e9 + hw.layer_overhead))
+    # The prompt step's 8 x 32 rows are past the kernel's limit (32): widened once, full-width products.
+    extra = model.compute(packed, prompt, 1).busy("compute") - model.compute(plain, prompt, 1).busy("compute")
+    assert extra == pytest.approx(4 * h * h / hw.dequant)
+    # bfloat16 has no timed kernel in this profile: widened there, at every step.
+    bf16 = CostModel(SMALL, 32, 4, hw, dtype="bfloat16")
+    extra = bf16.compute(packed, decode, 1).busy("compute") - bf16.compute(plain, decode, 1).busy("compute")
+    assert extra == pytest.approx(4 * h * h / hw.dequant)
 
 
 def need_of(spec, policy, dtype_bytes, prompt_len, gen_len, device):

@@ -164,3 +164,17 @@ def test_a_profile_measured_on_a_busy_machine_is_measured_again_once_it_is_quiet
         assert any("python -m flexh2o.profile --force" in n and "predictions off" in n for n in notes)
     else:
         assert load_profile("local") == fresh
+
+
+@pytest.mark.parametrize("then,now", [("torch", "native"), (None, "native"), ("native", "torch")])
+def test_a_cpu_profile_is_measured_again_when_the_dequantizing_kernel_changed(cache_home, quick_profile,
+                                                                              monkeypatch, then, now):
+    save_local(replace(quick_profile[0], dequant_kernel=then))
+    fresh = replace(quick_profile[0], dequant_kernel=now, source="measured again")
+    calls, notes = [], []
+    monkeypatch.setattr(flexh2o.optimizer.measure, "measure", lambda *a, **k: calls.append(a) or fresh)
+    monkeypatch.setattr(flexh2o.optimizer.measure, "dequant_kernel", lambda device: now)
+    assert flexh2o.profile.ensure_local_profile("cpu", str(cache_home / "offload"), log=notes.append) == fresh
+    assert len(calls) == 1 and any("dequantizes with" in n for n in notes)
+    assert flexh2o.profile.ensure_local_profile("cpu", str(cache_home / "offload"), log=notes.append) == fresh
+    assert len(calls) == 1  # the same kernel now: the cache serves

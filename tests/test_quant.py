@@ -1,4 +1,5 @@
-"""4-bit group quantization (flexh2o/quant.py): round trip within half a step, layout and bytes."""
+"""4-bit group quantization (flexh2o/quant.py): round trip within half a step, layout and bytes, by
+both paths: the C kernels (flexh2o/native) and torch's operations, bit-equal to each other."""
 
 import math
 
@@ -7,6 +8,16 @@ import torch
 
 from flexh2o.quant import (GROUP, GROUP_BYTES, compressible, dequantize, packed_bytes, packed_shape, packed_width,
                            quantize, stored_bytes)
+
+
+@pytest.fixture(autouse=True, params=["native", "torch"])
+def path(request, monkeypatch):
+    from flexh2o import native
+    if request.param == "torch":
+        monkeypatch.setenv("FLEXH2O_NATIVE", "0")
+    elif native.library() is None:
+        pytest.skip("no C compiler: the kernels cannot be built here")
+    return request.param
 
 
 def steps(packed, n):

@@ -10,6 +10,7 @@ for a gain that holds in the engine, so they keep F.linear.
 import torch
 import torch.nn.functional as F
 
+from ..grouped_weight import GroupedWeight
 from ..int4_tiles import TiledWeight
 from .linear import linear
 
@@ -17,8 +18,8 @@ FEW_ROWS = (2, 128)  # the row counts, inclusive, that take the transposed layou
 
 
 def logits(x: torch.Tensor, head) -> torch.Tensor:
-    """x [rows, hidden] -> [rows, vocab], in x's dtype (head: a tensor, or a tiled 4-bit weight)."""
-    if isinstance(head, TiledWeight):
+    """x [rows, hidden] -> [rows, vocab], in x's dtype (head: a tensor, or a 4-bit weight)."""
+    if isinstance(head, (TiledWeight, GroupedWeight)):
         return linear(x, head)
     rows = x.shape[0]
     if x.device.type != "cpu" or not FEW_ROWS[0] <= rows <= FEW_ROWS[1]:

@@ -8,7 +8,8 @@ longest of its compute and of each I/O channel's busy time, and without overlap 
 - compute: the matrix products at the rate the profile measured for their rows, the engine's
   attention calls as the profile timed them (attention_costs.py; a profile without them: the
   prompt's products at attention_flops, decode reading K and V at the device's bandwidth), 4-bit
-  dequantization, a fixed cost per (layer, gpu-batch) call, and, where the CPU computes, the
+  weights multiplied unwidened at the rate the profile timed its kernel, or dequantized once per
+  load, a fixed cost per (layer, gpu-batch) call, and, where the CPU computes, the
   memory copies the I/O threads make: a thread copying takes a core from the compute's two-thread
   team, whose work waits on its slower thread, so a copy adds its whole time;
 - h2d / d2h: copies between CPU memory and the GPU (pinned), weights, cache and parked hidden states;
@@ -26,15 +27,18 @@ placements at once by passing numpy arrays where a single prediction passes numb
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from ..kv import POLICIES, budget, slot_bytes
 from ..kv.home import batch_split, cpu_attention_dtype
 from ..memory import DTYPE_OF, split_as_placed
+from ..unwidened import MAX_ROWS, kernel_for
 from .attention_costs import decode_units, prompt_units
 from .attention_costs import seconds as attention_seconds
 from .hardware import HardwareProfile
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 PROBS_PASSES = 4        # the prompt's attention probabilities are written and read about this often
 DECODE_SAMPLES = 16     # decode steps evaluated when there are more; each stands for its share of steps
 
@@ -185,12 +189,10 @@ class CostModel:
     def _layer_weight_io(self, layer, policy) -> Channels:
         hw, ch = self.hw, Channels()
         # A table looked up by rows (an input embedding) moves a few rows: left out.
-        for shape, compressed, row_bytes, rows in split_as_placed(layer, self.dtype_bytes, policy)[layer.gathered:]:
+        for shape, _, row_bytes, rows in split_as_placed(layer, self.dtype_bytes, policy)[layer.gathered:]:
             whole = [tier for tier, n in rows.items() if n == shape[0]]
             in_place = bool(whole) and (whole[0] == "gpu" or (whole[0] == "cpu" and not self.on_cuda))
-            if compressed:  # dequantized into a buffer at every load, wherever its groups are
-                ch.add("compute", "weight I/O", int(np.prod(shape)) / hw.dequant)
-            if in_place:
+            if in_place:  # (compressed, it is still dequantized or multiplied unwidened: see compute())
                 continue
             moved = {tier: n * row_bytes for tier, n in rows.items()}
             if moved["disk"]:
@@ -283,7 +285,10 @@ class CostModel:
         return ch
 
     def compute(self, policy, step: Step, j: int) -> Channels:
-        """Layer j's matrix products for every gpu-batch of the step, and the fixed cost of each call."""
+        """Layer j's matrix products for every gpu-batch of the step, and the fixed cost of each call.
+        Compressed (weight_io moves the groups), a matrix is multiplied unwidened where a kernel takes
+        it at this many rows (unwidened.py), else dequantized once per load, on the compute device,
+        wherever its groups are, and multiplied in full width."""
         b, spec, hw = policy.gpu_batch_size, self.spec, self.hw
         rows = b * (self.prompt_len if step.prefill else 1)
         matrices = self.matrices[j]
@@ -292,9 +297,27 @@ class CostModel:
             matrices = [projection] if spec.embed_dim != spec.hidden_size else []
         elif self.kinds[j] == "OutputEmbed":
             rows = b  # only the last position predicts
-        flops = sum(2 * rows * out_dim * in_dim for out_dim, in_dim in matrices)
-        seconds = (flops / hw.matmul_rate(rows, self.dtype) if flops else 0.0) + hw.layer_overhead
-        return Channels().add("compute", "compute", policy.num_gpu_batches * seconds)
+        full_width, seconds, widened = 0, hw.layer_overhead, 0
+        for shape in matrices:
+            flops = 2 * rows * shape[0] * shape[1]
+            rate = self.unwidened_rate(shape, rows) if policy.compress_weight else None
+            if rate is not None:
+                seconds += flops / rate
+                continue
+            full_width += flops
+            widened += shape[0] * shape[1] if policy.compress_weight else 0
+        seconds += full_width / hw.matmul_rate(rows, self.dtype) if full_width else 0.0
+        ch = Channels().add("compute", "compute", policy.num_gpu_batches * seconds)
+        return ch.add("compute", "weight I/O", widened / hw.dequant) if widened else ch
+
+    def unwidened_rate(self, shape, rows: int) -> float | None:
+        """FLOP/s of a compressed matrix multiplied unwidened in a step of `rows` rows; None where it
+        is widened instead (no kernel for it, more rows than its kernel's limit, or not measured)."""
+        measured = self.hw.int4_matmul_rate(1, self.dtype) is not None
+        kernel = kernel_for(shape, TORCH_DTYPES[self.dtype], not self.on_cuda, measured)
+        if kernel is None or rows > MAX_ROWS[kernel]:
+            return None
+        return self.hw.int4_matmul_rate(rows, self.dtype)
 
     # -- putting them together --------------------------------------------------------------------
     def stage(self, policy, step: Step, j: int, weights: list[Channels], cache: Channels) -> Channels:

@@ -54,6 +54,13 @@ class HardwareProfile:
     # The share of all cores other processes kept busy while it was measured (machine.LoadMeter);
     # None where not recorded. A busy measurement is re-done once the machine is quiet (profile.py).
     others_cpu_share: float | None = None
+    # What measured `dequant`: "native" (flexh2o's C kernels, flexh2o/native) or "torch"; None in
+    # profiles older than the kernels. A CPU profile is measured again when a run would use the other.
+    dequant_kernel: str | None = None
+    # FLOP/s of products with a 4-bit weight multiplied unwidened (unwidened.py), by dtype and rows up
+    # to the kernel's limit; None (or a dtype missing) where no kernel takes it: the cost model then
+    # charges dequantizing, then the full-width product.
+    int4_matmul_flops: dict | None = None
 
     def knows(self, dtype: str) -> bool:
         """Whether the profile has matrix-product figures for runs in this dtype."""
@@ -61,22 +68,33 @@ class HardwareProfile:
 
     def matmul_rate(self, rows: float, dtype: str | None = None) -> float:
         """FLOP/s of a matrix product with `rows` rows, interpolated in log(rows)."""
-        table = sorted((int(r), f) for r, f in self.matmul_flops[dtype or self.dtype].items())
-        if rows <= table[0][0]:
-            return table[0][1] * rows / table[0][0]  # below the table: bound by reading the matrix
-        for (r0, f0), (r1, f1) in zip(table, table[1:]):
-            if rows <= r1:
-                t = math.log(rows / r0) / math.log(r1 / r0)
-                return f0 + t * (f1 - f0)
-        return table[-1][1]
+        return interpolated(self.matmul_flops[dtype or self.dtype], rows)
+
+    def int4_matmul_rate(self, rows: float, dtype: str) -> float | None:
+        """FLOP/s of a product with a 4-bit weight multiplied unwidened, or None where not measured."""
+        table = (self.int4_matmul_flops or {}).get(dtype)
+        return None if table is None else interpolated(table, rows)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
+def interpolated(rates: dict, rows: float) -> float:
+    """A table of FLOP/s by row count ({"1": rate, ...}) at `rows`, interpolated in log(rows)."""
+    table = sorted((int(r), f) for r, f in rates.items())
+    if rows <= table[0][0]:
+        return table[0][1] * rows / table[0][0]  # below the table: bound by reading the matrix
+    for (r0, f0), (r1, f1) in zip(table, table[1:]):
+        if rows <= r1:
+            t = math.log(rows / r0) / math.log(r1 / r0)
+            return f0 + t * (f1 - f0)
+    return table[-1][1]
+
+
 DEVICES = ("cuda", "cpu")
 DTYPES = ("float16", "bfloat16", "float32")
 SPEEDS = ("device_bandwidth", "cpu_attention_bandwidth", "memcpy", "disk_read", "disk_write", "dequant")
+DEQUANT_KERNELS = ("native", "torch")
 COPIES = ("h2d", "d2h", "h2d_pageable", "d2h_pageable")  # 0 where the CPU computes
 ATTENTION_CALLS = ("prompt_fused", "prompt_observed", "decode_fused", "decode_evicting")  # attention_costs.py
 
@@ -107,7 +125,7 @@ def check_fields(data: dict, where: str):
     def table(field, value, dtype, rows: bool):
         if not isinstance(value, dict) or not value:
             bad(field, f"must be a non-empty table by dtype, not {value!r}")
-        if dtype not in value:
+        if dtype is not None and dtype not in value:
             bad(field, f"has no figures for the profile's dtype {dtype!r}")
         for d, entry in value.items():
             if not rows:
@@ -151,6 +169,11 @@ def check_fields(data: dict, where: str):
         number("others_cpu_share", share, strict=False)
         if share > 1:
             bad("others_cpu_share", f"must be a share between 0 and 1, not {share!r}")
+    if data.get("int4_matmul_flops") is not None:
+        table("int4_matmul_flops", data["int4_matmul_flops"], None, rows=True)
+    kernel = data.get("dequant_kernel")
+    if kernel not in (None, *DEQUANT_KERNELS):
+        bad("dequant_kernel", f"must be one of {', '.join(DEQUANT_KERNELS)}, not {kernel!r}")
     growth = data.get("process_growth")
     if growth is not None:
         if not isinstance(growth, dict):

@@ -31,7 +31,10 @@ from ..memory import capacities
 from ..overhead import calibrate
 from ..models.opt import OPTSpec
 from ..policy import Policy
-from ..quant import dequantize, quantize
+from .. import int4_tiles, native
+from ..grouped_weight import GroupedWeight
+from ..quant import dequantize, packed_bytes, quantize
+from ..unwidened import MAX_ROWS, kernel_for
 from ..tiers import Tiers, copy_in_memory
 from ..weights import DummyWeights
 from .attention_costs import DECODE_BATCH, HEAD_DIM, HEADS, measure_attention_costs
@@ -79,6 +82,31 @@ def matmul_table(device: torch.device, dtype: torch.dtype, sizes: Sizes, sync) -
     return table
 
 
+def int4_matmul_table(device: torch.device, dtype: torch.dtype, sizes: Sizes, sync) -> dict | None:
+    """FLOP/s of [rows, K] times a 4-bit [N, K] weight multiplied unwidened, by rows up to its kernel's
+    limit (unwidened.py); None where no kernel takes `dtype` here. The weights cycle through
+    sizes.stream_bytes of groups, as matmul_table's do."""
+    k, n = sizes.matmul_k, sizes.matmul_n
+    kernel = kernel_for((n, k), dtype, device.type == "cpu", native.library() is not None)
+    if kernel is None:
+        return None
+    weights = []
+    for _ in range(max(1, -(-sizes.stream_bytes // packed_bytes((n, k))))):
+        groups = quantize(random_tensor((n, k), torch.float32, device), check=False)
+        weights.append(int4_tiles.TiledWeight(int4_tiles.pack(groups, k), k, None) if kernel == "tiles"
+                       else GroupedWeight(groups, k, None))
+    table, rate = {}, None
+    for rows in (r for r in MATMUL_ROWS if r <= MAX_ROWS[kernel]):
+        flop = 2 * rows * k * n
+        if len(table) >= MIN_MATMUL_ROWS and flop / rate > sizes.max_call:
+            break
+        x = random_tensor((rows, k), dtype, device)
+        turn = itertools.cycle(weights)
+        rate = flop / seconds_per_call(lambda: next(turn).matmul(x), sync, sizes)
+        table[str(rows)] = rate
+    return table
+
+
 def prompt_products(heads: int, seq: int, dtype: torch.dtype, device: torch.device):
     """A call of the prompt's two attention products, Q K^T and P V, over `heads` (sequence, head) pairs."""
     q, k, v = (random_tensor((heads, seq, HEAD_DIM), dtype, device) for _ in range(3))
@@ -118,6 +146,12 @@ def decode_bandwidth(device: torch.device, dtype: torch.dtype, sizes: Sizes, syn
     trial = trial_seconds(decode_step(trial_slots, dtype, device), sync)
     slots = max(trial_slots, scaled_size(trial_slots, trial, sizes.trial_target, most_slots))
     return slots * slot_bytes / seconds_per_call(decode_step(slots, dtype, device), sync, sizes)
+
+
+def dequant_kernel(device: torch.device) -> str:
+    """What dequantizes on `device`: flexh2o's C kernels where the CPU computes and has them, else torch."""
+    from .. import native
+    return "native" if device.type == "cpu" and native.library() is not None else "torch"
 
 
 def dequant_rate(device: torch.device, dtype: torch.dtype, sizes: Sizes, sync) -> float:
@@ -328,6 +362,8 @@ def _measure(device: torch.device, offload_dir: str, quick: bool, log) -> Hardwa
               for d in matmul_dtypes(device)}
     attention = {dtype_name(d): logged(log, f"attention {dtype_name(d)}", attention_rate, device, d, sizes, sync)
                  for d in matmul_dtypes(device)}
+    int4 = {dtype_name(d): logged(log, f"4-bit matmul {dtype_name(d)}", int4_matmul_table, device, d, sizes, sync)
+            for d in matmul_dtypes(device)}
     bandwidth = logged(log, "decode attention", decode_bandwidth, device, dtype, sizes, sync)
     if device.type == "cuda":
         cpu_bandwidth = logged(log, "decode attention on the CPU", decode_bandwidth, cpu,
@@ -348,4 +384,5 @@ def _measure(device: torch.device, offload_dir: str, quick: bool, log) -> Hardwa
         device_bandwidth=bandwidth, cpu_attention_bandwidth=cpu_bandwidth, **copies,
         memcpy=logged(log, "memcpy", memcpy_rate, host_sizes), disk_read=disk_read, disk_write=disk_write,
         dequant=logged(log, "dequantize", dequant_rate, device, dtype, sizes, sync),
+        dequant_kernel=dequant_kernel(device), int4_matmul_flops={d: t for d, t in int4.items() if t} or None,
         layer_overhead=overhead, attention_costs=calls, process_growth=growth)

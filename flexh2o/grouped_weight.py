@@ -1,0 +1,46 @@
+"""A loaded 4-bit matrix in quant.py's own groups, multiplied unwidened by flexh2o's C kernel.
+
+Where the CPU computes in float32, torch's int4 and int8 kernels run slower than the full-width
+product (results/int4_kernels.md), so flexh2o multiplies its groups itself: native/quant4.c's
+matmul_groups makes each weight value in registers once per block of 8 rows and multiplies it
+there, so a matrix is read, moved and held at 0.14x of its float32 bytes. A step of few rows
+(decode) multiplies the groups as they are; a step of many (a prompt) widens them once per load
+into `values` (a compute buffer) and multiplies in full width, which is faster there.
+"""
+
+import torch
+
+from . import native
+from .quant import dequantize
+
+
+def matmul(x: torch.Tensor, groups: torch.Tensor, k: int) -> torch.Tensor:
+    """x [..., k] (float32) times the transpose of the weight whose rows `groups` holds: [..., n]."""
+    lib = native.library()
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    n = groups.shape[0]
+    out = torch.empty(len(rows), n)
+    groups = groups.contiguous()
+    native.split_rows(lambda a, b: lib.matmul_groups(rows.data_ptr(), len(rows), rows.stride(0), k, groups.data_ptr(),
+                                                     out.data_ptr(), n, a, b), n, n * k * len(rows) // 8)
+    return out.view(*x.shape[:-1], n)
+
+
+class GroupedWeight:
+    """A compressed matrix as loaded: its groups `data` [n, packed width] and `values`, a compute
+    buffer [n, k] filled only if a step of many rows asks for the widened matrix."""
+    kernel_name = "groups"  # unwidened.py
+
+    def __init__(self, data: torch.Tensor, k: int, values: torch.Tensor):
+        self.data, self.values, self.shape, self._widened = data, values, (data.shape[0], k), False
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return matmul(x, self.data, self.shape[1])
+
+    def widened(self) -> torch.Tensor:
+        if not self._widened:
+            dequantize(self.data, self.shape[1], self.values)
+            self._widened = True
+        return self.values

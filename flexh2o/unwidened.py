@@ -1,0 +1,28 @@
+"""Which kernel multiplies a compressed matrix without widening it first, and up to how many rows.
+
+- "tiles": torch's CPU int4 kernel, bfloat16 activations, the matrix placed in its layout
+  (int4_tiles.py): rows a multiple of 32, columns of 64;
+- "groups": flexh2o's own C kernel on quant.py's groups as they are (grouped_weight.py), float32
+  activations: columns a multiple of 64, where the kernels are built (native/).
+A step of more rows than its kernel's limit widens the matrix once per load and multiplies in full
+width, which is faster there (models/linear.py). On CUDA every compressed matrix is widened.
+"""
+
+import torch
+
+from .int4_tiles import tileable
+from .quant import GROUP
+
+MAX_ROWS = {"tiles": 256, "groups": 32}  # results/int4_kernels.md
+
+
+def kernel_for(shape, dtype: torch.dtype, on_cpu: bool, groups_built: bool) -> str | None:
+    """The kernel for a compressed matrix of this (decoded) shape in a run of `dtype`; None: widened.
+    groups_built: whether flexh2o's own kernels are there (native.library(), or a profile that timed them)."""
+    if not on_cpu or len(shape) != 2:
+        return None
+    if dtype == torch.bfloat16 and tileable(*shape):
+        return "tiles"
+    if dtype == torch.float32 and shape[-1] % GROUP == 0 and groups_built:
+        return "groups"
+    return None

@@ -1,0 +1,137 @@
+"""How fast a run writes its weights to disk: dummy and real (a checkpoint's), full width and 4-bit.
+
+    python scripts/bench_placement.py        # OPT-1.3B in float32: about 3 minutes
+
+Each case builds an Engine with every weight it may place off the compute device on disk (the LM
+head stays on the compute device, memory.py), timed from the call to the engine being ready, and
+reports the bytes written to the offload directory per second beside the disk's write speed as the
+local profile measured it (the issue's bar: at least half of it). Real weights come from a
+safetensors checkpoint this script writes once (float32 and float16, the widths users download),
+its pages dropped before each run, so the source is read from disk as on a first run; the source's
+bytes per second are reported too, since reading them can bound a real placement whatever the
+writing does. Each case runs --repeats times, the cases interleaved.
+
+It also times 4-bit quantization itself on one 8192 x 8192 matrix per input width, by flexh2o's C
+kernels and by torch's operations (flexh2o/quant.py keeps both, bit-equal).
+Writes results/placement.{json,md}.
+"""
+
+import argparse
+import glob
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+from flexh2o import Engine, Policy, native, quant  # noqa: E402
+from flexh2o.machine import describe_machine  # noqa: E402
+from flexh2o.models.opt import PRESETS  # noqa: E402
+from flexh2o.output import write_json_atomic, write_text_atomic  # noqa: E402
+from flexh2o.profile import default_offload_dir, ensure_local_profile  # noqa: E402
+from bench_vs_accelerate import drop_page_cache  # noqa: E402
+
+GB = 1e9
+
+
+def make_checkpoint(model: str, dtype: torch.dtype, directory: str) -> list[str]:
+    from bench_vs_transformers import opt_model
+    if not os.path.exists(os.path.join(directory, "config.json")):
+        partial = directory + ".part"
+        shutil.rmtree(partial, ignore_errors=True)
+        opt_model(PRESETS[model], 0, dtype).save_pretrained(partial)
+        os.replace(partial, directory)
+    return glob.glob(os.path.join(directory, "*.safetensors"))
+
+
+def place_once(model: str, compressed: bool, source: str | None, files: list[str], workdir: str) -> dict:
+    policy = Policy(gpu_batch_size=1, num_gpu_batches=1, w_gpu_percent=0, w_cpu_percent=0, compress_weight=compressed)
+    if files:
+        drop_page_cache(files)
+    start = time.perf_counter()
+    with Engine.from_pretrained(model, policy=policy, device="cpu", dtype=torch.float32, dummy=source is None,
+                                path=source, offload_dir=workdir) as engine:
+        seconds = time.perf_counter() - start
+        written = engine.tiers.peak["disk"]
+    return {"seconds": seconds, "written": written, "source_bytes": sum(os.path.getsize(f) for f in files)}
+
+
+def quantize_rates(repeats: int) -> list[dict]:
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = torch.randn(8192, 8192).to(dtype)
+        row = {"dtype": str(dtype).removeprefix("torch."), "bytes_in": x.numel() * x.element_size()}
+        for path in ("native", "torch"):
+            if path == "native" and native.library() is None:
+                continue
+            os.environ["FLEXH2O_NATIVE"] = "1" if path == "native" else "0"
+            best = min(timed(lambda: quant.quantize(x, check=False)) for _ in range(repeats))
+            row[path] = row["bytes_in"] / best
+        os.environ.pop("FLEXH2O_NATIVE")
+        rows.append(row)
+    return rows
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def markdown(r: dict) -> str:
+    half = r["disk_write"] / 2
+    lines = [f"# Placing weights on disk: {r['model']} in float32", "", f"Machine: {r['machine']}.", "",
+             f"`{r['command']}`. The local profile's disk write speed: {r['disk_write'] / GB:.2f} GB/s "
+             f"(half: {half / GB:.2f}). Best of {r['repeats']} runs per case, cases interleaved; a real "
+             "checkpoint's pages dropped before each run.", "",
+             "| weights | 4-bit | seconds | written | written GB/s | vs half the disk's speed | source read GB/s |",
+             "|---|---|---|---|---|---|---|"]
+    for c in r["cases"]:
+        best = min(c["runs"], key=lambda run: run["seconds"])
+        rate = best["written"] / best["seconds"]
+        read = f"{best['source_bytes'] / best['seconds'] / GB:.2f}" if best["source_bytes"] else "-"
+        lines.append(f"| {c['weights']} | {'yes' if c['compressed'] else 'no'} | {best['seconds']:.1f} | "
+                     f"{best['written'] / GB:.2f} GB | {rate / GB:.2f} | {rate / half:.2f}x | {read} |")
+    lines += ["", "4-bit quantization alone, one 8192 x 8192 matrix (GB/s of values in, best of "
+              f"{r['repeats']}):", "", "| input | flexh2o's C kernels | torch's operations | speed-up |", "|---|---|---|---|"]
+    for q in r["quantize"]:
+        fast = f"{q['native'] / GB:.2f}" if "native" in q else "not built"
+        gain = f"{q['native'] / q['torch']:.1f}x" if "native" in q else "-"
+        lines.append(f"| {q['dtype']} | {fast} | {q['torch'] / GB:.2f} | {gain} |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="opt-1.3b", choices=sorted(PRESETS))
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "flexh2o_bench_placement"))
+    p.add_argument("--out", default="results/placement")
+    args = p.parse_args()
+    os.makedirs(args.workdir, exist_ok=True)
+    profile = ensure_local_profile("cpu", default_offload_dir())
+    sources = {"dummy": (None, [])}
+    for dtype in (torch.float32, torch.float16):
+        directory = os.path.join(args.workdir, f"{args.model}-{str(dtype).removeprefix('torch.')}")
+        sources[f"checkpoint, {str(dtype).removeprefix('torch.')}"] = (directory, make_checkpoint(args.model, dtype, directory))
+    cases = [{"weights": name, "compressed": c, "runs": []} for name in sources for c in (False, True)]
+    offload = os.path.join(args.workdir, "offload")
+    for _ in range(args.repeats):
+        for case in cases:
+            source, files = sources[case["weights"]]
+            case["runs"].append(place_once(args.model, case["compressed"], source, files, offload))
+            print(case["weights"], case["compressed"], case["runs"][-1], flush=True)
+    result = {"model": args.model, "machine": describe_machine(), "command": " ".join(["python"] + sys.argv),
+              "disk_write": profile.disk_write, "repeats": args.repeats, "cases": cases,
+              "quantize": quantize_rates(args.repeats)}
+    write_json_atomic(args.out + ".json", result)
+    write_text_atomic(args.out + ".md", markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Compressed weights multiplied unwidened in float32 by flexh2o's own kernel (grouped_weight.py,
+native/quant4.c): the product equals dequantize-then-multiply within float32 summation error, and a
+compressed run agrees with the same run through the dequantize path on every tier, full and H2O,
+with the prompt step widening or not, allocating nothing after its first decode step."""
+
+import pytest
+import torch
+
+from flexh2o import Policy, grouped_weight, native, quant, unwidened
+from conftest import count_calls, forced_logprobs
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler: the kernels cannot be built here")
+
+BATCH, PROMPT = 4, 12  # conftest.forced_logprobs's
+TIERS = {"memory": (100, 0), "disk": (0, 0), "mixed": (34, 33)}
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 20])
+@pytest.mark.parametrize("n,k", [(5, 64), (40, 192), (33, 640)])
+def test_the_product_equals_dequantize_then_multiply(rows, n, k):
+    g = torch.Generator().manual_seed(rows * 1000 + n)
+    weight = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)
+    groups = quant.quantize(weight)
+    x = torch.randn(rows, k + 3, generator=g)[:, 2: k + 2]  # rows not adjacent in memory
+    expected = x.double() @ quant.dequantize(groups, k).double().T
+    got = grouped_weight.matmul(x, groups, k)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    scale = x.abs().double() @ quant.dequantize(groups, k).abs().double().T
+    assert ((got.double() - expected).abs() <= 1e-6 * scale + 1e-30).all()
+
+
+def test_split_over_threads_and_leading_dimensions(monkeypatch):
+    groups = quant.quantize(torch.randn(70, 128))
+    x = torch.randn(2, 3, 128)
+    one = grouped_weight.matmul(x, groups, 128)
+    assert one.shape == (2, 3, 70)
+    monkeypatch.setattr(native, "PARALLEL_VALUES", 1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        assert torch.equal(grouped_weight.matmul(x, groups, 128), one)  # each output by one thread, same order
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_which_matrices_each_kernel_takes():
+    kernel_for = unwidened.kernel_for
+    assert kernel_for((96, 128), torch.float32, True, True) == "groups"
+    assert kernel_for((96, 100), torch.float32, True, True) is None  # a partial last group
+    assert kernel_for((96, 128), torch.float32, True, False) is None  # no kernels built: widened
+    assert kernel_for((96, 128), torch.bfloat16, True, True) == "tiles"
+    assert kernel_for((100, 128), torch.bfloat16, True, True) is None  # not whole tiles of rows
+    assert kernel_for((96, 128), torch.float32, False, True) is None  # on CUDA
+    assert kernel_for((128,), torch.float32, True, True) is None
+
+
+@pytest.mark.parametrize("kv", [{}, {"hh_ratio": 0.3}])
+@pytest.mark.parametrize("tier", list(TIERS))
+@pytest.mark.parametrize("fused_rows", [32, 4])  # 4: the prompt step widens the weights, decode steps do not
+def test_a_compressed_run_agrees_with_the_dequantize_path(tileable_model, tmp_path, monkeypatch, tier, kv, fused_rows):
+    w = TIERS[tier]
+    policy = Policy(BATCH // 2, 2, w_gpu_percent=w[0], w_cpu_percent=w[1], compress_weight=True, **kv)
+    calls = count_calls(monkeypatch, grouped_weight.GroupedWeight, ["matmul", "widened"])
+    monkeypatch.setitem(unwidened.MAX_ROWS, "groups", fused_rows)
+    fused, _ = forced_logprobs(tileable_model, policy, tmp_path / "a", torch.float32)
+    assert calls["matmul"] > 0
+    assert (calls["widened"] > 0) == (fused_rows < BATCH // 2 * PROMPT)
+    monkeypatch.setenv("FLEXH2O_NATIVE", "0")  # quant.py's torch path: dequantize, then multiply
+    calls.update(matmul=0, widened=0)
+    reference, _ = forced_logprobs(tileable_model, policy, tmp_path / "b", torch.float32)
+    assert calls == {"matmul": 0, "widened": 0}
+    assert (fused - reference).abs().max() < 1e-4
