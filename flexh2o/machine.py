@@ -65,11 +65,12 @@ def describe_machine() -> dict:
 
 
 def cpu_seconds() -> tuple[float, float]:
-    """(CPU seconds every process has run, CPU seconds this one has run) since boot or start."""
+    """(CPU seconds every process has run, CPU seconds this one and its finished children have run)
+    since boot or start: a profile's probes run as children, and the C kernels' build too."""
     system, own = psutil.cpu_times(), psutil.Process().cpu_times()
     guests = getattr(system, "guest", 0.0) + getattr(system, "guest_nice", 0.0)  # already counted in user, nice
     idle = system.idle + getattr(system, "iowait", 0.0)
-    return sum(system) - guests - idle, own.user + own.system
+    return sum(system) - guests - idle, own.user + own.system + own.children_user + own.children_system
 
 
 class LoadMeter:

@@ -90,3 +90,12 @@ def test_a_broken_cached_profile_is_named_with_its_fix(tmp_path):
     line = last_line(r.stderr)
     assert line.startswith("error: --hardware: the cached local profile is broken (") and "matmul_flops" in line
     assert line.endswith("measure it again: python -m flexh2o.profile --force")
+
+
+def test_the_load_meter_counts_its_own_children_as_its_own_work():
+    """A profile's probes run as child processes: their CPU time is not other processes' load."""
+    from flexh2o.machine import LoadMeter
+    meter = LoadMeter()
+    subprocess.run([sys.executable, "-c", "import time\nend = time.time() + 1.0\nwhile time.time() < end: pass"],
+                   check=True)
+    assert meter.result()["others_cpu_share"] < 0.25  # the child alone kept one core of all busy
