@@ -127,6 +127,14 @@ class CheckpointWeights:
             out[start: start + step] = rows[start: start + step]
         return out
 
+    def get_as_stored(self, name: str, shape) -> torch.Tensor:
+        """The tensor in the file's own float width (float16, bfloat16 or float32), for a caller that
+        reads any of them exactly (quant.quantize): a 16-bit checkpoint is not widened first."""
+        file, stored = self._where[name]
+        handle = self._handle(file)
+        tensor = handle[stored] if self.format == "bin" else handle.get_tensor(stored)
+        return tensor if tensor.dtype in (torch.float16, torch.bfloat16, torch.float32) else tensor.float()
+
     def describe(self) -> str:
         return f"{self.directory} ({self.format})"
 

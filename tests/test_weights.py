@@ -107,3 +107,25 @@ def test_dummy_weights_made_as_groups_are_the_groups_of_the_dummy_values(dtype):
         assert torch.equal(packed.groups, quantize(dummy.get(name, shape, dtype)))
     assert dummy.get_packed("layers.0.fc1.weight", (8, 100), dtype) is None  # rows are not whole groups
     assert dummy.get_packed("layers.0.self_attn_layer_norm.weight", (64, 64), dtype) is None
+
+
+def test_a_16_bit_checkpoint_compressed_for_float32_is_read_as_stored_to_the_same_groups(tmp_path, monkeypatch):
+    """Quantizing reads float16 exactly: no widened float32 copy of each matrix is made first."""
+    import transformers
+    from flexh2o.weights import CheckpointWeights
+    make_tiny_opt(str(tmp_path / "f32"), seed=3, hidden_size=64, num_hidden_layers=2, ffn_dim=128, num_attention_heads=4)
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "f32", dtype=torch.float16).save_pretrained(tmp_path / "f16")
+
+    def placed_groups():
+        with Engine.from_pretrained(str(tmp_path / "f16"), policy=Policy(2, compress_weight=True), device="cpu",
+                                    dtype=torch.float32) as engine:
+            return [seg.data.clone() for layer in engine.layers for p in layer.home for seg in p.segments]
+    stored_dtypes = []
+    original = CheckpointWeights.get_as_stored
+    monkeypatch.setattr(CheckpointWeights, "get_as_stored",
+                        lambda self, *a: stored_dtypes.append(original(self, *a).dtype) or original(self, *a))
+    as_stored = placed_groups()
+    assert stored_dtypes and set(stored_dtypes) == {torch.float16}
+    monkeypatch.delattr(CheckpointWeights, "get_as_stored")  # widened to float32 first, as before
+    widened = placed_groups()
+    assert len(as_stored) == len(widened) and all(torch.equal(a, b) for a, b in zip(as_stored, widened))

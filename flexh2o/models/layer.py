@@ -48,10 +48,15 @@ class Layer:
         compress_weight, matrices are placed as 4-bit groups and these shares are of compressed bytes."""
         self.tiers = tiers
         packed = getattr(source, "get_packed", None) if policy.compress_weight else None
+        # Quantized for a float32 run, a checkpoint's 16-bit matrix is read as it is stored (widening is exact).
+        as_stored = getattr(source, "get_as_stored", None) if policy.compress_weight and tiers.dtype == torch.float32 \
+            else None
         raw = []
         for name, shape in self.weight_specs():
-            groups = packed(name, shape, tiers.dtype) if packed is not None and compressible(shape) else None
-            raw.append(groups if groups is not None else source.get(name, shape, tiers.dtype))
+            tensor = packed(name, shape, tiers.dtype) if packed is not None and compressible(shape) else None
+            if tensor is None and as_stored is not None and compressible(shape):
+                tensor = as_stored(name, shape)
+            raw.append(tensor if tensor is not None else source.get(name, shape, tiers.dtype))
         if policy.compress_weight:
             for (name, _), t in zip(self.weight_specs(), raw):
                 try:

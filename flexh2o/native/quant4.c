@@ -61,23 +61,37 @@ static uint16_t round_float16(float x, int up) {
     return (uint16_t)(away_from_zero ? bits + 1 : bits - 1);
 }
 
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+/* count values of src from offset, widened (exactly) to float32. */
 static void load_values(const void *src, int dtype, int64_t offset, int64_t count, float *dst) {
+    int64_t i = 0;
     if (dtype == FLOAT32) {
         memcpy(dst, (const float *)src + offset, (size_t)count * 4);
     } else if (dtype == BFLOAT16) {
         const uint16_t *s = (const uint16_t *)src + offset;
-        for (int64_t i = 0; i < count; i++)
+#ifdef __AVX2__
+        for (; i + 8 <= count; i += 8) {
+            __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(s + i)));
+            _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+        }
+#endif
+        for (; i < count; i++)
             dst[i] = bf16_to_float(s[i]);
     } else {
         const _Float16 *s = (const _Float16 *)src + offset;
-        for (int64_t i = 0; i < count; i++)
+#ifdef __F16C__
+        for (; i + 8 <= count; i += 8)
+            _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
+#endif
+        for (; i < count; i++)
             dst[i] = (float)s[i];
     }
 }
 
 #ifdef __AVX2__
-#include <immintrin.h>
-
 /* The eight codes of c (floats 0..15, NaN none: already clamped) as bytes at out. */
 static void store_codes(__m256 c, uint8_t *out) {
     __m256i i32 = _mm256_cvttps_epi32(c);
