@@ -7,9 +7,9 @@ head stays on the compute device, memory.py), timed from the call to the engine 
 reports the bytes written to the offload directory per second beside the disk's write speed as the
 local profile measured it (the issue's bar: at least half of it). Real weights come from a
 safetensors checkpoint this script writes once (float32 and float16, the widths users download),
-its pages dropped before each run, so the source is read from disk as on a first run; the source's
-bytes per second are reported too, since reading them can bound a real placement whatever the
-writing does. Each case runs --repeats times, the cases interleaved.
+its pages dropped before each run, so the source is read from disk as on a first run (and once more
+with them in the page cache); the source's bytes per second are reported too, since reading them
+bounds a cold placement whatever the writing does. Each case runs --repeats times, the cases interleaved.
 
 It also times 4-bit quantization itself on one 8192 x 8192 matrix per input width, by flexh2o's C
 kernels and by torch's operations (flexh2o/quant.py keeps both, bit-equal).
@@ -48,10 +48,17 @@ def make_checkpoint(model: str, dtype: torch.dtype, directory: str) -> list[str]
     return glob.glob(os.path.join(directory, "*.safetensors"))
 
 
-def place_once(model: str, compressed: bool, source: str | None, files: list[str], workdir: str) -> dict:
+def warm_page_cache(paths):
+    for path in paths:
+        with open(path, "rb") as f:
+            while f.read(64 << 20):
+                pass
+
+
+def place_once(model: str, compressed: bool, source: str | None, files: list[str], workdir: str,
+               cached: bool) -> dict:
     policy = Policy(gpu_batch_size=1, num_gpu_batches=1, w_gpu_percent=0, w_cpu_percent=0, compress_weight=compressed)
-    if files:
-        drop_page_cache(files)
+    (warm_page_cache if cached else drop_page_cache)(files)
     start = time.perf_counter()
     with Engine.from_pretrained(model, policy=policy, device="cpu", dtype=torch.float32, dummy=source is None,
                                 path=source, offload_dir=workdir) as engine:
@@ -87,14 +94,16 @@ def markdown(r: dict) -> str:
     lines = [f"# Placing weights on disk: {r['model']} in float32", "", f"Machine: {r['machine']}.", "",
              f"`{r['command']}`. The local profile's disk write speed: {r['disk_write'] / GB:.2f} GB/s "
              f"(half: {half / GB:.2f}). Best of {r['repeats']} runs per case, cases interleaved; a real "
-             "checkpoint's pages dropped before each run.", "",
+             "checkpoint's pages dropped before each run (read from disk, as on a first run), or read into the "
+             "page cache first where the row says so.", "",
              "| weights | 4-bit | seconds | written | written GB/s | vs half the disk's speed | source read GB/s |",
              "|---|---|---|---|---|---|---|"]
     for c in r["cases"]:
         best = min(c["runs"], key=lambda run: run["seconds"])
         rate = best["written"] / best["seconds"]
         read = f"{best['source_bytes'] / best['seconds'] / GB:.2f}" if best["source_bytes"] else "-"
-        lines.append(f"| {c['weights']} | {'yes' if c['compressed'] else 'no'} | {best['seconds']:.1f} | "
+        name = c["weights"] + (", in the page cache" if c.get("cached") else "")
+        lines.append(f"| {name} | {'yes' if c['compressed'] else 'no'} | {best['seconds']:.1f} | "
                      f"{best['written'] / GB:.2f} GB | {rate / GB:.2f} | {rate / half:.2f}x | {read} |")
     lines += ["", "4-bit quantization alone, one 8192 x 8192 matrix (GB/s of values in, best of "
               f"{r['repeats']}):", "", "| input | flexh2o's C kernels | torch's operations | speed-up |", "|---|---|---|---|"]
@@ -118,12 +127,13 @@ def main():
     for dtype in (torch.float32, torch.float16):
         directory = os.path.join(args.workdir, f"{args.model}-{str(dtype).removeprefix('torch.')}")
         sources[f"checkpoint, {str(dtype).removeprefix('torch.')}"] = (directory, make_checkpoint(args.model, dtype, directory))
-    cases = [{"weights": name, "compressed": c, "runs": []} for name in sources for c in (False, True)]
+    cases = [{"weights": name, "compressed": c, "cached": cached, "runs": []} for name in sources
+             for cached in ((False,) if name == "dummy" else (False, True)) for c in (False, True)]
     offload = os.path.join(args.workdir, "offload")
     for _ in range(args.repeats):
         for case in cases:
             source, files = sources[case["weights"]]
-            case["runs"].append(place_once(args.model, case["compressed"], source, files, offload))
+            case["runs"].append(place_once(args.model, case["compressed"], source, files, offload, case["cached"]))
             print(case["weights"], case["compressed"], case["runs"][-1], flush=True)
     result = {"model": args.model, "machine": describe_machine(), "command": " ".join(["python"] + sys.argv),
               "disk_write": profile.disk_write, "repeats": args.repeats, "cases": cases,

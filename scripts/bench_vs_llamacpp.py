@@ -4,9 +4,9 @@
 
 llama.cpp's side is its own benchmark, `llama-batched-bench` (each of B sequences its own prompt of
 --prompt-len tokens, then --gen-len tokens each), built by this script from the llama.cpp tree that
-the `llama-cpp-python` source distribution on PyPI vendors (pip download, cmake, GGML_NATIVE: built
-for this CPU as flexh2o's kernels are); where it cannot be built, its rows are skipped with the
-reason. flexh2o's side is `python -m flexh2o.run` on the same file with --compress-weight (its
+the `llama-cpp-python` source distribution on PyPI vendors (pip download, cmake, with every
+instruction set this CPU lists but AMX: see ISA_SWITCHES); where it cannot be built, its rows are
+skipped with the reason. flexh2o's side is `python -m flexh2o.run` on the same file with --compress-weight (its
 4-bit groups, multiplied unwidened: unwidened.py), B prompts of the same length, the whole batch as
 one gpu-batch, weights and cache in memory, greedy, no stop at EOS. Both run with --threads threads
 (torch's intra-op threads; llama.cpp's -t and -tb), one engine at a time, the batches interleaved,
@@ -15,7 +15,8 @@ one gpu-batch, weights and cache in memory, greedy, no stop at EOS. Both run wit
 Prefill: prompt tokens per second (B x prompt / prompt time); decode: generated tokens per second of
 the steps after the first (llama.cpp's S_TG, flexh2o's decode throughput). What would make this
 unfair, and why it does not apply: llama.cpp gets its own best-known settings (a batch of 2048
-tokens, micro-batches of 512, the context sized for the whole batch, its CPU-native build); flexh2o
+tokens, micro-batches of 512, the context sized for the whole batch, built for this CPU's
+instruction sets; its AMX path could not run here, while torch's bfloat16 products use AMX); flexh2o
 does not get more threads or more memory; both read the same file, held in the page cache.
 Writes results/vs_llamacpp.{json,md}.
 """
@@ -68,11 +69,29 @@ def build_llama_cpp(workdir: str, log) -> str:
         os.replace(tree, source)
         shutil.rmtree(partial)
     build = os.path.join(workdir, "build")
-    step("configuring", ["cmake", "-S", source, "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
-                         "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"], timeout=600)
+    step("configuring", ["cmake", "-S", source, "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF",
+                         *isa_options(), "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"],
+         timeout=600)
     step("building llama-batched-bench (several minutes)",
          ["cmake", "--build", build, "--target", "llama-batched-bench", "-j", str(os.cpu_count() or 2)], timeout=3600)
     return binary
+
+
+# ggml's switch for each instruction set /proc/cpuinfo may list. AMX is left out: its native build
+# died here on its first tile instruction (ldtilecfg: SIGILL) although the CPU lists amx_tile.
+ISA_SWITCHES = {"avx": "GGML_AVX", "avx2": "GGML_AVX2", "fma": "GGML_FMA", "f16c": "GGML_F16C",
+                "avx512f": "GGML_AVX512", "avx512vbmi": "GGML_AVX512_VBMI", "avx512_vnni": "GGML_AVX512_VNNI",
+                "avx512_bf16": "GGML_AVX512_BF16", "avx_vnni": "GGML_AVX_VNNI", "bmi2": "GGML_BMI2"}
+
+
+def isa_options() -> list[str]:
+    """cmake options building ggml for every instruction set this CPU has but AMX."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        return ["-DGGML_NATIVE=ON"]
+    return [f"-D{switch}={'ON' if flag in flags else 'OFF'}" for flag, switch in ISA_SWITCHES.items()]
 
 
 def run_llama(binary: str, batch: int, a) -> dict:
