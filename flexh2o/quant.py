@@ -51,7 +51,8 @@ def check_quantizable(x: torch.Tensor):
     for start in range(0, flat.numel(), BLOCK_VALUES):
         block = flat[start: start + BLOCK_VALUES]
         low, high = torch.aminmax(block)  # one pass (isfinite took 10 s of placing OPT-1.3B); NaN gives NaN
-        if low >= -FLOAT16_MAX and high <= FLOAT16_MAX:
+        # As Python floats: against a bfloat16 tensor, 65504 would be rounded to bfloat16's 65536 first.
+        if float(low) >= -FLOAT16_MAX and float(high) <= FLOAT16_MAX:
             continue
         if not torch.isfinite(block).all():
             raise ValueError("cannot quantize a tensor holding inf or NaN")
@@ -79,11 +80,14 @@ def quantize(x: torch.Tensor, check: bool = True) -> torch.Tensor:
     """x [..., n] (any float dtype, any device) -> uint8 [..., packed_width(n)] on the same device.
     With check, inf, NaN and values beyond float16's range raise ValueError; without (hot paths),
     such a group comes back as inf or NaN, never as finite garbage."""
+    lib = _native_for(x)
+    if lib is not None:  # the kernel counts the groups it cannot hold as it goes: checked for free
+        out, bad = _quantize_native(lib, x)
+        if check and bad:
+            check_quantizable(x)  # raises, naming what is wrong
+        return out
     if check:
         check_quantizable(x)
-    lib = _native_for(x)
-    if lib is not None:
-        return _quantize_native(lib, x)
     if _over_a_block(x, x[0].numel() if x.dim() > 1 else 0):
         out = torch.empty(packed_shape(x.shape), dtype=torch.uint8, device=x.device)
         _by_row_blocks(x, out, x[0].numel(), lambda block, dst: dst.copy_(quantize(block, check=False)))
@@ -176,17 +180,18 @@ def _as_groups(rows: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
     return rows, n
 
 
-def _quantize_native(lib, x: torch.Tensor) -> torch.Tensor:
+def _quantize_native(lib, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """x's groups, and how many of them the kernel found it cannot hold."""
     n = x.shape[-1]
     rows = _rows_of(x) if x.dtype in NATIVE_DTYPES else None
     if rows is None:
         rows = x.to(torch.float32).contiguous().view(-1, n)
     out = torch.empty(packed_shape(x.shape), dtype=torch.uint8)
     rows, width = _as_groups(rows, n)
-    code, stride, ptr = NATIVE_DTYPES[rows.dtype], rows.stride(0), rows.data_ptr()
-    native.split_rows(lambda a, b: lib.quantize_rows(ptr, code, stride, width, out.data_ptr(), a, b),
+    code, stride, ptr, bad = NATIVE_DTYPES[rows.dtype], rows.stride(0), rows.data_ptr(), []
+    native.split_rows(lambda a, b: bad.append(lib.quantize_rows(ptr, code, stride, width, out.data_ptr(), a, b)),
                       len(rows), rows.numel())
-    return out
+    return out, sum(bad)
 
 
 def _dequantize_native(lib, packed: torch.Tensor, n: int, out, dtype) -> torch.Tensor:

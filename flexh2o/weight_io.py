@@ -38,8 +38,8 @@ class WeightIO:
 
     def place(self, tensor: torch.Tensor, rows: dict, compressed: bool = False, tiled: bool = False) -> Placed:
         """Puts a tensor's rows at their home tiers (rows: tier -> number of rows, in tier order),
-        as 4-bit groups when compressed, in the int4 kernel's layout when tiled (the same bytes). A
-        tensor to compress has passed quant.check_quantizable (Layer.init_weight names the weight)."""
+        as 4-bit groups when compressed (ValueError if it holds inf, NaN or values beyond float16),
+        in the int4 kernel's layout when tiled (the same bytes)."""
         if isinstance(tensor, Packed):  # already groups
             decoded, tensor = tensor.shape, tensor.groups
         else:
@@ -47,7 +47,7 @@ class WeightIO:
                 tensor = tensor.to(self.dtype)
             decoded = tuple(tensor.shape) if compressed else None
             if compressed:
-                tensor = quantize(tensor, check=False)
+                tensor = quantize(tensor)
         if tiled:
             tensor = int4_tiles.pack(tensor, decoded[-1])
         segments, start = [], 0

@@ -169,6 +169,16 @@ def test_a_weight_that_4_bit_groups_cannot_hold_is_refused_by_name(tiny_models, 
                    "weight decoder.layers.1.fc2.weight: cannot quantize a tensor holding inf or NaN", capsys)
 
 
+def test_a_weight_the_compute_dtype_rounds_past_float16_is_refused_by_name(tiny_models, tmp_path, capsys):
+    directory, _ = tiny_models["tiny"]
+    (tmp_path / "config.json").write_text(open(os.path.join(directory, "config.json")).read())
+    weights = load_file(os.path.join(directory, "model.safetensors"))
+    weights["model.decoder.layers.1.fc2.weight"][3, 4] = 65504.0  # float16's largest: bfloat16 rounds it to 65536
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    assert_refused(SMALL + ["--model", str(tmp_path), "--compress-weight", "--dtype", "bfloat16"], "--compress-weight",
+                   "weight decoder.layers.1.fc2.weight: cannot quantize values beyond float16's range", capsys)
+
+
 def test_a_model_directory_without_weights_names_model(tiny_models, tmp_path, capsys):
     directory, _ = tiny_models["tiny"]
     (tmp_path / "config.json").write_text(open(os.path.join(directory, "config.json")).read())

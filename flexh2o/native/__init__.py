@@ -95,7 +95,8 @@ def _load() -> ctypes.CDLL | None:
     lib.quantize_rows.argtypes = [ptr, ctypes.c_int, i64, i64, ptr, i64, i64]
     lib.dequantize_rows.argtypes = [ptr, i64, ptr, ctypes.c_int, i64, i64, i64]
     lib.matmul_groups.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, i64, i64]
-    lib.quantize_rows.restype = lib.dequantize_rows.restype = lib.matmul_groups.restype = None
+    lib.quantize_rows.restype = i64
+    lib.dequantize_rows.restype = lib.matmul_groups.restype = None
     return lib
 
 

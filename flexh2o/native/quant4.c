@@ -196,10 +196,13 @@ static void group_values(const uint8_t *pairs, float scale, float low, float *v)
 }
 #endif
 
-static void quantize_group(const float *v, uint8_t *record) {
+/* Quantizes one group into its record; returns whether the group is one 4-bit groups cannot hold
+   (NaN, infinite, or beyond float16's range: quant.check_quantizable's test). */
+static int quantize_group(const float *v, uint8_t *record) {
     float lo, hi;
     int nan;
     group_min_max(v, &lo, &hi, &nan);
+    int bad = nan || !(lo >= -65504.0f && hi <= 65504.0f);
     if (nan) /* torch's amin and amax give NaN: so does the group */
         lo = hi = NAN;
     uint16_t low_bits = round_float16(lo, 0);
@@ -212,12 +215,14 @@ static void quantize_group(const float *v, uint8_t *record) {
         record[i] = (uint8_t)(codes[i] | (codes[i + HALF] << 4));
     memcpy(record + HALF, &scale_bits, 2);
     memcpy(record + HALF + 2, &low_bits, 2);
+    return bad;
 }
 
-/* x: rows of n values (row r at x + r * row_stride elements), out: rows of groups(n) records. */
-void quantize_rows(const void *x, int dtype, int64_t row_stride, int64_t n, uint8_t *out,
-                   int64_t first, int64_t last) {
-    int64_t groups = (n + GROUP - 1) / GROUP;
+/* x: rows of n values (row r at x + r * row_stride elements), out: rows of groups(n) records.
+   Returns how many groups cannot be held (see quantize_group). */
+int64_t quantize_rows(const void *x, int dtype, int64_t row_stride, int64_t n, uint8_t *out,
+                      int64_t first, int64_t last) {
+    int64_t groups = (n + GROUP - 1) / GROUP, bad = 0;
     float v[GROUP];
     for (int64_t r = first; r < last; r++) {
         uint8_t *record = out + r * groups * GROUP_BYTES;
@@ -226,9 +231,10 @@ void quantize_rows(const void *x, int dtype, int64_t row_stride, int64_t n, uint
             load_values(x, dtype, r * row_stride + start, count, v);
             for (int64_t i = count; i < GROUP; i++) /* the last group padded with its final value */
                 v[i] = v[count - 1];
-            quantize_group(v, record);
+            bad += quantize_group(v, record);
         }
     }
+    return bad; /* groups that cannot be held */
 }
 
 /* packed: rows of groups(n) records, out: rows of n values (row r at out + r * row_stride). */
