@@ -66,18 +66,25 @@ def dtype_name(dtype: torch.dtype) -> str:
 # -- compute ------------------------------------------------------------------------------------
 
 def matmul_table(device: torch.device, dtype: torch.dtype, sizes: Sizes, sync) -> dict:
-    """FLOP/s of [rows, K] @ [K, N] by rows. A slow dtype stops once the next row count, at the
-    rate of the last, would take longer than sizes.max_call."""
-    k, n = sizes.matmul_k, sizes.matmul_n
+    """FLOP/s of [rows, K] @ [K, N] by rows."""
     weights = streamed_weights(sizes, dtype, device)
+    return rows_table(MATMUL_ROWS, weights, torch.nn.functional.linear, device, dtype, sizes, sync)
+
+
+def rows_table(row_counts, weights: list, product, device: torch.device, dtype: torch.dtype, sizes: Sizes,
+               sync) -> dict:
+    """FLOP/s of product(x [rows, K], weight) by rows, each call on the next of `weights` ([N, K]
+    each, cycled). A slow product stops once the next row count, at the rate of the last, would take
+    longer than sizes.max_call."""
+    k, n = sizes.matmul_k, sizes.matmul_n
     table, rate = {}, None
-    for rows in MATMUL_ROWS:
+    for rows in row_counts:
         flop = 2 * rows * k * n
         if len(table) >= MIN_MATMUL_ROWS and flop / rate > sizes.max_call:
             break
         x = random_tensor((rows, k), dtype, device)
         turn = itertools.cycle(weights)
-        rate = flop / seconds_per_call(lambda: torch.nn.functional.linear(x, next(turn)), sync, sizes)
+        rate = flop / seconds_per_call(lambda: product(x, next(turn)), sync, sizes)
         table[str(rows)] = rate
     return table
 
@@ -95,16 +102,8 @@ def int4_matmul_table(device: torch.device, dtype: torch.dtype, sizes: Sizes, sy
         groups = quantize(random_tensor((n, k), torch.float32, device), check=False)
         weights.append(int4_tiles.TiledWeight(int4_tiles.pack(groups, k), k, None) if kernel == "tiles"
                        else GroupedWeight(groups, k, None))
-    table, rate = {}, None
-    for rows in (r for r in MATMUL_ROWS if r <= MAX_ROWS[kernel]):
-        flop = 2 * rows * k * n
-        if len(table) >= MIN_MATMUL_ROWS and flop / rate > sizes.max_call:
-            break
-        x = random_tensor((rows, k), dtype, device)
-        turn = itertools.cycle(weights)
-        rate = flop / seconds_per_call(lambda: next(turn).matmul(x), sync, sizes)
-        table[str(rows)] = rate
-    return table
+    return rows_table([r for r in MATMUL_ROWS if r <= MAX_ROWS[kernel]], weights, lambda x, w: w.matmul(x),
+                      device, dtype, sizes, sync)
 
 
 def prompt_products(heads: int, seq: int, dtype: torch.dtype, device: torch.device):
@@ -150,7 +149,6 @@ def decode_bandwidth(device: torch.device, dtype: torch.dtype, sizes: Sizes, syn
 
 def dequant_kernel(device: torch.device) -> str:
     """What dequantizes on `device`: flexh2o's C kernels where the CPU computes and has them, else torch."""
-    from .. import native
     return "native" if device.type == "cpu" and native.library() is not None else "torch"
 
 
