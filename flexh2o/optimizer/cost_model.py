@@ -27,8 +27,8 @@ placements at once by passing numpy arrays where a single prediction passes numb
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
+from ..engine import DTYPES
 from ..kv import POLICIES, budget, slot_bytes
 from ..kv.home import batch_split, cpu_attention_dtype
 from ..memory import DTYPE_OF, split_as_placed
@@ -38,7 +38,6 @@ from .attention_costs import seconds as attention_seconds
 from .hardware import HardwareProfile
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
-TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 PROBS_PASSES = 4        # the prompt's attention probabilities are written and read about this often
 DECODE_SAMPLES = 16     # decode steps evaluated when there are more; each stands for its share of steps
 
@@ -314,7 +313,7 @@ class CostModel:
         """FLOP/s of a compressed matrix multiplied unwidened in a step of `rows` rows; None where it
         is widened instead (no kernel for it, more rows than its kernel's limit, or not measured)."""
         measured = self.hw.int4_matmul_rate(1, self.dtype) is not None
-        kernel = kernel_for(shape, TORCH_DTYPES[self.dtype], not self.on_cuda, measured)
+        kernel = kernel_for(shape, DTYPES[self.dtype], not self.on_cuda, measured)
         if kernel is None or rows > MAX_ROWS[kernel]:
             return None
         return self.hw.int4_matmul_rate(rows, self.dtype)
