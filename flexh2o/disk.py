@@ -282,12 +282,18 @@ class DiskStore:
                     os.posix_fadvise(f.fd, start, end - start, os.POSIX_FADV_DONTNEED)
 
     def _write_direct(self, f: DiskFile, offset: int, view: memoryview):
-        """Writes past the page cache (O_DIRECT) through an aligned bounce block: buffered, placing
-        OPT-1.3B's dummy weights wrote at 0.26-0.52 GB/s here, as fast as the kernel wrote dirty
-        pages back. A last partial block is padded with zeros, inside the file's padding."""
+        """Writes past the page cache (O_DIRECT): buffered, placing OPT-1.3B's dummy weights wrote
+        at 0.26-0.52 GB/s here, as fast as the kernel wrote dirty pages back. Memory at an ALIGN
+        boundary goes out as it is, whole blocks of it; the rest through an aligned bounce block
+        (a copy that cost placing 4-bit weights a tenth of its CPU time), a last partial block
+        padded with zeros, inside the file's padding."""
         with self._writing():
             if f.wfd is None:
                 f.wfd = os.open(f.path, os.O_WRONLY | os.O_DIRECT)
+            direct = len(view) // ALIGN * ALIGN if np.frombuffer(view, np.uint8).ctypes.data % ALIGN == 0 else 0
+            for pos in range(0, direct, MAX_IO):
+                pwrite_all(f.wfd, view[pos: min(pos + MAX_IO, direct)], offset + pos)
+            view, offset = view[direct:], offset + direct
             for pos in range(0, len(view), BOUNCE):
                 piece = view[pos: pos + BOUNCE]
                 padded = -(-len(piece) // ALIGN) * ALIGN

@@ -193,16 +193,18 @@ def compute_copy_bytes(layers, dtype_bytes: int, policy, device) -> int:
 
 def load_transient(layers, dtype_bytes: int, policy) -> int:
     """Host memory loading takes beyond the placed weights, at its peak: one layer's tensors as read
-    (in the run's width, weights.py), the concatenations prepare() makes of them, and while a
-    compressed one is quantized its groups and a block's float32 temporaries."""
+    (in the run's width, weights.py), the concatenations prepare() makes of them, with
+    compress_weight the layer's groups and a block's float32 temporaries, and the groups of the
+    two layers before, which may still be being written (weight_io.py)."""
     def layer(layer):
         read = sum(math.prod(shape) for _, shape in layer.weight_specs()) * dtype_bytes
         shapes = [tuple(shape) for _, shape in layer.weight_specs()]
         stored = stored_shapes(layer, dtype_bytes, policy)
         made = sum(math.prod(shape) for shape, _, _ in stored if shape not in shapes) * dtype_bytes
-        quantized = max((shape[0] * rb + 8 * BLOCK_VALUES for shape, compressed, rb in stored if compressed), default=0)
-        return read + made + quantized
-    return max(per_layer(layers, layer))
+        groups = sum(shape[0] * rb for shape, compressed, rb in stored if compressed)
+        return read + made + (groups + 8 * BLOCK_VALUES if groups else 0), groups
+    held = per_layer(layers, layer)
+    return max(h + sum(g for _, g in held[max(i - 2, 0): i]) for i, (h, _) in enumerate(held))
 
 
 def with_loading(need: dict, run: dict, transient, on_cuda: bool) -> dict:

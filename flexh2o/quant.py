@@ -17,12 +17,14 @@ import math
 import torch
 
 from . import native
+from .disk import aligned_empty
 
 GROUP = 64
 LEVELS = 15                 # codes 0..15
 GROUP_BYTES = GROUP // 2 + 4  # the codes, then the float16 scale and minimum
 FLOAT16_MAX = 65504.0
 BLOCK_VALUES = 1 << 22  # values quantized, or dequantized into an `out`, at once: bounds the temporaries
+ALIGNED_BYTES = 1 << 20  # groups of at least this many bytes are made at a disk block boundary
 DEQUANT_WORKING_BYTES = 8 * BLOCK_VALUES  # a block's float32 values, its codes unpacked, scales and minima
 
 
@@ -89,7 +91,8 @@ def quantize(x: torch.Tensor, check: bool = True) -> torch.Tensor:
     if check:
         check_quantizable(x)
     if _over_a_block(x, x[0].numel() if x.dim() > 1 else 0):
-        out = torch.empty(packed_shape(x.shape), dtype=torch.uint8, device=x.device)
+        out = groups_buffer(packed_shape(x.shape)) if x.device.type == "cpu" else \
+            torch.empty(packed_shape(x.shape), dtype=torch.uint8, device=x.device)
         _by_row_blocks(x, out, x[0].numel(), lambda block, dst: dst.copy_(quantize(block, check=False)))
         return out
     n = x.shape[-1]
@@ -186,7 +189,7 @@ def _quantize_native(lib, x: torch.Tensor) -> tuple[torch.Tensor, int]:
     rows = _rows_of(x) if x.dtype in NATIVE_DTYPES else None
     if rows is None:
         rows = x.to(torch.float32).contiguous().view(-1, n)
-    out = torch.empty(packed_shape(x.shape), dtype=torch.uint8)
+    out = groups_buffer(packed_shape(x.shape))
     rows, width = _as_groups(rows, n)
     code, stride, ptr, bad = NATIVE_DTYPES[rows.dtype], rows.stride(0), rows.data_ptr(), []
     native.split_rows(lambda a, b: bad.append(lib.quantize_rows(ptr, code, stride, width, out.data_ptr(), a, b)),
@@ -233,8 +236,19 @@ class Packed:
 def join(items: list):
     """torch.cat along the first dimension, of tensors or of Packed weights (rows of groups)."""
     if isinstance(items[0], Packed):
-        return Packed(torch.cat([i.groups for i in items]), (sum(i.shape[0] for i in items), *items[0].shape[1:]))
+        groups = [i.groups for i in items]
+        out = groups_buffer((sum(len(g) for g in groups), *groups[0].shape[1:]))
+        return Packed(torch.cat(groups, out=out), (sum(i.shape[0] for i in items), *items[0].shape[1:]))
     return torch.cat(items)
+
+
+def groups_buffer(shape) -> torch.Tensor:
+    """An empty uint8 CPU tensor for groups, at a disk block boundary where it is large: placed on
+    disk, such a one is written from where it is (disk.py, O_DIRECT), not through a bounce copy."""
+    nbytes = math.prod(shape)
+    if nbytes < ALIGNED_BYTES:
+        return torch.empty(shape, dtype=torch.uint8)
+    return aligned_empty(nbytes).view(shape)
 
 
 def compressible(shape) -> bool:

@@ -45,6 +45,7 @@ class Tiers(WeightIO, Buffers):
         self.io_seconds = 0.0  # summed over I/O tasks (with overlap off: time the schedule waits for I/O)
         self.dequant_seconds = 0.0  # spent dequantizing, on any thread (on CUDA: queueing the kernels)
         self.h2d_bytes = 0  # copied to the compute device (disk reads included), on any thread
+        self._placer, self._placing = None, []  # the writer of placed 4-bit groups (weight_io.py)
         self.cuda = None
         if self.on_cuda:
             from .cuda_io import CudaCopies
@@ -218,6 +219,7 @@ class Tiers(WeightIO, Buffers):
             self._close()
 
     def _close(self):
+        self.stop_placing()
         if self.io is not None:
             self.io.close()
         self.settle()

@@ -14,6 +14,7 @@ moves themselves (run_io, to_device, copy_on_device, read_disk) and the buffer p
 
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
@@ -59,7 +60,7 @@ class WeightIO:
             seg = Segment(tier, start, start + n)
             if tier == "disk":
                 seg.file = self.disk.create(part.numel() * part.element_size())
-                self.disk.write(seg.file, 0, part)
+                self._write_placed(seg.file, part, behind=decoded is not None)
                 self.reserve_staging(seg.file.nbytes)
                 self.track("disk", seg.file.nbytes)
             else:
@@ -68,6 +69,47 @@ class WeightIO:
             segments.append(seg)
             start += n
         return Placed(tuple(tensor.shape), tensor.dtype, segments, decoded, tiled)
+
+    def _write_placed(self, file, part: torch.Tensor, behind: bool):
+        """Writes a placed tensor's disk rows. 4-bit groups (behind) are written in turn by one
+        thread while the caller reads and quantizes the next layers' tensors: one after the other,
+        quantizing and writing took as long as each other."""
+        if not behind:
+            self.disk.write(file, 0, part)
+            return
+        if self._placer is None:
+            self._placer = ThreadPoolExecutor(1, thread_name_prefix="flexh2o-place")
+        if not self._placing:  # placed outside a layer's placing
+            self._placing.append([])
+        self._placing[-1].append(self._placer.submit(self.disk.write, file, 0, part))
+
+    def start_placing_layer(self):
+        """Before a layer's tensors are placed: waits for the writes of the layers before it but the
+        last, so loading holds two layers' groups beyond the one placed at most (memory.load_transient
+        counts them). Waiting for the last layer's too left the writer idle while a small layer (attention)
+        was quantized after a large one (MLP)."""
+        self._wait_placed(keep=1)
+        self._placing.append([])
+
+    def finish_placing(self):
+        """Waits for the placed groups' writes still out (raising the first error)."""
+        self._wait_placed(keep=0)
+
+    def _wait_placed(self, keep: int):
+        while len(self._placing) > keep:
+            writes = self._placing.pop(0)
+            wait(writes)
+            for write in writes:
+                write.result()
+
+    def stop_placing(self):
+        """Waits for the writes still out, whatever became of them (their files may be removed
+        next), and ends the writer's thread."""
+        wait([write for writes in self._placing for write in writes])
+        self._placing = []
+        if self._placer is not None:
+            self._placer.shutdown()
+            self._placer = None
 
     # -- loading ----------------------------------------------------------------------------
     def used_in_place(self, placed: Placed) -> bool:

@@ -9,8 +9,10 @@ front, so a wrong checkpoint is a clear error before anything runs.
 
 import glob
 import hashlib
+import json
 import os
 import pickle
+import struct
 import warnings
 import zipfile
 
@@ -46,6 +48,15 @@ def is_norm(name: str) -> bool:
     return "layer_norm" in name or "layernorm" in name or name == "norm.weight"
 
 
+def safetensors_ranges(file: str) -> dict:
+    """name -> (offset, length) of each tensor's bytes in a safetensors file, from its JSON header."""
+    with open(file, "rb") as f:
+        size = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(size))
+    return {name: (8 + size + info["data_offsets"][0], info["data_offsets"][1] - info["data_offsets"][0])
+            for name, info in header.items() if name != "__metadata__"}
+
+
 class CheckpointWeights:
     """safetensors shards, or `.bin` shards read with torch.load(weights_only=True) (see load_bin)."""
 
@@ -53,6 +64,7 @@ class CheckpointWeights:
         self.directory, self.flag = directory, flag
         self._where = {}  # canonical name -> (file, stored name)
         self._open = {}
+        self._ranges = {}  # file -> safetensors_ranges(file), for prefetch
         files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
         self.format = "safetensors"
         if not files:
@@ -126,6 +138,27 @@ class CheckpointWeights:
         for start in range(0, shape[0], step):
             out[start: start + step] = rows[start: start + step]
         return out
+
+    def prefetch(self, names: list[str]):
+        """Asks the kernel to start reading these tensors' bytes (readahead, a hint: it returns at
+        once), so that a checkpoint not in the page cache is read from disk while the tensors
+        before them are quantized and written. safetensors only: a .bin's offsets are the zip's."""
+        if self.format != "safetensors":
+            return
+        wanted = {}
+        for name in names:
+            if name in self._where:
+                file, stored = self._where[name]
+                wanted.setdefault(file, []).append(stored)
+        for file, stored in wanted.items():
+            if file not in self._ranges:
+                self._ranges[file] = safetensors_ranges(file)
+            fd = os.open(file, os.O_RDONLY)
+            try:
+                for offset, length in (self._ranges[file][s] for s in stored):
+                    os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
 
     def get_as_stored(self, name: str, shape) -> torch.Tensor:
         """The tensor in the file's own float width (float16, bfloat16 or float32), for a caller that

@@ -183,3 +183,28 @@ def test_a_filesystem_refusing_direct_writes_gets_buffered_ones(tmp_path, monkey
         assert torch.equal(back, data)
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_aligned_memory_is_written_past_the_page_cache_without_a_bounce_copy(tmp_path, monkeypatch, aligned):
+    """O_DIRECT writes take memory at an ALIGN boundary as it is (4-bit groups are made there,
+    quant.groups_buffer); only a last partial block, or memory elsewhere, is copied to a bounce block."""
+    store = DiskStore(str(tmp_path))
+    if not store.direct_writes:
+        store.close()
+        pytest.skip("the test's temp dir does not take O_DIRECT writes")
+    bounced = []
+    bounce = store._bounce
+    monkeypatch.setattr(store, "_bounce", lambda nbytes: bounced.append(nbytes) or bounce(nbytes))
+    try:
+        nbytes = 5 * ALIGN + 123
+        data = disk.aligned_empty(nbytes + 1)[int(not aligned):][:nbytes]
+        data.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
+        f = store.create(nbytes)
+        store.write(f, 0, data)
+        back = torch.empty_like(data)
+        store.read(f, 0, back)
+        assert torch.equal(back, data)
+        assert sum(bounced) == (ALIGN if aligned else 6 * ALIGN)
+    finally:
+        store.close()

@@ -141,3 +141,25 @@ def test_a_process_ends_cleanly_after_an_io_error_without_closing_its_engine(tin
     assert r.returncode == 0, r.stderr
     assert "caught: loading weights failed: Input/output error" in r.stdout
     assert "Fatal Python error" not in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("compressed", [False, True])
+def test_a_failed_write_while_placing_weights_is_one_line_and_leaves_nothing(tiny_models, tmp_path, capsys,
+                                                                           monkeypatch, compressed):
+    """4-bit groups are written behind the next tensor's quantizing (weight_io.py): a write that
+    fails there still stops the load, and no writer is left behind."""
+    calls = fail_from(monkeypatch, disk, "pwrite_all", 3, EIO)
+    model, _ = tiny_models["tiny"]
+    offload = tmp_path / "off"
+    offload.mkdir()
+    code = main(["--model", model, *RUN, "--weights", "disk=100", "--offload-dir", str(offload)]
+                + ["--compress-weight"] * compressed)
+    err = capsys.readouterr().err
+    assert len(calls) >= 3, "the error was never injected"
+    assert code == 1, err
+    line = last_line(err)
+    assert line.startswith("error: --offload-dir: cannot write the offload files in "), line
+    assert "Input/output error" in line and "Traceback" not in err
+    assert os.listdir(offload) == []
+    assert not [t for t in threading.enumerate() if t.name.startswith(("flexh2o-place", "flexh2o-io"))]

@@ -162,3 +162,14 @@ def test_rounding_to_float16_down_and_up_matches_nextafter():
 def test_a_packed_row_of_the_wrong_width_is_refused():
     with pytest.raises(ValueError, match="does not hold"):
         dequantize(torch.zeros(2, 36, dtype=torch.uint8), 100)
+
+
+def test_large_groups_and_their_joins_start_at_a_disk_block():
+    """So that placed on disk they are written from where they are (disk.py's O_DIRECT writes)."""
+    from flexh2o.disk import ALIGN
+    from flexh2o.quant import ALIGNED_BYTES, BLOCK_VALUES, Packed, join
+    x = torch.randn(max(ALIGNED_BYTES // GROUP_BYTES, BLOCK_VALUES // GROUP) + 1, GROUP)  # the torch path: in blocks
+    parts = [Packed(quantize(x), tuple(x.shape)), Packed(quantize(x[:5]), (5, GROUP))]
+    joined = join(parts)
+    assert parts[0].groups.data_ptr() % ALIGN == 0 and joined.groups.data_ptr() % ALIGN == 0
+    assert torch.equal(joined.groups, torch.cat([p.groups for p in parts])) and joined.shape == (len(x) + 5, GROUP)

@@ -129,3 +129,26 @@ def test_a_16_bit_checkpoint_compressed_for_float32_is_read_as_stored_to_the_sam
     monkeypatch.delattr(CheckpointWeights, "get_as_stored")  # widened to float32 first, as before
     widened = placed_groups()
     assert len(as_stored) == len(widened) and all(torch.equal(a, b) for a, b in zip(as_stored, widened))
+
+
+def test_prefetch_asks_for_each_tensors_own_bytes(tmp_path, tiny_models, monkeypatch):
+    """Engine.from_pretrained asks the kernel to read the next layers' tensors ahead; the ranges
+    are those of the tensors' bytes in the safetensors file, and every weight is asked for."""
+    from flexh2o import weights
+    model, _ = tiny_models["tiny"]
+    asked = []
+    monkeypatch.setattr(weights.os, "posix_fadvise", lambda fd, offset, length, advice: asked.append(
+        (os.readlink(f"/proc/self/fd/{fd}"), offset, length, advice)))
+    with Engine.from_pretrained(model, policy=Policy(2), device="cpu", dtype=torch.float32) as engine:
+        names = {name for layer in engine.layers[1:] for name, _ in layer.weight_specs()}
+    source = weights.CheckpointWeights(model)
+    got = {}
+    for path, offset, length, advice in asked:
+        assert advice == os.POSIX_FADV_WILLNEED
+        with open(path, "rb") as f:
+            f.seek(offset)
+            got[(path, f.read(length))] = True
+    for name in names:
+        file, stored = source._where[name]
+        tensor = load_file(file)[stored]
+        assert (os.path.realpath(file), tensor.contiguous().view(torch.uint8).numpy().tobytes()) in got, name

@@ -7,8 +7,18 @@ operations and never asks what kind of layer it holds.
 import torch
 
 from ..errors import UsageError
-from ..quant import Packed, check_quantizable, compressible, join, stored_row_bytes
+from ..quant import Packed, compressible, join, quantize, stored_row_bytes
 from ..placed import split_rows
+
+
+def quantized(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> Packed:
+    """A checkpoint matrix as 4-bit groups, quantized as read, before prepare() joins any (groups are
+    rows: joining them is joining the matrices, in a quarter of the bytes or less). Its values are
+    rounded to the compute dtype first, except in float32, which holds every width exactly."""
+    try:
+        return Packed(quantize(tensor if dtype == torch.float32 else tensor.to(dtype)), tuple(tensor.shape))
+    except ValueError as e:
+        raise UsageError("--compress-weight", f"weight {name}: {e}") from None
 
 
 class Layer:
@@ -56,7 +66,10 @@ class Layer:
             tensor = packed(name, shape, tiers.dtype) if packed is not None and compressible(shape) else None
             if tensor is None and as_stored is not None and compressible(shape):
                 tensor = as_stored(name, shape)
-            raw.append(tensor if tensor is not None else source.get(name, shape, tiers.dtype))
+            tensor = tensor if tensor is not None else source.get(name, shape, tiers.dtype)
+            if policy.compress_weight and compressible(shape) and not isinstance(tensor, Packed):
+                tensor = quantized(name, tensor, tiers.dtype)
+            raw.append(tensor)
         tensors = self.prepare(raw, cat=join)
         compressed = [policy.compress_weight and compressible(t.shape) for t in tensors]
         row_bytes = [stored_row_bytes(t.shape, tiers.dtype.itemsize, c) for t, c in zip(tensors, compressed)]
@@ -64,27 +77,12 @@ class Layer:
         # Matrices loaded whole (not the gathered tables) go in the int4 kernel's layout where it applies.
         tiled = [c and i >= self.gathered and tiers.tiles_for(tuple(t.shape))
                  for i, (t, c) in enumerate(zip(tensors, compressed))]
-        try:  # quantizing checks what it quantizes (quant.quantize)
-            self.home = [tiers.place(t, r, c, tl) for t, r, c, tl in zip(tensors, rows, compressed, tiled)]
-        except ValueError as e:
-            if not policy.compress_weight:
-                raise
-            raise UsageError("--compress-weight", f"weight {self.unquantizable(raw)}: {e}") from None
+        tiers.start_placing_layer()
+        self.home = [tiers.place(t, r, c, tl) for t, r, c, tl in zip(tensors, rows, compressed, tiled)]
         self._loading = None
         # Weights all used where they live: every token's "load" is this same list, nothing moves.
         loaded = self.home[self.gathered:]
         self._in_place = [tiers.load(h) for h in loaded] if all(tiers.used_in_place(h) for h in loaded) else None
-
-    def unquantizable(self, raw: list) -> str:
-        """The checkpoint name of the first of the layer's weights 4-bit groups cannot hold (or, where
-        only the compute dtype's rounding took it past float16's range, the layer)."""
-        for (name, _), t in zip(self.weight_specs(), raw):
-            try:
-                if compressible(t.shape) and not isinstance(t, Packed):
-                    check_quantizable(t)
-            except ValueError:
-                return name
-        return f"of layer {type(self).__name__}, rounded to the compute dtype,"
 
     def load_weight(self, k: int):
         """Starts bringing the weights to the compute device; once per token, at gpu-batch 0."""
