@@ -39,6 +39,7 @@ class TensorEntry:
     shape: tuple          # dimensions innermost first, as the file lists them
     tensor_type: object   # gguf.GGMLQuantizationType
     data: np.ndarray      # a view of the file (see the module's docstring)
+    offset: int = 0       # where its bytes start in the file
 
 
 @dataclass
@@ -89,7 +90,7 @@ def read_layout(path: str) -> Layout:
             data = raw.view(PLAIN[kind.name]).reshape(outer)
         else:  # rows of blocks
             data = raw.reshape(*outer[:-1], outer[-1] * block_bytes // block)
-        tensors.append(TensorEntry(name, dims, kind, data))
+        tensors.append(TensorEntry(name, dims, kind, data, first))
     return Layout(metadata, tensors)
 
 

@@ -82,6 +82,29 @@ class GGUFModel:
             weights = np.array(weights, dtype=np.float32, order="C")
         return torch.from_numpy(weights)
 
+    def block_format(self, name) -> str | None:
+        """The GGUF block format (Q4_0, Q4_1, Q8_0) a matrix is kept in as stored, or None."""
+        from .gguf_blocks import holds
+        fmt = self._gguf_tensor(name).tensor_type.name
+        return fmt if holds(fmt, self.shape(name)) else None
+
+    def blocks(self, name) -> torch.Tensor:
+        """A block_format() matrix's bytes as stored, uint8 [rows, row bytes] in Hugging Face row
+        order: a new tensor, read from the file (not through its map, whose pages would count in
+        the process's memory beside the copy)."""
+        from .quant import groups_buffer
+        gguf_tensor = self._gguf_tensor(name)
+        rows = groups_buffer((self.shape(name)[0], gguf_tensor.data.size // self.shape(name)[0]))
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(gguf_tensor.offset)
+            if f.readinto(memoryview(rows.numpy()).cast("B")) != rows.numel():
+                raise UsageError(FLAG, f"{self.path} ended inside tensor {gguf_tensor.name}")
+        if self._permute_qk and name.endswith("self_attn.q_proj.weight"):
+            rows = torch.from_numpy(unpermute_rotary_rows(rows.numpy(), self.config["num_attention_heads"]).copy())
+        elif self._permute_qk and name.endswith("self_attn.k_proj.weight"):
+            rows = torch.from_numpy(unpermute_rotary_rows(rows.numpy(), self.config["num_key_value_heads"]).copy())
+        return rows
+
     def _gguf_tensor(self, name):
         if name not in self._tensors:
             raise KeyError(f"{self.path} holds no tensor {name!r}")

@@ -10,37 +10,45 @@ into `values` (a compute buffer) and multiplies in full width, which is faster t
 
 import torch
 
-from . import native
-from .quant import dequantize
+from . import gguf_blocks, native
+from .quant import dequantize_as
 
 
-def matmul(x: torch.Tensor, groups: torch.Tensor, k: int) -> torch.Tensor:
-    """x [..., k] (float32) times the transpose of the weight whose rows `groups` holds: [..., n]."""
+def matmul(x: torch.Tensor, data: torch.Tensor, k: int, fmt: str = "groups") -> torch.Tensor:
+    """x [..., k] (float32) times the transpose of the weight whose rows `data` holds in format
+    `fmt` (quant.Packed: quant.py's groups, or a GGUF file's blocks): [..., n]."""
     lib = native.library()
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    n = groups.shape[0]
+    n = data.shape[0]
     out = torch.empty(len(rows), n)
-    groups = groups.contiguous()
-    native.split_rows(lambda a, b: lib.matmul_groups(rows.data_ptr(), len(rows), rows.stride(0), k, groups.data_ptr(),
-                                                     out.data_ptr(), n, a, b), n, n * k * len(rows) // 8)
+    data = data.contiguous()
+    args = (rows.data_ptr(), len(rows), rows.stride(0), k, data.data_ptr(), out.data_ptr(), n)
+    if fmt == "groups":
+        def kernel(a, b):
+            lib.matmul_groups(*args, a, b)
+    else:
+        def kernel(a, b):
+            lib.matmul_blocks(gguf_blocks.NATIVE_FORMATS[fmt], *args, a, b)
+    native.split_rows(kernel, n, n * k * len(rows) // 8)
     return out.view(*x.shape[:-1], n)
 
 
 class GroupedWeight:
-    """A compressed matrix as loaded: its groups `data` [n, packed width] and `values`, a compute
-    buffer [n, k] filled only if a step of many rows asks for the widened matrix."""
+    """A compressed matrix as loaded: its groups `data` [n, row bytes] in format `fmt` (quant.py's
+    groups, or a GGUF file's blocks: gguf_blocks.py) and `values`, a compute buffer [n, k] filled
+    only if a step of many rows asks for the widened matrix."""
     kernel_name = "groups"  # unwidened.py
 
-    def __init__(self, data: torch.Tensor, k: int, values: torch.Tensor):
-        self.data, self.values, self.shape, self._widened = data, values, (data.shape[0], k), False
+    def __init__(self, data: torch.Tensor, k: int, values: torch.Tensor, fmt: str = "groups"):
+        self.data, self.values, self.shape, self.fmt, self._widened = data, values, (data.shape[0], k), fmt, False
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return matmul(x, self.data, self.shape[1])
+        return matmul(x, self.data, self.shape[1], self.fmt)
 
     def widened(self) -> torch.Tensor:
         if not self._widened:
-            dequantize(self.data, self.shape[1], self.values)
+            dequantize_as(self.data, self.fmt, self.shape[1], self.values)
             self._widened = True
         return self.values

@@ -97,7 +97,7 @@ def outside_allocator(context_exists: bool) -> int:
     return CUDA_LAZY_KERNELS_BYTES + (0 if context_exists else CUDA_CONTEXT_BYTES)
 
 
-_PREPARED = {}  # (layer class, weight shapes) -> the shapes prepare() makes of them
+_PREPARED = {}  # (layer class, weight shapes, formats) -> the (shape, format) of each tensor prepare() makes
 
 
 def cat_shapes(shapes: list[tuple]) -> tuple:
@@ -106,15 +106,24 @@ def cat_shapes(shapes: list[tuple]) -> tuple:
     return (sum(s[0] for s in shapes), *shapes[0][1:])
 
 
+def cat_formats(formats: list) -> str | None:
+    """The format quant.join gives Packed weights of these formats (None: not kept as stored)."""
+    return formats[0] if len(set(formats)) == 1 else None
+
+
 def stored_shapes(layer, dtype_bytes: int, policy) -> list[tuple]:
-    """(shape, compressed, bytes of a row as stored) of each tensor a layer places (after prepare)."""
-    key = type(layer), tuple(shape for _, shape in layer.weight_specs())
+    """(shape, compressed, bytes of a row as stored) of each tensor a layer places (after prepare);
+    compressed in a float32 run, a GGUF matrix its file keeps low-bit counts its own blocks
+    (gguf_blocks.py)."""
+    key = type(layer), tuple(shape for _, shape in layer.weight_specs()), layer.stored_formats()
     if key not in _PREPARED:
-        _PREPARED[key] = layer.prepare([tuple(s) for s in key[1]], cat=cat_shapes)
+        _PREPARED[key] = list(zip(layer.prepare([tuple(s) for s in key[1]], cat=cat_shapes),
+                                  layer.prepare(list(key[2]), cat=cat_formats)))
     out = []
-    for shape in _PREPARED[key]:
+    for shape, fmt in _PREPARED[key]:
         compressed = policy.compress_weight and compressible(shape)
-        out.append((shape, compressed, stored_row_bytes(shape, dtype_bytes, compressed)))
+        kept = fmt if dtype_bytes == 4 else None  # GGUFWeights.get_packed: kept in float32 runs
+        out.append((shape, compressed, stored_row_bytes(shape, dtype_bytes, compressed, kept or "groups")))
     return out
 
 
@@ -141,7 +150,7 @@ def per_layer(layers, fn) -> list:
     kinds = {}
     out = []
     for layer in layers:
-        kind = tuple(shape for _, shape in layer.weight_specs())
+        kind = tuple(shape for _, shape in layer.weight_specs()), layer.stored_formats()
         if kind not in kinds:
             kinds[kind] = fn(layer)
         out.append(kinds[kind])

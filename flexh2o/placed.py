@@ -24,6 +24,7 @@ class Placed:
     segments: list
     decoded_shape: tuple | None = None  # compressed: the shape it dequantizes to
     tiled: bool = False  # compressed in the int4 kernel's layout (int4_tiles.pack), not quant.py's
+    fmt: str = "groups"  # compressed: quant.py's groups, or a GGUF file's blocks (gguf_blocks.py)
 
     def resident(self) -> torch.Tensor | None:
         """The tensor itself when one memory tier holds it whole."""

@@ -225,21 +225,36 @@ def _by_row_blocks(src: torch.Tensor, dst: torch.Tensor, values_per_row: int, fn
 
 
 class Packed:
-    """A weight already in its 4-bit groups (dummy weights made as groups, weights.py): `groups`,
-    uint8 [rows, packed_width(n)], standing for a tensor of `shape` [rows, n]. Layers join them
-    with join(), and Tiers.place stores them as they are."""
+    """A weight already low-bit: `groups`, uint8 [rows, row bytes], standing for a tensor of `shape`
+    [rows, n], in format `fmt`: "groups" (this module's; dummy weights are made as such, weights.py)
+    or a GGUF block format a file keeps (gguf_blocks.py). Layers join them with join(), and
+    Tiers.place stores them as they are."""
 
-    def __init__(self, groups: torch.Tensor, shape: tuple):
-        self.groups, self.shape = groups, tuple(shape)
+    def __init__(self, groups: torch.Tensor, shape: tuple, fmt: str = "groups"):
+        self.groups, self.shape, self.fmt = groups, tuple(shape), fmt
+
+
+def dequantize_as(packed: torch.Tensor, fmt: str, n: int, out: torch.Tensor | None = None,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """dequantize() of rows in format `fmt` (see Packed)."""
+    if fmt == "groups":
+        return dequantize(packed, n, out, dtype)
+    from . import gguf_blocks
+    return gguf_blocks.dequantize(packed, fmt, n, out, dtype)
 
 
 def join(items: list):
-    """torch.cat along the first dimension, of tensors or of Packed weights (rows of groups)."""
-    if isinstance(items[0], Packed):
-        groups = [i.groups for i in items]
-        out = groups_buffer((sum(len(g) for g in groups), *groups[0].shape[1:]))
-        return Packed(torch.cat(groups, out=out), (sum(i.shape[0] for i in items), *items[0].shape[1:]))
-    return torch.cat(items)
+    """torch.cat along the first dimension, of tensors or of Packed weights (rows of groups). Packed
+    weights of different formats (a GGUF's q, k and v in two) are joined as this module's groups,
+    the others dequantized and quantized again."""
+    if not isinstance(items[0], Packed):
+        return torch.cat(items)
+    if len({i.fmt for i in items}) > 1:
+        items = [i if i.fmt == "groups" else
+                 Packed(quantize(dequantize_as(i.groups, i.fmt, i.shape[-1])), i.shape) for i in items]
+    groups = [i.groups for i in items]
+    out = groups_buffer((sum(len(g) for g in groups), *groups[0].shape[1:]))
+    return Packed(torch.cat(groups, out=out), (sum(i.shape[0] for i in items), *items[0].shape[1:]), items[0].fmt)
 
 
 def groups_buffer(shape) -> torch.Tensor:
@@ -257,9 +272,13 @@ def compressible(shape) -> bool:
     return len(shape) >= 2
 
 
-def stored_row_bytes(shape, itemsize: int, compressed: bool) -> int:
-    """Bytes of one row (a slice of the first dimension) of a tensor as it is stored."""
+def stored_row_bytes(shape, itemsize: int, compressed: bool, fmt: str = "groups") -> int:
+    """Bytes of one row (a slice of the first dimension) of a tensor as it is stored (compressed:
+    in format `fmt`, see Packed)."""
     rest = tuple(shape[1:]) or (1,)
+    if compressed and fmt != "groups":
+        from . import gguf_blocks
+        return gguf_blocks.row_bytes(fmt, rest[-1])
     return packed_bytes(rest) if compressed else math.prod(rest) * itemsize
 
 

@@ -23,15 +23,15 @@ from .buffers import TIERS
 from .grouped_weight import GroupedWeight
 from .io_tasks import IOTaskError, Pending
 from .placed import Placed, Segment
-from .quant import Packed, dequantize, quantize
+from .quant import Packed, dequantize_as, quantize
 from .schedule import most_held
 from .unwidened import kernel_for
 
 
 class WeightIO:
-    def unwidened_kernel(self, shape) -> str | None:
+    def unwidened_kernel(self, shape, fmt: str = "groups") -> str | None:
         """The kernel that multiplies a compressed matrix of this shape as it is (unwidened.py)."""
-        return kernel_for(shape, self.dtype, not self.on_cuda, native.library() is not None)
+        return kernel_for(shape, self.dtype, not self.on_cuda, native.library() is not None, fmt)
 
     def tiles_for(self, shape) -> bool:
         """Whether a compressed matrix of this shape is placed in the int4 kernel's layout."""
@@ -41,8 +41,9 @@ class WeightIO:
         """Puts a tensor's rows at their home tiers (rows: tier -> number of rows, in tier order),
         as 4-bit groups when compressed (ValueError if it holds inf, NaN or values beyond float16),
         in the int4 kernel's layout when tiled (the same bytes)."""
-        if isinstance(tensor, Packed):  # already groups
-            decoded, tensor = tensor.shape, tensor.groups
+        fmt = "groups"
+        if isinstance(tensor, Packed):  # already low-bit
+            decoded, fmt, tensor = tensor.shape, tensor.fmt, tensor.groups
         else:
             if not (compressed and self.dtype == torch.float32):  # quantize reads any width in float32
                 tensor = tensor.to(self.dtype)
@@ -63,12 +64,17 @@ class WeightIO:
                 self._write_placed(seg.file, part, behind=decoded is not None)
                 self.reserve_staging(seg.file.nbytes)
                 self.track("disk", seg.file.nbytes)
+            elif decoded is not None and n == len(tensor) and not self.on_cuda:
+                # Groups made for this placing, held whole in RAM: kept as they are, not copied
+                # (a copy doubled loading's peak for a table as large as an embedding).
+                seg.data = part
+                self.track(tier, part.numel() * part.element_size())
             else:
                 seg.data = self.alloc(tier, part.shape, tensor.dtype)
                 seg.data.copy_(part)
             segments.append(seg)
             start += n
-        return Placed(tuple(tensor.shape), tensor.dtype, segments, decoded, tiled)
+        return Placed(tuple(tensor.shape), tensor.dtype, segments, decoded, tiled, fmt)
 
     def _write_placed(self, file, part: torch.Tensor, behind: bool):
         """Writes a placed tensor's disk rows. 4-bit groups (behind) are written in turn by one
@@ -198,7 +204,7 @@ class WeightIO:
             picked[inside.to(self.compute)] = data
         if placed.decoded_shape is not None:
             values = torch.empty(len(rows), placed.decoded_shape[1], dtype=self.dtype, device=self.compute)
-            picked = dequantize(picked, values.shape[-1], values)
+            picked = dequantize_as(picked, placed.fmt, values.shape[-1], values)
         return picked[inverse.to(self.compute)].view(*ids.shape, -1)
 
     def _load_compressed(self, placed: Placed, whole) -> Pending:
@@ -206,6 +212,7 @@ class WeightIO:
         out = self.buffer(placed.decoded_shape)
         if not self.on_cuda:
             return self._load_compressed_for_cpu(placed, whole, out)
+        fmt = placed.fmt
         if whole is None:
             # Its groups go through a buffer that the I/O task gives back once dequantized: at most
             # one per thread is out at once, all made up front (later, timing would decide).
@@ -213,12 +220,12 @@ class WeightIO:
 
         def task():
             if whole is not None:
-                self.dequantize(whole, out)
+                self.dequantize(whole, out, fmt)
                 return
             packed = self.buffer(placed.shape, placed.dtype)
             try:
                 self.fill(packed, placed.segments)
-                self.dequantize(packed, out)
+                self.dequantize(packed, out, fmt)
             finally:
                 self.release(packed)
         return self.run_io(task, out, "loading compressed weights")
@@ -229,17 +236,19 @@ class WeightIO:
         weights on disk: decode as slow as with overlap off, the dequantizing itself 2.5x slower).
         The groups' buffer is taken and given back on the compute thread, in program order, so
         how many the pool makes does not depend on timing."""
-        if placed.tiled or self.unwidened_kernel(placed.decoded_shape) == "groups":
+        if placed.tiled or self.unwidened_kernel(placed.decoded_shape, placed.fmt) == "groups":
             # multiplied as it is: nothing to dequantize now (models/linear.py)
-            unwidened = int4_tiles.TiledWeight if placed.tiled else GroupedWeight
             k = placed.decoded_shape[-1]
+
+            def unwidened(data):
+                return int4_tiles.TiledWeight(data, k, out) if placed.tiled else GroupedWeight(data, k, out, placed.fmt)
             if whole is not None:
-                return Pending(unwidened(whole, k, out))
+                return Pending(unwidened(whole))
             packed = self.buffer(placed.shape, placed.dtype)
-            return self.run_io(lambda: self.fill(packed, placed.segments), unwidened(packed, k, out),
+            return self.run_io(lambda: self.fill(packed, placed.segments), unwidened(packed),
                                "loading compressed weights")
         if whole is not None:  # nothing to move: no I/O task at all
-            return Pending(out, then=lambda: self.dequantize(whole, out))
+            return Pending(out, then=lambda: self.dequantize(whole, out, placed.fmt))
         packed = self.buffer(placed.shape, placed.dtype)
 
         def fill():
@@ -250,7 +259,7 @@ class WeightIO:
                 raise
 
         def finish():
-            self.dequantize(packed, out)
+            self.dequantize(packed, out, placed.fmt)
             self.release(packed)
         pending = self.run_io(fill, out, "loading compressed weights")
         pending.then = finish
@@ -267,14 +276,15 @@ class WeightIO:
         elif value is not placed.resident():
             self.release(value)
 
-    def dequantize(self, packed: torch.Tensor, out: torch.Tensor):
-        """out <- the values of `packed`, on the device both are on; on CUDA after the loads queued
-        before it, and done when this returns (packed may be a buffer going back to the pool)."""
+    def dequantize(self, packed: torch.Tensor, out: torch.Tensor, fmt: str = "groups"):
+        """out <- the values of `packed` (in format `fmt`, quant.Packed), on the device both are on;
+        on CUDA after the loads queued before it, and done when this returns (packed may be a
+        buffer going back to the pool)."""
         start = time.perf_counter()
         if self.on_cuda:  # where both always are on CUDA: only compute buffers are dequantized into
-            self.cuda.on_device_run(lambda: dequantize(packed, out.shape[-1], out))
+            self.cuda.on_device_run(lambda: dequantize_as(packed, fmt, out.shape[-1], out))
         else:
-            dequantize(packed, out.shape[-1], out)
+            dequantize_as(packed, fmt, out.shape[-1], out)
         self.count_dequant(time.perf_counter() - start)
 
     def count_dequant(self, seconds: float):

@@ -191,8 +191,19 @@ class GGUFWeights:
     def get(self, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
         return self.model.tensor(name).to(dtype)
 
+    def get_packed(self, name: str, shape, dtype: torch.dtype) -> Packed | None:
+        """With --compress-weight in a float32 run, a Q4_0/Q4_1/Q8_0 matrix as its own blocks
+        (gguf_blocks.py), never widened; None for the others, and in other widths, whose 4-bit
+        kernel (int4_tiles.py) takes quant.py's groups: those are quantized into them as read."""
+        fmt = self.model.block_format(name) if dtype == torch.float32 else None
+        return Packed(self.model.blocks(name), tuple(shape), fmt) if fmt is not None else None
+
+    def block_formats(self) -> dict:
+        """name -> block format of every matrix get_packed keeps in its blocks."""
+        return {name: fmt for name in self._names if (fmt := self.model.block_format(name)) is not None}
+
     def describe(self) -> str:
-        return f"{self.path} (GGUF, dequantized)"
+        return f"{self.path} (GGUF; its Q4_0/Q4_1/Q8_0 matrices kept as stored with --compress-weight in float32)"
 
 
 class DummyWeights:

@@ -12,8 +12,10 @@ of the prompt (split evenly into heavy and recent slots where a policy has both;
 newest tokens in the whole budget, sink 4 first tokens and the newest), each with nothing
 compressed, with the KV cache compressed to 4 bits, and with the weights and the cache both compressed
 (the weights alone compressed run with the full cache only: that isolates what they cost). The
-file's weights are already 4-bit (Q4_1, groups of 32), so compressing them again is a harsher test
-than compressing a 16-bit checkpoint: scripts/weight_requantization.py measures that part.
+file's weights are already 4-bit (Q4_1, groups of 32, and a Q8_0 embedding): --compress-weight in
+float32 now keeps them as they are (gguf_blocks.py), so its rows are the file's own weights;
+results/quality.md was measured before, when they were quantized again into flexh2o's groups of
+64 (scripts/weight_requantization.py measures what that cost).
 The windows of both texts run as one batch, so the weights are read once per decode step for both.
 Each sequence keeps and evicts its own cache, so a text's figures depend on the other's only through
 the floating-point order of the products, which a batch's shape changes (1e-6 of a perplexity),
@@ -100,8 +102,8 @@ def markdown(result: dict) -> str:
              f"Gutenberg, public domain), the first {result['offset']} tokens skipped; {result['windows']} consecutive "
              "windows each. Budget: the share of the prompt the cache keeps (heavy + recent, split evenly; local: "
              "the newest tokens; sink: 4 first tokens and the newest). Lower perplexity is better; the full cache is the line to beat. "
-             "4-bit weights requantize a file that is already 4-bit (Q4_1, groups of 32, against flexh2o's 64): "
-             "see [weight_requantization.md](weight_requantization.md) for what that alone costs.", ""]
+             "4-bit weights: the file's own Q4_1 and Q8_0 blocks, kept as stored in float32 (flexh2o/gguf_blocks.py); "
+             "[weight_requantization.md](weight_requantization.md) measures what quantizing them again would cost.", ""]
     if not result["complete"]:
         lines += [f"**Partial**: {len(result['blocks'])} of {len(LENGTHS) * len(TEXTS)} text x length "
                   "blocks ran; the run was stopped before the rest.", ""]

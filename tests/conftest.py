@@ -178,3 +178,13 @@ def fail_from(monkeypatch, owner, name, call: int, error: BaseException, when=la
 def last_line(stderr: str) -> str:
     """The last line, past the progress bar's carriage returns."""
     return re.split(r"[\r\n]", stderr.rstrip())[-1]
+
+
+@pytest.fixture(params=["native", "torch"])
+def kernel_path(request, monkeypatch):
+    """Runs a test through flexh2o's C kernels and again through torch's operations (FLEXH2O_NATIVE=0)."""
+    if request.param == "torch":
+        monkeypatch.setenv("FLEXH2O_NATIVE", "0")
+    elif native.library() is None:
+        pytest.skip("no C compiler: the kernels cannot be built here")
+    return request.param

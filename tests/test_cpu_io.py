@@ -72,9 +72,9 @@ def test_compressed_weights_on_disk_are_read_by_io_threads_and_dequantized_by_co
     dequantizing = []
     original = Tiers.dequantize
 
-    def dequantize(self, packed, out):
+    def dequantize(self, packed, out, *fmt):
         dequantizing.append(threading.current_thread().name)
-        original(self, packed, out)
+        original(self, packed, out, *fmt)
     monkeypatch.setattr(Tiers, "dequantize", dequantize)
     policy = Policy(4 // nb, nb, 0, 30, compress_weight=True)
     out, stats, _ = run(directory, policy, tmp_path)

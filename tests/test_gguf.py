@@ -144,8 +144,9 @@ def gguf_name(hf_name):
     return f"{GGUF_NAMES[parts[0]]}.{parts[-1]}"
 
 
-def stored(name, weights, arch):
-    """A tensor as the converter stores it: q/k permuted for llama, matrices as Q8_0 or F16."""
+def stored(name, weights, arch, matrix_type=None):
+    """A tensor as the converter stores it: q/k permuted for llama, matrices as Q8_0 or F16 (or
+    matrix_type(name)'s type name, where it gives one)."""
     if arch == "llama" and ".q_proj." in name:
         weights = llama_cpp_permute(weights, HEADS)
     elif arch == "llama" and ".k_proj." in name:
@@ -153,12 +154,16 @@ def stored(name, weights, arch):
     qtype = gguf.GGMLQuantizationType.F32
     if weights.ndim == 2:
         qtype = gguf.GGMLQuantizationType.Q8_0 if "mlp" in name else gguf.GGMLQuantizationType.F16
+        if matrix_type is not None and matrix_type(name):
+            qtype = gguf.GGMLQuantizationType[matrix_type(name)]
     return gguf.quants.quantize(weights, qtype), qtype
 
 
-def write_tiny(path, arch="llama", untied=False, biases=False, rope_freqs=None, scaling=None, header=None):
+def write_tiny(path, arch="llama", untied=False, biases=False, rope_freqs=None, scaling=None, header=None,
+               matrix_type=None):
     """Writes a tiny model; gives the float32 tensors, in Hugging Face layout, that reading should return.
-    header: metadata in place of the tensors' own shapes (layers, hidden, heads, kv_heads)."""
+    header: metadata in place of the tensors' own shapes (layers, hidden, heads, kv_heads);
+    matrix_type: name -> the GGUF type name a matrix is stored in (None: stored()'s choice)."""
     header = {"layers": LAYERS, "hidden": HIDDEN, "heads": HEADS, "kv_heads": KV_HEADS} | (header or {})
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(header["layers"])
@@ -176,7 +181,7 @@ def write_tiny(path, arch="llama", untied=False, biases=False, rope_freqs=None, 
         writer.add_rope_scaling_factor(scaling[1])
     expected = {}
     for name, weights in hf_tensors(np.random.default_rng(0), untied, biases).items():
-        data, qtype = stored(name, weights, arch)
+        data, qtype = stored(name, weights, arch, matrix_type)
         writer.add_tensor(gguf_name(name), data, raw_dtype=qtype)
         expected[name] = gguf.dequantize(gguf.quants.quantize(weights, qtype), qtype).reshape(weights.shape)
     if rope_freqs is not None:

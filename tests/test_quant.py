@@ -10,14 +10,7 @@ from flexh2o.quant import (GROUP, GROUP_BYTES, compressible, dequantize, packed_
                            quantize, stored_bytes)
 
 
-@pytest.fixture(autouse=True, params=["native", "torch"])
-def path(request, monkeypatch):
-    from flexh2o import native
-    if request.param == "torch":
-        monkeypatch.setenv("FLEXH2O_NATIVE", "0")
-    elif native.library() is None:
-        pytest.skip("no C compiler: the kernels cannot be built here")
-    return request.param
+pytestmark = pytest.mark.usefixtures("kernel_path")  # every test through both paths (conftest.py)
 
 
 def steps(packed, n):

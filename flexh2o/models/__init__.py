@@ -1,5 +1,6 @@
 """Model families: turn a model name or a local checkpoint directory into a spec."""
 
+import dataclasses
 import json
 import os
 
@@ -68,7 +69,12 @@ def resolve_model(model: str, path: str | None = None):
     if is_gguf(model):  # one file: config, weights and tokenizer
         from ..gguf_reader import read_gguf
         name = os.path.basename(model)[: -len(".gguf")]
-        return spec_from_config(read_gguf(model).config, model, name, "--model"), model
+        gguf = read_gguf(model)
+        spec = spec_from_config(gguf.config, model, name, "--model")
+        formats = tuple(sorted((n, f) for n in gguf.names() if (f := gguf.block_format(n)) is not None))
+        if formats and hasattr(spec, "stored_formats"):
+            spec = dataclasses.replace(spec, stored_formats=formats)
+        return spec, model
     if os.path.lexists(os.path.join(model, "config.json")):  # not isfile: a FIFO there is refused, not skipped
         return spec_from_directory(model, os.path.basename(os.path.normpath(model)), "--model"), model
     name = preset_name(model)

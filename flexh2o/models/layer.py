@@ -47,6 +47,11 @@ class Layer:
         """(checkpoint name, shape) of every weight this layer reads."""
         raise NotImplementedError
 
+    def stored_formats(self) -> tuple:
+        """Per weight, the GGUF block format its file keeps it in (gguf_blocks.py), or None."""
+        formats = dict(getattr(getattr(self, "spec", None), "stored_formats", ()))
+        return tuple(formats.get(name) for name, _ in self.weight_specs())
+
     def prepare(self, tensors: list, cat=torch.cat) -> list:
         """Turns checkpoint tensors into the ones forward uses (e.g. fusing q/k/v), joining them only
         with `cat` (the pre-flight passes shapes and a cat of shapes, memory.stored_shapes)."""
@@ -72,10 +77,12 @@ class Layer:
             raw.append(tensor)
         tensors = self.prepare(raw, cat=join)
         compressed = [policy.compress_weight and compressible(t.shape) for t in tensors]
-        row_bytes = [stored_row_bytes(t.shape, tiers.dtype.itemsize, c) for t, c in zip(tensors, compressed)]
+        row_bytes = [t.groups[0].numel() if isinstance(t, Packed) else stored_row_bytes(t.shape, tiers.dtype.itemsize, c)
+                     for t, c in zip(tensors, compressed)]
         rows = split_rows([tuple(t.shape) for t in tensors], row_bytes, *self.weight_shares(policy))
-        # Matrices loaded whole (not the gathered tables) go in the int4 kernel's layout where it applies.
-        tiled = [c and i >= self.gathered and tiers.tiles_for(tuple(t.shape))
+        # Matrices of quant.py's groups loaded whole (not the gathered tables) go in the int4 kernel's
+        # layout where it applies.
+        tiled = [c and i >= self.gathered and t.fmt == "groups" and tiers.tiles_for(tuple(t.shape))
                  for i, (t, c) in enumerate(zip(tensors, compressed))]
         tiers.start_placing_layer()
         self.home = [tiers.place(t, r, c, tl) for t, r, c, tl in zip(tensors, rows, compressed, tiled)]

@@ -16,7 +16,8 @@ import subprocess
 import tempfile
 import threading
 
-SOURCES = ("quant4.c",)
+SOURCES = ("quant4.c", "blocks.c")
+HEADERS = ("common.h",)  # hashed with the sources: a change to them is a new build
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
 
 _lock = threading.Lock()
@@ -81,7 +82,7 @@ def _load() -> ctypes.CDLL | None:
     cc, version = compiler
     key = hashlib.sha256(repr((FLAGS, cc, version, _cpu_id())).encode())
     here = os.path.dirname(__file__)
-    for s in SOURCES:
+    for s in SOURCES + HEADERS:
         with open(os.path.join(here, s), "rb") as f:
             key.update(f.read())
     target = os.path.join(cache_dir(), f"kernels-{key.hexdigest()[:16]}.so")
@@ -95,8 +96,11 @@ def _load() -> ctypes.CDLL | None:
     lib.quantize_rows.argtypes = [ptr, ctypes.c_int, i64, i64, ptr, i64, i64]
     lib.dequantize_rows.argtypes = [ptr, i64, ptr, ctypes.c_int, i64, i64, i64]
     lib.matmul_groups.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, i64, i64]
+    lib.dequantize_blocks.argtypes = [ctypes.c_int, ptr, i64, ptr, ctypes.c_int, i64, i64, i64]
+    lib.matmul_blocks.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, ptr, i64, i64, i64]
     lib.quantize_rows.restype = i64
     lib.dequantize_rows.restype = lib.matmul_groups.restype = None
+    lib.dequantize_blocks.restype = lib.matmul_blocks.restype = None
     return lib
 
 

@@ -10,43 +10,13 @@ threads.
 */
 
 #include <math.h>
-#include <stdint.h>
-#include <string.h>
+
+#include "common.h"
 
 #define GROUP 64
 #define HALF (GROUP / 2)
 #define LEVELS 15
 #define GROUP_BYTES (HALF + 4)
-
-enum dtype { FLOAT32 = 0, BFLOAT16 = 1, FLOAT16 = 2 };
-
-static float bf16_to_float(uint16_t b) {
-    uint32_t bits = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static uint16_t float_to_bf16(float f) { /* round to nearest even, NaN kept a NaN */
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((bits >> 16) | 0x40);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
-static uint16_t f16_bits(_Float16 h) {
-    uint16_t b;
-    memcpy(&b, &h, 2);
-    return b;
-}
-
-static _Float16 f16_from_bits(uint16_t b) {
-    _Float16 h;
-    memcpy(&h, &b, 2);
-    return h;
-}
 
 /* x as float16, rounded towards +inf (up) or -inf (down): quant.py's _round_float16. */
 static uint16_t round_float16(float x, int up) {
@@ -60,10 +30,6 @@ static uint16_t round_float16(float x, int up) {
     int away_from_zero = up ? (float)y > 0.0f : (float)y < 0.0f;
     return (uint16_t)(away_from_zero ? bits + 1 : bits - 1);
 }
-
-#if defined(__AVX2__) || defined(__F16C__)
-#include <immintrin.h>
-#endif
 
 /* count values of src from offset, widened (exactly) to float32. */
 static void load_values(const void *src, int dtype, int64_t offset, int64_t count, float *dst) {
@@ -145,32 +111,7 @@ static void group_values(const uint8_t *pairs, float scale, float low, float *v)
         }
     }
 }
-
-/* Eight floats as bfloat16, rounded to nearest even (float_to_bf16's rounding, NaN kept a NaN). */
-static void store_bf16(const float *v, uint16_t *out) {
-    __m256 x = _mm256_loadu_ps(v);
-    __m256i bits = _mm256_castps_si256(x);
-    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
-    __m256i quiet = _mm256_or_si256(bits, _mm256_set1_epi32(0x400000));
-    rounded = _mm256_blendv_epi8(rounded, quiet, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
-    __m256i high = _mm256_srli_epi32(rounded, 16);
-    _mm_storeu_si128((__m128i *)out, _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1)));
-}
-
-static void store_bf16s(const float *v, uint16_t *out, int64_t count) {
-    int64_t i = 0;
-    for (; i + 8 <= count; i += 8)
-        store_bf16(v + i, out + i);
-    for (; i < count; i++)
-        out[i] = float_to_bf16(v[i]);
-}
 #else
-static void store_bf16s(const float *v, uint16_t *out, int64_t count) {
-    for (int64_t i = 0; i < count; i++)
-        out[i] = float_to_bf16(v[i]);
-}
-
 static void group_min_max(const float *v, float *lo, float *hi, int *nan) {
     *lo = *hi = v[0];
     *nan = 0;
@@ -256,14 +197,7 @@ void dequantize_rows(const uint8_t *packed, int64_t n, void *out, int dtype, int
                 continue;
             }
             group_values(record, scale, low, v);
-            if (dtype == FLOAT32) {
-                memcpy((float *)out + at, v, (size_t)count * 4);
-            } else if (dtype == BFLOAT16) {
-                store_bf16s(v, (uint16_t *)out + at, count);
-            } else {
-                for (int64_t i = 0; i < count; i++)
-                    ((_Float16 *)out)[at + i] = (_Float16)v[i];
-            }
+            store_values(v, out, dtype, at, count);
         }
     }
 }
@@ -274,12 +208,6 @@ void dequantize_rows(const uint8_t *packed, int64_t n, void *out, int dtype, int
    makes of it (code * scale + minimum, rounded twice); only the order of the sums differs from
    dequantize-then-multiply. */
 #if defined(__AVX2__) && defined(__FMA__)
-static float sum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 /* One weight row against up to ROWS rows of x: each group's values made once, in registers, half a
    group at a time, and multiplied into every row's accumulator. */
 #define ROWS 8

@@ -1,0 +1,139 @@
+/* GGUF's blocks of 32 values (Q4_0, Q4_1, Q8_0), as llama.cpp's files store them, dequantized and
+multiplied without a widened copy (gguf_blocks.py).
+
+A block: its float16 scale d, for Q4_1 a float16 minimum m, then its quants. Q4_0: 16 bytes of
+nibbles, value (q - 8) * d; Q4_1: value q * d + m; the low nibbles are values 0..15, the high ones
+16..31. Q8_0: 32 signed bytes, value q * d. Values are made in float32 as gguf_reader.py's torch
+code makes them (a product, then a sum, no fused multiply-add), so dequantizing is bit-equal to
+it; the product differs from dequantize-then-multiply only in the order of its sums.
+
+Each function does the rows [first, last) of its arguments, so the caller splits over threads.
+*/
+
+#include "common.h"
+
+#define BLOCK 32
+
+enum format { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
+
+static int64_t block_bytes(int format) {
+    return format == Q4_0 ? 18 : format == Q4_1 ? 20 : 34;
+}
+
+static float half_at(const uint8_t *p) {
+    uint16_t bits;
+    memcpy(&bits, p, 2);
+    return (float)f16_from_bits(bits);
+}
+
+static void block_values(int format, const uint8_t *b, float *v) {
+    float d = half_at(b);
+    if (format == Q8_0) {
+        const int8_t *q = (const int8_t *)(b + 2);
+        for (int i = 0; i < BLOCK; i++)
+            v[i] = (float)q[i] * d;
+    } else if (format == Q4_0) {
+        const uint8_t *q = b + 2;
+        for (int i = 0; i < BLOCK / 2; i++) {
+            v[i] = (float)((q[i] & 15) - 8) * d;
+            v[i + BLOCK / 2] = (float)((q[i] >> 4) - 8) * d;
+        }
+    } else {
+        float m = half_at(b + 2);
+        const uint8_t *q = b + 4;
+        for (int i = 0; i < BLOCK / 2; i++) {
+            v[i] = (float)(q[i] & 15) * d + m;
+            v[i + BLOCK / 2] = (float)(q[i] >> 4) * d + m;
+        }
+    }
+}
+
+/* blocks: rows of n / BLOCK blocks; out: rows of n values of dtype (row r at out + r * row_stride). */
+void dequantize_blocks(int format, const uint8_t *blocks, int64_t n, void *out, int dtype, int64_t row_stride,
+                       int64_t first, int64_t last) {
+    int64_t per_row = n / BLOCK, bytes = block_bytes(format);
+    float v[BLOCK];
+    for (int64_t r = first; r < last; r++) {
+        const uint8_t *b = blocks + r * per_row * bytes;
+        for (int64_t i = 0; i < per_row; i++, b += bytes) {
+            block_values(format, b, v);
+            store_values(v, out, dtype, r * row_stride + i * BLOCK, BLOCK);
+        }
+    }
+}
+
+/* y[i, j] = sum over c of x[i, c] * w[j, c] for the rows i < m of x (float32, k values each, row
+   stride ldx) and the weight rows first <= j < last (each k / BLOCK blocks); y float32, row stride ldy. */
+#if defined(__AVX2__) && defined(__FMA__)
+/* The block's values as four vectors of eight, made as block_values makes them. */
+static void block_vectors(int format, const uint8_t *b, __m256 w[4]) {
+    __m256 d = _mm256_set1_ps(half_at(b));
+    if (format == Q8_0) {
+        for (int q = 0; q < 4; q++) {
+            __m128i bytes = _mm_loadl_epi64((const __m128i *)(b + 2 + 8 * q));
+            w[q] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), d);
+        }
+        return;
+    }
+    __m128i raw = _mm_loadu_si128((const __m128i *)(b + (format == Q4_1 ? 4 : 2)));
+    __m128i mask = _mm_set1_epi8(15);
+    __m128i low = _mm_and_si128(raw, mask), high = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+    __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
+    __m256 m = _mm256_set1_ps(format == Q4_1 ? half_at(b + 2) : 0.0f), eight = _mm256_set1_ps(8.0f);
+    for (int q = 0; q < 4; q++) {
+        __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[q]));
+        w[q] = format == Q4_0 ? _mm256_mul_ps(_mm256_sub_ps(c, eight), d) : _mm256_add_ps(_mm256_mul_ps(c, d), m);
+    }
+}
+
+/* One weight row against up to ROWS rows of x: each block's values made once, in registers. */
+#define ROWS 8
+static void row_block(int format, const float *x, int64_t rows, int64_t ldx, int64_t k, const uint8_t *b,
+                      float *y, int64_t ldy) {
+    __m256 acc[ROWS];
+    for (int r = 0; r < ROWS; r++)
+        acc[r] = _mm256_setzero_ps();
+    int64_t bytes = block_bytes(format);
+    for (int64_t start = 0; start < k; start += BLOCK, b += bytes) {
+        __m256 w[4];
+        block_vectors(format, b, w);
+        for (int r = 0; r < rows; r++) {
+            const float *xr = x + r * ldx + start;
+            for (int q = 0; q < 4; q++)
+                acc[r] = _mm256_fmadd_ps(w[q], _mm256_loadu_ps(xr + 8 * q), acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        y[r * ldy] = sum8(acc[r]);
+}
+
+void matmul_blocks(int format, const float *x, int64_t m, int64_t ldx, int64_t k, const uint8_t *w, float *y,
+                   int64_t ldy, int64_t first, int64_t last) {
+    int64_t row_bytes = k / BLOCK * block_bytes(format);
+    for (int64_t j = first; j < last; j++) /* a weight row stays in L1 while every block of x passes */
+        for (int64_t i = 0; i < m; i += ROWS)
+            row_block(format, x + i * ldx, m - i < ROWS ? m - i : ROWS, ldx, k, w + j * row_bytes, y + i * ldy + j,
+                      ldy);
+}
+#else
+void matmul_blocks(int format, const float *x, int64_t m, int64_t ldx, int64_t k, const uint8_t *w, float *y,
+                   int64_t ldy, int64_t first, int64_t last) {
+    int64_t per_row = k / BLOCK, bytes = block_bytes(format);
+    float v[BLOCK];
+    for (int64_t j = first; j < last; j++) {
+        for (int64_t i = 0; i < m; i++)
+            y[i * ldy + j] = 0.0f;
+        const uint8_t *b = w + j * per_row * bytes;
+        for (int64_t g = 0; g < per_row; g++, b += bytes) {
+            block_values(format, b, v);
+            for (int64_t i = 0; i < m; i++) {
+                const float *xr = x + i * ldx + g * BLOCK;
+                float sum = 0.0f;
+                for (int c = 0; c < BLOCK; c++)
+                    sum += xr[c] * v[c];
+                y[i * ldy + j] += sum;
+            }
+        }
+    }
+}
+#endif

@@ -1,0 +1,121 @@
+"""A GGUF file's Q4_0/Q4_1/Q8_0 matrices kept in their own blocks with --compress-weight
+(gguf_blocks.py, native/blocks.c): dequantized bit-equal to gguf_reader.py's widening, multiplied
+within float32 summation error of it, and a whole run equal to the widened one on every tier,
+full and H2O, with nothing widened while loading and the pre-flight counting the blocks' bytes."""
+
+import math
+import os
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from flexh2o import Engine, Policy, gguf_blocks, grouped_weight, native
+from flexh2o.gguf_reader import _dequantize_blocks
+from flexh2o.memory import layer_bytes
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_gguf import write_tiny  # noqa: E402
+
+FORMATS = ["Q4_0", "Q4_1", "Q8_0"]
+
+
+def blocks_of(values: np.ndarray, fmt: str) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.quantize(values, gguf.GGMLQuantizationType[fmt]).copy())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dequantized_blocks_are_gguf_readers_values_bit_for_bit(kernel_path, fmt, dtype):
+    values = np.random.default_rng(1).standard_normal((37, 96)).astype(np.float32) * 3
+    blocks = blocks_of(values, fmt)
+    assert blocks.shape == (37, gguf_blocks.row_bytes(fmt, 96))
+    expected = torch.from_numpy(np.ascontiguousarray(_dequantize_blocks(blocks.numpy(), fmt))).view(37, 96)
+    assert torch.equal(gguf_blocks.dequantize(blocks, fmt, 96, dtype=dtype), expected.to(dtype))
+
+
+@pytest.mark.skipif(native.library() is None, reason="no C compiler: the kernels cannot be built here")
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows", [1, 7, 9, 33])
+def test_the_product_equals_dequantize_then_multiply(fmt, rows):
+    g = torch.Generator().manual_seed(rows)
+    blocks = blocks_of(np.random.default_rng(rows).standard_normal((45, 160)).astype(np.float32), fmt)
+    weight = gguf_blocks.dequantize(blocks, fmt, 160).double()
+    x = torch.randn(rows, 163, generator=g)[:, 1:161]  # rows not adjacent in memory
+    got = grouped_weight.matmul(x, blocks, 160, fmt)
+    scale = x.abs().double() @ weight.abs().T
+    assert got.shape == (rows, 45) and ((got.double() - x.double() @ weight.T).abs() <= 1e-6 * scale).all()
+
+
+def tiny_blocks_model(tmp_path, mixed_qkv=False) -> str:
+    """A tiny Llama GGUF with matrices in every kept format (q/k/v in one, or, mixed, in two)."""
+    def matrix_type(name):
+        if ".k_proj." in name and mixed_qkv:
+            return "Q4_1"
+        for part, fmt in ((".self_attn.", "Q4_0"), ("gate", "Q4_1"), ("up", "Q4_1"), ("down", "Q8_0"),
+                          ("embed", "Q8_0")):
+            if part in name:
+                return fmt
+        return None
+    path = str(tmp_path / "blocks.gguf")
+    write_tiny(path, matrix_type=matrix_type)
+    return path
+
+
+def placed_bytes(engine) -> int:
+    """Bytes of every weight as placed, on all tiers."""
+    return sum((seg.stop - seg.start) * math.prod(p.shape[1:]) * p.dtype.itemsize
+               for layer in engine.layers for p in layer.home for seg in p.segments)
+
+
+PLACEMENTS = {"memory": (100, 0), "cpu": (0, 100), "disk": (0, 0), "mixed": (40, 30)}
+
+
+@pytest.mark.skipif(native.library() is None, reason="no C compiler: the kernels cannot be built here")
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+@pytest.mark.parametrize("kv", ["full", "h2o"])
+def test_a_run_on_kept_blocks_agrees_with_the_widened_run(tmp_path, placement, kv):
+    model = tiny_blocks_model(tmp_path)
+    ids = torch.randint(5, 64, (3, 10), generator=torch.Generator().manual_seed(0))
+    h2o = dict(kv_policy="h2o", hh_ratio=0.3, recent_ratio=0.3) if kv == "h2o" else {}
+    runs = {}
+    for compress in (False, True):
+        policy = Policy(3, 1, *PLACEMENTS[placement], compress_weight=compress, **h2o)
+        with Engine.from_pretrained(model, policy, device="cpu", dtype=torch.float32,
+                                    offload_dir=str(tmp_path / "off")) as engine:
+            placed = [p for layer in engine.layers for p in layer.home if p.decoded_shape is not None]
+            if compress:
+                assert {p.fmt for p in placed} == {"Q4_0", "Q4_1", "Q8_0"}
+                assert sum(layer_bytes(engine.layers, 4, policy)) == placed_bytes(engine)
+            out = engine.generate(ids, max_new_tokens=6, output_scores=True)
+            runs[compress] = out
+    assert torch.equal(runs[True].sequences, runs[False].sequences)
+    # float32 sums in another order, through layers of unit-variance weights (logits near 35): the
+    # widened product itself differs by 1e-5, the kernel's by up to 6e-4 (a wrong block: by whole units)
+    for a, b in zip(runs[True].scores, runs[False].scores):
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+
+
+def test_q_k_v_in_two_formats_are_joined_as_flexh2os_groups(tmp_path):
+    model = tiny_blocks_model(tmp_path, mixed_qkv=True)
+    with Engine.from_pretrained(model, Policy(2, compress_weight=True), device="cpu", dtype=torch.float32) as engine:
+        attention = [layer for layer in engine.layers if "SelfAttention" in type(layer).__name__]
+        assert attention and all(layer.home[1].fmt == "groups" and layer.home[2].fmt == "Q4_0" for layer in attention)
+        engine.generate(torch.randint(5, 64, (2, 6)), max_new_tokens=3)
+
+
+def test_without_compress_weight_the_file_is_widened_as_before(tmp_path):
+    model = tiny_blocks_model(tmp_path)
+    with Engine.from_pretrained(model, Policy(2), device="cpu", dtype=torch.float32) as engine:
+        assert all(p.decoded_shape is None for layer in engine.layers for p in layer.home)
+
+
+def test_in_bfloat16_the_blocks_are_quantized_into_groups_for_the_int4_kernel(tmp_path):
+    """The bfloat16 kernel (int4_tiles.py) takes quant.py's groups only; the pre-flight counts those."""
+    model = tiny_blocks_model(tmp_path)
+    policy = Policy(2, compress_weight=True)
+    with Engine.from_pretrained(model, policy, device="cpu", dtype=torch.bfloat16) as engine:
+        assert {p.fmt for layer in engine.layers for p in layer.home if p.decoded_shape is not None} == {"groups"}
+        assert sum(layer_bytes(engine.layers, 2, policy)) == placed_bytes(engine)
