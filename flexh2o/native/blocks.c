@@ -126,13 +126,7 @@ void matmul_blocks(int format, const float *x, int64_t m, int64_t ldx, int64_t k
         const uint8_t *b = w + j * per_row * bytes;
         for (int64_t g = 0; g < per_row; g++, b += bytes) {
             block_values(format, b, v);
-            for (int64_t i = 0; i < m; i++) {
-                const float *xr = x + i * ldx + g * BLOCK;
-                float sum = 0.0f;
-                for (int c = 0; c < BLOCK; c++)
-                    sum += xr[c] * v[c];
-                y[i * ldy + j] += sum;
-            }
+            add_dots(x + g * BLOCK, m, ldx, v, BLOCK, y + j, ldy);
         }
     }
 }

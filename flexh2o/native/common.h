@@ -11,14 +11,14 @@
 
 enum dtype { FLOAT32 = 0, BFLOAT16 = 1, FLOAT16 = 2 };
 
-static float bf16_to_float(uint16_t b) {
+static inline float bf16_to_float(uint16_t b) {
     uint32_t bits = (uint32_t)b << 16;
     float f;
     memcpy(&f, &bits, 4);
     return f;
 }
 
-static uint16_t float_to_bf16(float f) { /* round to nearest even, NaN kept a NaN */
+static inline uint16_t float_to_bf16(float f) { /* round to nearest even, NaN kept a NaN */
     uint32_t bits;
     memcpy(&bits, &f, 4);
     if ((bits & 0x7fffffffu) > 0x7f800000u)
@@ -27,13 +27,13 @@ static uint16_t float_to_bf16(float f) { /* round to nearest even, NaN kept a Na
     return (uint16_t)(bits >> 16);
 }
 
-static uint16_t f16_bits(_Float16 h) {
+static inline uint16_t f16_bits(_Float16 h) {
     uint16_t b;
     memcpy(&b, &h, 2);
     return b;
 }
 
-static _Float16 f16_from_bits(uint16_t b) {
+static inline _Float16 f16_from_bits(uint16_t b) {
     _Float16 h;
     memcpy(&h, &b, 2);
     return h;
@@ -42,7 +42,7 @@ static _Float16 f16_from_bits(uint16_t b) {
 
 #ifdef __AVX2__
 /* Eight floats as bfloat16, rounded to nearest even (float_to_bf16's rounding, NaN kept a NaN). */
-static void store_bf16(const float *v, uint16_t *out) {
+static inline void store_bf16(const float *v, uint16_t *out) {
     __m256 x = _mm256_loadu_ps(v);
     __m256i bits = _mm256_castps_si256(x);
     __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
@@ -53,7 +53,7 @@ static void store_bf16(const float *v, uint16_t *out) {
     _mm_storeu_si128((__m128i *)out, _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1)));
 }
 
-static void store_bf16s(const float *v, uint16_t *out, int64_t count) {
+static inline void store_bf16s(const float *v, uint16_t *out, int64_t count) {
     int64_t i = 0;
     for (; i + 8 <= count; i += 8)
         store_bf16(v + i, out + i);
@@ -61,14 +61,14 @@ static void store_bf16s(const float *v, uint16_t *out, int64_t count) {
         out[i] = float_to_bf16(v[i]);
 }
 #else
-static void store_bf16s(const float *v, uint16_t *out, int64_t count) {
+static inline void store_bf16s(const float *v, uint16_t *out, int64_t count) {
     for (int64_t i = 0; i < count; i++)
         out[i] = float_to_bf16(v[i]);
 }
 #endif
 
 /* count floats of v into out (of dtype) from element `at`. */
-static void store_values(const float *v, void *out, int dtype, int64_t at, int64_t count) {
+static inline void store_values(const float *v, void *out, int dtype, int64_t at, int64_t count) {
     if (dtype == FLOAT32) {
         memcpy((float *)out + at, v, (size_t)count * 4);
     } else if (dtype == BFLOAT16) {
@@ -79,8 +79,19 @@ static void store_values(const float *v, void *out, int dtype, int64_t at, int64
     }
 }
 
+/* y[i * ldy] += the dot product of row i of x (row stride ldx) with v's count values, for i < m:
+   the portable products' inner step. */
+static inline void add_dots(const float *x, int64_t m, int64_t ldx, const float *v, int count, float *y, int64_t ldy) {
+    for (int64_t i = 0; i < m; i++) {
+        float sum = 0.0f;
+        for (int c = 0; c < count; c++)
+            sum += x[i * ldx + c] * v[c];
+        y[i * ldy] += sum;
+    }
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
-static float sum8(__m256 v) {
+static inline float sum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));

@@ -269,13 +269,7 @@ void matmul_groups(const float *x, int64_t m, int64_t ldx, int64_t k, const uint
             memcpy(&scale_bits, record + HALF, 2);
             memcpy(&low_bits, record + HALF + 2, 2);
             group_values(record, (float)f16_from_bits(scale_bits), (float)f16_from_bits(low_bits), v);
-            for (int64_t i = 0; i < m; i++) {
-                const float *xr = x + i * ldx + g * GROUP;
-                float sum = 0.0f;
-                for (int c = 0; c < GROUP; c++)
-                    sum += xr[c] * v[c];
-                y[i * ldy + j] += sum;
-            }
+            add_dots(x + g * GROUP, m, ldx, v, GROUP, y + j, ldy);
         }
     }
 }
