@@ -108,7 +108,7 @@ def kernel_scales(scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
 def matmul(x: torch.Tensor, tiles) -> torch.Tensor:
     """x [..., k] (bfloat16) times the weight's transpose (Tiles or a TiledWeight: its codes and
     kernel scales): [..., n], the weight never widened."""
-    rows = x.reshape(-1, x.shape[-1])
+    rows = x.reshape(-1, x.shape[-1]).contiguous()  # the kernel takes contiguous rows only (x may be a slice)
     out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, tiles.codes, GROUP, tiles.kernel)
     return out.view(*x.shape[:-1], out.shape[-1])
 

@@ -72,17 +72,17 @@ def markdown(r: dict) -> str:
              "The floor: the dequantize path again, each text's windows in a batch of their own (the same "
              "arithmetic, the products' float32 sums shaped by another batch): what a change of summation order "
              "alone moves the perplexity by.", "",
-             "| text | length | setting | fused | dequantize | difference | dequantize, text alone | floor |",
+             "| text | length | setting | fused | dequantize | difference (fraction) | dequantize, text alone | floor (fraction) |",
              "|---|---|---|---|---|---|---|---|"]
     for row in r["rows"]:
         lines.append(f"| {row['text']} | {row['length']} | {row['setting']} | {row['fused']:.4f} | "
-                     f"{row['dequantize']:.4f} | {row['difference']:+.4%} | {row['alone']:.4f} | {row['floor']:+.4%} |")
+                     f"{row['dequantize']:.4f} | {row['difference']:+.1e} | {row['alone']:.4f} | {row['floor']:+.1e} |")
     for cache in (False, True):
         picked = [row for row in r["rows"] if row["setting"].endswith("+ cache") == cache]
         worst = max(abs(row["difference"]) for row in picked)
         floor = max(abs(row["floor"]) for row in picked)
-        lines += ["", f"{'With' if cache else 'Without'} a 4-bit cache: largest difference {worst:.4%} "
-                  f"({'within' if worst <= BAR else 'beyond'} the bar), largest floor {floor:.4%}."]
+        lines += ["", f"{'With' if cache else 'Without'} a 4-bit cache: largest difference {worst:.2e} "
+                  f"({'within' if worst <= BAR else 'beyond'} the bar), largest floor {floor:.2e}."]
     return "\n".join(lines) + "\n"
 
 

@@ -54,3 +54,11 @@ def test_packed_in_blocks_and_widened_in_blocks_as_whole(monkeypatch):
     assert torch.equal(int4_tiles.TiledWeight(blocked, k, torch.empty(n, k)).widened(), expected)
     # the kernel's own values: within a bfloat16 scale's rounding of quant.py's
     assert (expected - dequantize(packed, k)).abs().max() <= 0.01 * dequantize(packed, k).abs().max()
+
+
+def test_rows_that_are_a_slice_multiply_as_contiguous_ones():
+    """OPT-350M's head projection gets the last position of each sequence, a strided slice."""
+    k, n = 128, 64
+    tiles = int4_tiles.to_tiles(quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(3))), k)
+    hidden = torch.randn(4, 6, k, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    assert torch.equal(int4_tiles.matmul(hidden[:, -1], tiles), int4_tiles.matmul(hidden[:, -1].contiguous(), tiles))
