@@ -9,8 +9,9 @@ interleaved, one warm-up each, medians of --runs. On CUDA also the weights in CP
 compute device they are used in place: nothing to move). Then each mode at its own best placement
 under the same enforced caps (placement.fitted_placement, from everything on the compute tier down),
 which is what a user sees. With the CPU as the compute device its "gpu" and "cpu" tiers are the
-same RAM, so --cpu-mem defaults to 0 there: --gpu-mem caps the run's memory as a whole (uncapped,
-both modes would hold every weight in RAM and nothing would be I/O-bound).
+same RAM, so --cpu-mem defaults to 0.1 GB there (what loading holds beyond the run's own memory:
+its tensors as read, and their groups): --gpu-mem caps the run's memory as a whole (uncapped, both
+modes would hold every weight in RAM and nothing would be I/O-bound).
 B. Everything on the compute tier under --cache-cap-mem: the largest gpu_batch_size the engine's
 pre-flight admits (placement.largest + placement.fits) with compress_cache off and on, in the
 compute dtype and in the other width (projected only), for --cache-prompt-len + --cache-gen-len
@@ -32,7 +33,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from flexh2o import Engine, Policy  # noqa: E402
 from flexh2o.disk import DIRECT, MEMORY  # noqa: E402
-from flexh2o.engine import default_device, default_dtype, parse_device  # noqa: E402
+from flexh2o.engine import default_device, default_dtype, parse_device, parse_dtype  # noqa: E402
 from flexh2o.errors import UsageError  # noqa: E402
 from flexh2o.kv import cache_bytes  # noqa: E402
 from flexh2o.machine import describe_machine  # noqa: E402
@@ -46,6 +47,7 @@ from flexh2o.report import build_report  # noqa: E402
 GB = 1 << 30
 med = statistics.median
 MODES = {False: "uncompressed", True: "compressed"}
+CPU_DEVICE_CPU_MEM = int(0.1e9)  # --cpu-mem's default where the CPU computes: loading's transient (memory.load_transient)
 
 
 def dtype_name(dtype) -> str:
@@ -74,7 +76,7 @@ def a_policies(args, spec, caps, device, dtype) -> list:
 def part_a(args, device, dtype) -> dict:
     spec, _ = resolve_model(args.model)
     cap = parse_size(args.gpu_mem, "--gpu-mem")
-    cpu_cap = parse_size(args.cpu_mem, "--cpu-mem") if args.cpu_mem is not None else (0 if device.type == "cpu" else None)
+    cpu_cap = parse_size(args.cpu_mem, "--cpu-mem") if args.cpu_mem is not None else (CPU_DEVICE_CPU_MEM if device.type == "cpu" else None)
     caps = capacities(device, args.offload_dir, gpu_mem=cap, cpu_mem=cpu_cap)
     rows = a_policies(args, spec, caps, device, dtype)
     ids, _ = synthetic_prompts(args.batch, args.prompt_len, spec.vocab_size, seed=0)
@@ -188,8 +190,9 @@ def markdown(r) -> str:
         a = r["a"]
         mode = ", ".join("O_DIRECT reads" if x == DIRECT else x for x in a["page_cache"]) or "no disk"
         cpu = (f"cpu_mem {a['cpu_mem_bytes'] / GB:.2f} GB" if a["cpu_mem_given"] or r["device"] != "cpu" else
-               "cpu_mem 0: the CPU computes, so its \"gpu\" and \"cpu\" tiers are the same RAM and the gpu cap bounds all "
-               "of it (uncapped, both modes would hold every weight in RAM and nothing would be I/O-bound)")
+               f"cpu_mem {a['cpu_mem_bytes'] / GB:.2f} GB, what loading holds beyond the run: the CPU computes, so its "
+               "\"gpu\" and \"cpu\" tiers are the same RAM and the gpu cap bounds the run (uncapped, both modes would "
+               "hold every weight in RAM and nothing would be I/O-bound)")
         lines += ["## A. Decode with 4-bit weights where decode is I/O-bound", "",
                   f"{a['model']}, batch {a['batch']}, {a['prompt_len']}+{a['gen_len']}, caps enforced by the engine for "
                   f"every run: gpu_mem {a['gpu_mem_bytes'] / GB:.2f} GB, {cpu}. Disk reads: {mode}. Cache and activations "
@@ -291,9 +294,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parts", nargs="+", choices=["A", "B"], default=["A", "B"])
     ap.add_argument("--device", default=default_device())
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the device's own")
     ap.add_argument("--model", default="opt-350m", help="A: the model")
     ap.add_argument("--gpu-mem", default="0.6GB", help="A: cap of the compute tier")
-    ap.add_argument("--cpu-mem", default=None, help="A: cap of the CPU-memory tier (default: 0 on a CPU device, else detected)")
+    ap.add_argument("--cpu-mem", default=None, help="A: cap of the CPU-memory tier (default: 0.1GB on a CPU device, else detected)")
     ap.add_argument("--w-gpu", type=float, default=0, help="A: percent of the weights on the compute tier in the same placement")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=32)
@@ -319,7 +323,7 @@ def main():
     torch.set_grad_enabled(False)
     try:
         device = parse_device(args.device)
-        dtype = default_dtype(device)
+        dtype = parse_dtype(args.dtype) if args.dtype else default_dtype(device)
         a = part_a(args, device, dtype) if "A" in args.parts else None
         b = part_b(args, device, dtype) if "B" in args.parts else None
     except UsageError as e:
