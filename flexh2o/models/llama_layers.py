@@ -20,11 +20,9 @@ from .real_tokens import real_tokens
 
 def rms_norm(x, weight, eps: float):
     """RMSNorm as transformers computes it: normalized in float32, scaled in the input's dtype."""
-    if x.dtype == torch.float32:  # the same arithmetic as below, in one kernel instead of seven
+    if x.dtype == torch.float32:  # x * rsqrt(mean(x^2) + eps) * weight, in one kernel instead of seven
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 def inverse_frequencies(spec) -> torch.Tensor:
