@@ -106,6 +106,7 @@ def _load() -> ctypes.CDLL | None:
 
 PARALLEL_VALUES = 1 << 18  # below this many values a kernel runs on the calling thread alone
 _pool = None  # threads - 1 workers: the calling thread does a part too
+_pool_size = 0
 
 
 def split_rows(fn, rows: int, values: int):
@@ -117,11 +118,11 @@ def split_rows(fn, rows: int, values: int):
     if threads <= 1 or values < PARALLEL_VALUES:
         fn(0, rows)
         return
-    global _pool
+    global _pool, _pool_size
     with _lock:
-        if _pool is None or _pool._max_workers < threads - 1:
+        if _pool is None or _pool_size < threads - 1:
             from concurrent.futures import ThreadPoolExecutor
-            _pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="flexh2o-native")
+            _pool, _pool_size = ThreadPoolExecutor(threads - 1, thread_name_prefix="flexh2o-native"), threads - 1
     bounds = [rows * i // threads for i in range(threads + 1)]
     parts = [_pool.submit(fn, a, b) for a, b in zip(bounds[:-2], bounds[1:-1])]
     fn(bounds[-2], bounds[-1])
