@@ -46,6 +46,7 @@ class Tiers(WeightIO, Buffers):
         self.dequant_seconds = 0.0  # spent dequantizing, on any thread (on CUDA: queueing the kernels)
         self.h2d_bytes = 0  # copied to the compute device (disk reads included), on any thread
         self._placer, self._placing = None, []  # the writer of placed 4-bit groups (weight_io.py)
+        self.placed_by_name = {}  # (checkpoint name, rows, compressed, tiled) -> Placed (models/layer.py's place_once)
         self.cuda = None
         if self.on_cuda:
             from .cuda_io import CudaCopies

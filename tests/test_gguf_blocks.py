@@ -119,3 +119,14 @@ def test_in_bfloat16_the_blocks_are_quantized_into_groups_for_the_int4_kernel(tm
     with Engine.from_pretrained(model, policy, device="cpu", dtype=torch.bfloat16) as engine:
         assert {p.fmt for layer in engine.layers for p in layer.home if p.decoded_shape is not None} == {"groups"}
         assert sum(layer_bytes(engine.layers, 2, policy)) == placed_bytes(engine)
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_a_tied_head_and_its_embedding_in_memory_are_placed_once(tmp_path, compress):
+    model = tiny_blocks_model(tmp_path)
+    with Engine.from_pretrained(model, Policy(2, compress_weight=compress), device="cpu", dtype=torch.float32) as engine:
+        table, head = engine.layers[0].home[0], engine.layers[-1].home[-1]
+        assert table is head and table.shape[0] == 64  # the vocabulary's rows
+    policy = Policy(2, 1, 0, 0, compress_weight=compress)  # the table on disk, the head in memory: two
+    with Engine.from_pretrained(model, policy, device="cpu", dtype=torch.float32, offload_dir=str(tmp_path)) as engine:
+        assert engine.layers[0].home[0] is not engine.layers[-1].home[-1]

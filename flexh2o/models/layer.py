@@ -21,6 +21,18 @@ def quantized(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> Packed:
         raise UsageError("--compress-weight", f"weight {name}: {e}") from None
 
 
+def place_once(tiers, name: str | None, tensor, rows: dict, compressed: bool, tiled: bool):
+    """tiers.place, except that checkpoint tensor `name`, placed before with the same rows and layout
+    (a tied LM head and its token embedding, both in memory), is that same placed tensor: held once."""
+    key = (name, tuple(rows.items()), compressed, tiled) if name is not None else None
+    if key in tiers.placed_by_name:
+        return tiers.placed_by_name[key]
+    placed = tiers.place(tensor, rows, compressed, tiled)
+    if key is not None:
+        tiers.placed_by_name[key] = placed
+    return placed
+
+
 class Layer:
     """Base class: weights listed by checkpoint name, placed once, loaded once per token."""
 
@@ -85,7 +97,9 @@ class Layer:
         tiled = [c and i >= self.gathered and t.fmt == "groups" and tiers.tiles_for(tuple(t.shape))
                  for i, (t, c) in enumerate(zip(tensors, compressed))]
         tiers.start_placing_layer()
-        self.home = [tiers.place(t, r, c, tl) for t, r, c, tl in zip(tensors, rows, compressed, tiled)]
+        names = {id(r): name for (name, _), r in zip(self.weight_specs(), raw)}  # for tensors prepare() kept as read
+        self.home = [place_once(tiers, names.get(id(t)), t, r, c, tl) for t, r, c, tl in zip(tensors, rows, compressed,
+                                                                                              tiled)]
         self._loading = None
         # Weights all used where they live: every token's "load" is this same list, nothing moves.
         loaded = self.home[self.gathered:]
