@@ -1,10 +1,11 @@
-"""Weight sources: a Hugging Face checkpoint directory, or deterministic dummy weights.
+"""Weight sources: a Hugging Face checkpoint directory, a GGUF file, or deterministic dummy weights.
 
-Both hand out one tensor at a time by its checkpoint name (without the leading `model.`), in the
+Each hands out one tensor at a time by its checkpoint name (without the leading `model.`), in the
 run's dtype, so a model larger than memory is never read whole, and a checkpoint tensor stored in
 another width is not held in both (memory.load_transient counts one layer's tensors in the run's
-width; a GGUF tensor is dequantized to float32 first). `check` validates names and shapes up
-front, so a wrong checkpoint is a clear error before anything runs.
+width; a GGUF tensor is dequantized to float32 first, unless it is kept as its own low-bit blocks:
+GGUFWeights.get_packed). `check` validates names and shapes up front, so a wrong checkpoint is a
+clear error before anything runs.
 """
 
 import glob
