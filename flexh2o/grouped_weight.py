@@ -24,14 +24,12 @@ def matmul(x: torch.Tensor, data: torch.Tensor, k: int, fmt: str = "groups") -> 
     n = data.shape[0]
     out = torch.empty(len(rows), n)
     data = data.contiguous()
-    args = (rows.data_ptr(), len(rows), rows.stride(0), k, data.data_ptr(), out.data_ptr(), n)
+    args = (rows.data_ptr(), len(rows), rows.stride(0), k, data.data_ptr(), out.data_ptr(), n, n,
+            torch.get_num_threads())
     if fmt == "groups":
-        def kernel(a, b):
-            lib.matmul_groups(*args, a, b)
+        lib.matmul_groups_all(*args)
     else:
-        def kernel(a, b):
-            lib.matmul_blocks(gguf_blocks.NATIVE_FORMATS[fmt], *args, a, b)
-    native.split_rows(kernel, n, n * k * len(rows) // 8)
+        lib.matmul_blocks_all(gguf_blocks.NATIVE_FORMATS[fmt], *args)
     return out.view(*x.shape[:-1], n)
 
 

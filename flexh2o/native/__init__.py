@@ -5,7 +5,10 @@ them, so 4-bit quantization ran at 0.9 GB/s of float32 on 2 cores where one fuse
 memory speed. The kernels here are plain C, compiled for this CPU (-march=native) into the user's
 cache directory, keyed by the source, the flags, the compiler and the CPU; without a compiler,
 or with FLEXH2O_NATIVE=0, `library()` is None and callers keep their torch path. A build is written
-under a temporary name and renamed, so an interrupted one leaves nothing half-written.
+under a temporary name and renamed, so an interrupted one leaves nothing half-written. The
+matrix products split their weight rows over torch's thread count with OpenMP (where the compiler
+has it): a decode step's products are small, and handing them to Python threads (split_rows, which
+the element-wise kernels keep) cost more than splitting saved.
 """
 
 import ctypes
@@ -19,6 +22,7 @@ import threading
 SOURCES = ("quant4.c", "blocks.c")
 HEADERS = ("common.h",)  # hashed with the sources: a change to them is a new build
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
+OPENMP = "-fopenmp"  # the products' threads (a compiler without it builds them single-threaded)
 
 _lock = threading.Lock()
 _loaded: dict = {}
@@ -54,9 +58,13 @@ def _build(cc: str, target: str):
     os.makedirs(os.path.dirname(target), exist_ok=True)
     fd, partial = tempfile.mkstemp(suffix=".so.part", dir=os.path.dirname(target))
     os.close(fd)
+    sources = [os.path.join(here, s) for s in SOURCES]
     try:
-        subprocess.run([cc, *FLAGS, "-o", partial, *(os.path.join(here, s) for s in SOURCES), "-lm"],
-                       check=True, capture_output=True, timeout=300)
+        try:
+            subprocess.run([cc, *FLAGS, OPENMP, "-o", partial, *sources, "-lm"], check=True, capture_output=True,
+                           timeout=300)
+        except subprocess.CalledProcessError:
+            subprocess.run([cc, *FLAGS, "-o", partial, *sources, "-lm"], check=True, capture_output=True, timeout=300)
         os.replace(partial, target)
     finally:
         if os.path.exists(partial):
@@ -80,7 +88,7 @@ def _load() -> ctypes.CDLL | None:
     if compiler is None:
         return None
     cc, version = compiler
-    key = hashlib.sha256(repr((FLAGS, cc, version, _cpu_id())).encode())
+    key = hashlib.sha256(repr((FLAGS, OPENMP, cc, version, _cpu_id())).encode())
     here = os.path.dirname(__file__)
     for s in SOURCES + HEADERS:
         with open(os.path.join(here, s), "rb") as f:
@@ -98,6 +106,9 @@ def _load() -> ctypes.CDLL | None:
     lib.matmul_groups.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, i64, i64]
     lib.dequantize_blocks.argtypes = [ctypes.c_int, ptr, i64, ptr, ctypes.c_int, i64, i64, i64]
     lib.matmul_blocks.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, ptr, i64, i64, i64]
+    lib.matmul_groups_all.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, i64, ctypes.c_int]
+    lib.matmul_blocks_all.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, ptr, i64, i64, ctypes.c_int]
+    lib.matmul_groups_all.restype = lib.matmul_blocks_all.restype = None
     lib.quantize_rows.restype = i64
     lib.dequantize_rows.restype = lib.matmul_groups.restype = None
     lib.dequantize_blocks.restype = lib.matmul_blocks.restype = None

@@ -131,3 +131,14 @@ void matmul_blocks(int format, const float *x, int64_t m, int64_t ldx, int64_t k
     }
 }
 #endif
+
+/* matmul_blocks over every weight row, on `threads` OpenMP threads (where built with OpenMP), in
+   chunks of CHUNK rows: handed out by OpenMP's own pool, a decode step's small products are split
+   over the cores (Python's thread hand-off cost more than they took). */
+#define CHUNK 16
+void matmul_blocks_all(int format, const float *x, int64_t m, int64_t ldx, int64_t k, const uint8_t *w, float *y,
+                       int64_t ldy, int64_t n, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t j = 0; j < n; j += CHUNK)
+        matmul_blocks(format, x, m, ldx, k, w, y, ldy, j, j + CHUNK < n ? j + CHUNK : n);
+}
