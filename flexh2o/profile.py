@@ -69,6 +69,10 @@ def cached_profile(device: "torch.device", log) -> HardwareProfile | None:
             log(f"note: the cached profile timed the dequantization of {KERNEL_NAMES[profile.dequant_kernel or 'torch']}, "
                 f"and this run dequantizes with {KERNEL_NAMES[now]}: measuring again")
             return None
+        from . import native
+        if now == "native" and profile.kernels_build != native.build():
+            log("note: the cached profile timed another build of flexh2o's C kernels: measuring again")
+            return None
     if profile is not None and (profile.others_cpu_share or 0) > BUSY_SHARE:
         return None if quiet_now(profile.others_cpu_share, log) else profile
     return profile

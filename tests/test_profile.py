@@ -178,3 +178,18 @@ def test_a_cpu_profile_is_measured_again_when_the_dequantizing_kernel_changed(ca
     assert len(calls) == 1 and any("dequantizes with" in n for n in notes)
     assert flexh2o.profile.ensure_local_profile("cpu", str(cache_home / "offload"), log=notes.append) == fresh
     assert len(calls) == 1  # the same kernel now: the cache serves
+
+
+def test_a_cpu_profile_is_measured_again_when_the_kernels_were_rebuilt(cache_home, quick_profile, monkeypatch):
+    """A new build of flexh2o's C kernels (new sources, flags, compiler or CPU) runs at other speeds."""
+    from flexh2o import native
+    if native.build() is None:
+        pytest.skip("no C compiler: the kernels cannot be built here")
+    save_local(replace(quick_profile[0], dequant_kernel="native", kernels_build="an older build"))
+    fresh = replace(quick_profile[0], dequant_kernel="native", kernels_build=native.build(), source="measured again")
+    calls, notes = [], []
+    monkeypatch.setattr(flexh2o.optimizer.measure, "measure", lambda *a, **k: calls.append(a) or fresh)
+    assert flexh2o.profile.ensure_local_profile("cpu", str(cache_home / "offload"), log=notes.append) == fresh
+    assert len(calls) == 1 and any("another build" in n for n in notes)
+    assert flexh2o.profile.ensure_local_profile("cpu", str(cache_home / "offload"), log=notes.append) == fresh
+    assert len(calls) == 1  # this build now: the cache serves

@@ -83,6 +83,12 @@ def library() -> ctypes.CDLL | None:
         return lib
 
 
+def build() -> str | None:
+    """Which build of the kernels library() loaded (a hash of the sources, flags, compiler and
+    CPU), or None where there is none: a profile that timed them records it (profile.py)."""
+    return _loaded.get("build") if library() is not None else None
+
+
 def _load() -> ctypes.CDLL | None:
     compiler = _compiler()
     if compiler is None:
@@ -93,7 +99,8 @@ def _load() -> ctypes.CDLL | None:
     for s in SOURCES + HEADERS:
         with open(os.path.join(here, s), "rb") as f:
             key.update(f.read())
-    target = os.path.join(cache_dir(), f"kernels-{key.hexdigest()[:16]}.so")
+    _loaded["build"] = key.hexdigest()[:16]
+    target = os.path.join(cache_dir(), f"kernels-{_loaded['build']}.so")
     try:
         if not os.path.exists(target):
             _build(cc, target)

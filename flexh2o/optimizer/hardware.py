@@ -57,6 +57,9 @@ class HardwareProfile:
     # What measured `dequant`: "native" (flexh2o's C kernels, flexh2o/native) or "torch"; None in
     # profiles older than the kernels. A CPU profile is measured again when a run would use the other.
     dequant_kernel: str | None = None
+    # Which build of those kernels it timed (native.build()); a CPU profile is measured again when
+    # a run loads another (new kernels: other speeds). None in older profiles, or with torch's.
+    kernels_build: str | None = None
     # FLOP/s of products with a 4-bit weight multiplied unwidened (unwidened.py), by dtype and rows up
     # to the kernel's limit; None (or a dtype missing) where no kernel takes it: the cost model then
     # charges dequantizing, then the full-width product.
@@ -171,6 +174,8 @@ def check_fields(data: dict, where: str):
             bad("others_cpu_share", f"must be a share between 0 and 1, not {share!r}")
     if data.get("int4_matmul_flops") is not None:
         table("int4_matmul_flops", data["int4_matmul_flops"], None, rows=True)
+    if data.get("kernels_build") is not None and not isinstance(data["kernels_build"], str):
+        bad("kernels_build", f"must be a build's name (a string), not {data['kernels_build']!r}")
     kernel = data.get("dequant_kernel")
     if kernel not in (None, *DEQUANT_KERNELS):
         bad("dequant_kernel", f"must be one of {', '.join(DEQUANT_KERNELS)}, not {kernel!r}")

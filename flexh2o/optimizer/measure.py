@@ -382,5 +382,6 @@ def _measure(device: torch.device, offload_dir: str, quick: bool, log) -> Hardwa
         device_bandwidth=bandwidth, cpu_attention_bandwidth=cpu_bandwidth, **copies,
         memcpy=logged(log, "memcpy", memcpy_rate, host_sizes), disk_read=disk_read, disk_write=disk_write,
         dequant=logged(log, "dequantize", dequant_rate, device, dtype, sizes, sync),
-        dequant_kernel=dequant_kernel(device), int4_matmul_flops={d: t for d, t in int4.items() if t} or None,
+        dequant_kernel=dequant_kernel(device), kernels_build=native.build() if device.type == "cpu" else None,
+        int4_matmul_flops={d: t for d, t in int4.items() if t} or None,
         layer_overhead=overhead, attention_costs=calls, process_growth=growth)
