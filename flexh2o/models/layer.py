@@ -4,6 +4,8 @@ The schedule drives input embedding, attention, MLP and output embedding through
 operations and never asks what kind of layer it holds.
 """
 
+import functools
+
 import torch
 
 from ..errors import UsageError
@@ -19,6 +21,13 @@ def quantized(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> Packed:
         return Packed(quantize(tensor if dtype == torch.float32 else tensor.to(dtype)), tuple(tensor.shape))
     except ValueError as e:
         raise UsageError("--compress-weight", f"weight {name}: {e}") from None
+
+
+@functools.cache
+def format_table(stored_formats: tuple) -> dict:
+    """A spec's (name, format) pairs as a lookup, made once per spec: the pre-flight asks every
+    layer for its formats at every placement it tries (memory.per_layer)."""
+    return dict(stored_formats)
 
 
 def place_once(tiers, name: str | None, tensor, rows: dict, compressed: bool, tiled: bool):
@@ -61,7 +70,7 @@ class Layer:
 
     def stored_formats(self) -> tuple:
         """Per weight, the GGUF block format its file keeps it in (gguf_blocks.py), or None."""
-        formats = dict(getattr(getattr(self, "spec", None), "stored_formats", ()))
+        formats = format_table(getattr(getattr(self, "spec", None), "stored_formats", ()))
         return tuple(formats.get(name) for name, _ in self.weight_specs())
 
     def prepare(self, tensors: list, cat=torch.cat) -> list:
