@@ -14,11 +14,11 @@ hold a block's float16 ones.
 import torch
 
 from . import native
+from .quant import NATIVE_DTYPES
 
 BLOCK = 32
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
-NATIVE_FORMATS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
-NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+NATIVE_FORMATS = {"groups": -1, "Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # native/blocks.c's enum (groups: quant.py's)
 
 
 def holds(fmt: str | None, shape) -> bool:

@@ -24,12 +24,8 @@ def matmul(x: torch.Tensor, data: torch.Tensor, k: int, fmt: str = "groups") -> 
     n = data.shape[0]
     out = torch.empty(len(rows), n)
     data = data.contiguous()
-    args = (rows.data_ptr(), len(rows), rows.stride(0), k, data.data_ptr(), out.data_ptr(), n, n,
-            torch.get_num_threads())
-    if fmt == "groups":
-        lib.matmul_groups_all(*args)
-    else:
-        lib.matmul_blocks_all(gguf_blocks.NATIVE_FORMATS[fmt], *args)
+    lib.matmul_all(gguf_blocks.NATIVE_FORMATS[fmt], rows.data_ptr(), len(rows), rows.stride(0), k, data.data_ptr(),
+                   out.data_ptr(), n, n, torch.get_num_threads())
     return out.view(*x.shape[:-1], n)
 
 

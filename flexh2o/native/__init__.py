@@ -110,15 +110,10 @@ def _load() -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.quantize_rows.argtypes = [ptr, ctypes.c_int, i64, i64, ptr, i64, i64]
     lib.dequantize_rows.argtypes = [ptr, i64, ptr, ctypes.c_int, i64, i64, i64]
-    lib.matmul_groups.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, i64, i64]
     lib.dequantize_blocks.argtypes = [ctypes.c_int, ptr, i64, ptr, ctypes.c_int, i64, i64, i64]
-    lib.matmul_blocks.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, ptr, i64, i64, i64]
-    lib.matmul_groups_all.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, i64, ctypes.c_int]
-    lib.matmul_blocks_all.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, ptr, i64, i64, ctypes.c_int]
-    lib.matmul_groups_all.restype = lib.matmul_blocks_all.restype = None
+    lib.matmul_all.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, ptr, i64, i64, ctypes.c_int]
     lib.quantize_rows.restype = i64
-    lib.dequantize_rows.restype = lib.matmul_groups.restype = None
-    lib.dequantize_blocks.restype = lib.matmul_blocks.restype = None
+    lib.dequantize_rows.restype = lib.dequantize_blocks.restype = lib.matmul_all.restype = None
     return lib
 
 

@@ -14,7 +14,7 @@ Each function does the rows [first, last) of its arguments, so the caller splits
 
 #define BLOCK 32
 
-enum format { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
+enum format { GROUPS = -1, Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
 
 static int64_t block_bytes(int format) {
     return format == Q4_0 ? 18 : format == Q4_1 ? 20 : 34;
@@ -132,13 +132,19 @@ void matmul_blocks(int format, const float *x, int64_t m, int64_t ldx, int64_t k
 }
 #endif
 
-/* matmul_blocks over every weight row, on `threads` OpenMP threads (where built with OpenMP), in
-   chunks of CHUNK rows: handed out by OpenMP's own pool, a decode step's small products are split
-   over the cores (Python's thread hand-off cost more than they took). */
+/* A product over every weight row, on `threads` OpenMP threads (where built with OpenMP), in chunks
+   of CHUNK rows: handed out by OpenMP's own pool, a decode step's small products are split over
+   the cores (Python's thread hand-off cost more than they took). format: a GGUF block format, or
+   GROUPS for quant.py's groups (quant4.c's matmul_groups). */
 #define CHUNK 16
-void matmul_blocks_all(int format, const float *x, int64_t m, int64_t ldx, int64_t k, const uint8_t *w, float *y,
-                       int64_t ldy, int64_t n, int threads) {
+void matmul_all(int format, const float *x, int64_t m, int64_t ldx, int64_t k, const uint8_t *w, float *y,
+                int64_t ldy, int64_t n, int threads) {
     #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t j = 0; j < n; j += CHUNK)
-        matmul_blocks(format, x, m, ldx, k, w, y, ldy, j, j + CHUNK < n ? j + CHUNK : n);
+    for (int64_t j = 0; j < n; j += CHUNK) {
+        int64_t last = j + CHUNK < n ? j + CHUNK : n;
+        if (format == GROUPS)
+            matmul_groups(x, m, ldx, k, w, y, ldy, j, last);
+        else
+            matmul_blocks(format, x, m, ldx, k, w, y, ldy, j, last);
+    }
 }

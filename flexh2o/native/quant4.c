@@ -274,12 +274,3 @@ void matmul_groups(const float *x, int64_t m, int64_t ldx, int64_t k, const uint
     }
 }
 #endif
-
-/* matmul_groups over every weight row, on `threads` OpenMP threads: see blocks.c's matmul_blocks_all. */
-#define CHUNK 16
-void matmul_groups_all(const float *x, int64_t m, int64_t ldx, int64_t k, const uint8_t *w, float *y, int64_t ldy,
-                       int64_t n, int threads) {
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t j = 0; j < n; j += CHUNK)
-        matmul_groups(x, m, ldx, k, w, y, ldy, j, j + CHUNK < n ? j + CHUNK : n);
-}
