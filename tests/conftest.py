@@ -67,13 +67,24 @@ def tileable_model(tmp_path_factory):
     return directory
 
 
+FORCED_BATCH, FORCED_PROMPT = 4, 12  # forced_logprobs's prompts
+COMPRESSED_TIERS = {"memory": (100, 0), "disk": (0, 0), "mixed": (34, 33)}  # the weights' gpu and cpu shares
+
+
+def compressed_policy(tier: str, kv: dict):
+    """forced_logprobs's batch as 2 gpu-batches, the weights compressed and placed as COMPRESSED_TIERS[tier]."""
+    from flexh2o import Policy
+    gpu, cpu = COMPRESSED_TIERS[tier]
+    return Policy(FORCED_BATCH // 2, 2, w_gpu_percent=gpu, w_cpu_percent=cpu, compress_weight=True, **kv)
+
+
 def forced_logprobs(directory, policy, tmp_path, dtype, inspect=lambda engine: None, new=5):
     """Teacher-forced log-probabilities of 4 padded prompts of 12 tokens (no argmax flip can make
     two runs' inputs differ), checking that nothing is allocated after the first decode step; and
     what inspect(engine) says of the loaded engine."""
     from flexh2o import Engine
-    ids, mask = padded_batch(4, 12, pads=[0, 3, 1, 5], seed=4)
-    forced = torch.randint(3, 128, (4, new), generator=torch.Generator().manual_seed(9))
+    ids, mask = padded_batch(FORCED_BATCH, FORCED_PROMPT, pads=[0, 3, 1, 5], seed=4)
+    forced = torch.randint(3, 128, (FORCED_BATCH, new), generator=torch.Generator().manual_seed(9))
     with Engine.from_pretrained(directory, policy=policy, device="cpu", dtype=dtype, offload_dir=str(tmp_path)) as engine:
         seen = inspect(engine)
         out = engine.generate(ids, mask, max_new_tokens=new, forced_tokens=forced)

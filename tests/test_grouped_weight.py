@@ -6,13 +6,11 @@ with the prompt step widening or not, allocating nothing after its first decode 
 import pytest
 import torch
 
-from flexh2o import Policy, grouped_weight, native, quant, unwidened
-from conftest import count_calls, forced_logprobs
+from flexh2o import grouped_weight, native, quant, unwidened
+from conftest import COMPRESSED_TIERS, FORCED_BATCH, FORCED_PROMPT, compressed_policy, count_calls, forced_logprobs
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler: the kernels cannot be built here")
 
-BATCH, PROMPT = 4, 12  # conftest.forced_logprobs's
-TIERS = {"memory": (100, 0), "disk": (0, 0), "mixed": (34, 33)}
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 20])
@@ -55,16 +53,15 @@ def test_which_matrices_each_kernel_takes():
 
 
 @pytest.mark.parametrize("kv", [{}, {"hh_ratio": 0.3}])
-@pytest.mark.parametrize("tier", list(TIERS))
+@pytest.mark.parametrize("tier", list(COMPRESSED_TIERS))
 @pytest.mark.parametrize("fused_rows", [32, 4])  # 4: the prompt step widens the weights, decode steps do not
 def test_a_compressed_run_agrees_with_the_dequantize_path(tileable_model, tmp_path, monkeypatch, tier, kv, fused_rows):
-    w = TIERS[tier]
-    policy = Policy(BATCH // 2, 2, w_gpu_percent=w[0], w_cpu_percent=w[1], compress_weight=True, **kv)
+    policy = compressed_policy(tier, kv)
     calls = count_calls(monkeypatch, grouped_weight.GroupedWeight, ["matmul", "widened"])
     monkeypatch.setitem(unwidened.MAX_ROWS, "groups", fused_rows)
     fused, _ = forced_logprobs(tileable_model, policy, tmp_path / "a", torch.float32)
     assert calls["matmul"] > 0
-    assert (calls["widened"] > 0) == (fused_rows < BATCH // 2 * PROMPT)
+    assert (calls["widened"] > 0) == (fused_rows < FORCED_BATCH // 2 * FORCED_PROMPT)
     monkeypatch.setenv("FLEXH2O_NATIVE", "0")  # quant.py's torch path: dequantize, then multiply
     calls.update(matmul=0, widened=0)
     reference, _ = forced_logprobs(tileable_model, policy, tmp_path / "b", torch.float32)

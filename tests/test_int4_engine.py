@@ -9,10 +9,8 @@ import torch
 
 from flexh2o import Engine, Policy, int4_tiles, unwidened
 from flexh2o.weight_io import WeightIO
-from conftest import count_calls, forced_logprobs
+from conftest import COMPRESSED_TIERS, FORCED_BATCH, FORCED_PROMPT, compressed_policy, count_calls, forced_logprobs
 
-BATCH, PROMPT = 4, 12  # conftest.forced_logprobs's
-TIERS = {"memory": (100, 0), "disk": (0, 0), "mixed": (34, 33)}
 
 
 def logprobs(directory, policy, tmp_path):
@@ -21,16 +19,15 @@ def logprobs(directory, policy, tmp_path):
 
 
 @pytest.mark.parametrize("kv", [{}, {"hh_ratio": 0.3}])
-@pytest.mark.parametrize("tier", list(TIERS))
+@pytest.mark.parametrize("tier", list(COMPRESSED_TIERS))
 @pytest.mark.parametrize("fused_rows", [256, 8])  # 8: the prompt step widens the weights, decode steps do not
 def test_tiled_weights_agree_with_the_dequantize_path(tileable_model, tmp_path, monkeypatch, tier, kv, fused_rows):
-    w = TIERS[tier]
-    policy = Policy(BATCH // 2, 2, w_gpu_percent=w[0], w_cpu_percent=w[1], compress_weight=True, **kv)
+    policy = compressed_policy(tier, kv)
     calls = count_calls(monkeypatch, int4_tiles.TiledWeight, ["matmul", "widened"])
     monkeypatch.setitem(unwidened.MAX_ROWS, "tiles", fused_rows)
     fused, tiled = logprobs(tileable_model, policy, tmp_path / "a")
     assert any(tiled) and calls["matmul"] > 0
-    assert (calls["widened"] > 0) == (fused_rows < BATCH // 2 * PROMPT)
+    assert (calls["widened"] > 0) == (fused_rows < FORCED_BATCH // 2 * FORCED_PROMPT)
     monkeypatch.setattr(WeightIO, "tiles_for", lambda tiers, shape: False)
     reference, untiled = logprobs(tileable_model, policy, tmp_path / "b")
     assert not any(untiled)
