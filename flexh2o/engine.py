@@ -174,8 +174,10 @@ class Engine:
             for i, layer in enumerate(tqdm(layers, desc="load weights", unit="layer", disable=not progress,
                                            leave=False)):
                 # The disk reads the next two layers while this one is quantized and written (one ahead
-                # left it idle part of the time: OPT-1.3B from a float16 checkpoint not in the page cache).
-                prefetch([name for after in layers[i + 1: i + 3] for name, _ in after.weight_specs()])
+                # left it idle part of the time: OPT-1.3B from a float16 checkpoint not in the page cache);
+                # each is asked for once.
+                ahead = layers[i + 1: i + 3] if i == 0 else layers[i + 2: i + 3]
+                prefetch([name for after in ahead for name, _ in after.weight_specs()])
                 layer.init_weight(source, tiers, policy)
             tiers.finish_placing()
             tiers.sync()  # weights placed on the device are written before a caller's own stream reads them
