@@ -1,8 +1,10 @@
 """What `python -m flexh2o.run` does once its flags are parsed (run.py keeps the parser free of
 torch, so that --help answers at once): checks, the plan, loading, generation and the report."""
 
+import os
 import sys
 
+import psutil
 import torch
 
 from .disk import OffloadError
@@ -18,7 +20,10 @@ from .prompts import load_tokenizer, pad_prompts, read_prompts, synthetic_prompt
 from .sampling import check_sampling, check_seed
 from .output import check_output_file, json_text, write_json_atomic
 from .report import build_report, format_report
-from .jobs.cli import check_job_flags, run_job
+from .distributed import Peers, world_from_env
+from .jobs.cli import check_job_flags, job_settings, run_job
+from .jobs.replicas import Replica
+from .signals import Stopped, stop_for, stopped_for
 from .run_setup import choose_policy, dtype_name, load_engine
 from .optimizer.cost_model import predict
 from .planning import DEFAULT_GPU_BATCH_SIZE, check_planning_flags
@@ -83,6 +88,9 @@ def run(args) -> int:
             check_output_file(f"--{flag.replace('_', '-')}", getattr(args, flag))
     if args.offload_dir is not None:
         check_offload_dir(args.offload_dir)
+    world = world_from_env(args.pipeline_stages)
+    if world.distributed:
+        return run_replica(args, world, policy, spec, weights_dir, device, dtype, caps, planning)
     if args.input:
         return run_job(args, policy, spec, weights_dir, device, dtype, caps, planning)
     if args.prompt_len + args.gen_len > spec.max_positions:
@@ -102,6 +110,46 @@ def run(args) -> int:
         return generate_and_report(args, engine, policy, tokens, tokenizer, dummy, predicted)
     finally:
         engine.close()
+
+
+def run_replica(args, world, policy, spec, weights_dir, device, dtype, caps, planning) -> int:
+    """One rank of a torchrun world of data-parallel replicas over a dataset job (jobs/replicas.py):
+    the ranks agree on the job first; an error here reaches every other rank, and another rank's
+    error or death stops this one (distributed.py)."""
+    if not args.input:
+        raise UsageError("--input", f"a torchrun world of {world.size} processes runs data-parallel replicas of "
+                         "a dataset job: give --input FILE and --output OUT.jsonl")
+    if args.peer_timeout <= 0:
+        raise UsageError("--peer-timeout", f"must be a positive number of seconds, got {args.peer_timeout:g}")
+    if device.type == "cuda":
+        device = torch.device("cuda", world.local_rank)  # one GPU per process on its node
+    if world.local_size > 1 and device.type == "cpu" and "max_memory" not in caps and "cpu_mem" not in caps:
+        caps["max_memory"] = psutil.virtual_memory().available // world.local_size  # the node's memory, shared
+    if world.rank > 0:
+        args.quiet = True  # one progress bar, rank 0's
+        if args.json_out:
+            stem, ext = os.path.splitext(args.json_out)
+            args.json_out = f"{stem}.rank{world.rank}{ext}"
+    peers = Peers.join(world, args.peer_timeout, stop_for)
+    try:
+        # Every rank compares the same settings and refuses alike: not told as a failure, which
+        # could stop a rank before it says so itself.
+        peers.agree({"device": device.type, "dtype": dtype_name(dtype, device), **job_settings(args, spec),
+                     "output": os.path.abspath(args.output), "pipeline_stages": args.pipeline_stages})
+    except BaseException:
+        peers.close()
+        raise
+    try:
+        return run_job(args, policy, spec, weights_dir, device, dtype, caps, planning, Replica(peers, args.output))
+    except Stopped as e:
+        if stopped_for() is None:  # a signal to this rank alone: the others hear of it at once
+            peers.fail(f"stopped by {e}")
+        raise
+    except BaseException as e:
+        peers.fail(str(e) if isinstance(e, UsageError) else f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        peers.close()
 
 
 def batch_prompts(args, spec, batch: int, tokens):

@@ -36,6 +36,7 @@ class _State:
     def __init__(self):
         self.noted = []  # signals that arrived while the process's own handlers were borrowed
         self.outcome = None  # what the stop line says of the work kept (a dataset job: its records)
+        self.reason = None  # why the run stopped itself (stop_for), where no one sent it a signal
 
 
 def set_stop_outcome(describe):
@@ -45,6 +46,20 @@ def set_stop_outcome(describe):
 
 
 _state = _State()
+
+
+def stopped_for() -> str | None:
+    """The reason stop_for gave, or None where the run was not stopped that way."""
+    return _state.reason
+
+
+def stop_for(reason: str):
+    """Stops the run from any thread as a SIGTERM would (it unwinds and removes its offload files),
+    its last line the error `reason` and its exit status 1: another rank of its world failed
+    (distributed.py)."""
+    if _state.reason is None:
+        _state.reason = reason
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _handle(signum, frame):
@@ -149,6 +164,9 @@ def run_stoppable(main) -> int:
     if code is not None or _state.first is None:
         return code
     kept = _state.outcome() if _state.outcome is not None else "the run was cancelled"
+    if _state.reason is not None:
+        _say(f"error: {_state.reason}; this rank stopped: {kept} and its offload files removed")
+        return 1
     _say(f"stopped by {signal.Signals(_state.first).name}: {kept} and its offload files removed")
     return 128 + _state.first
 

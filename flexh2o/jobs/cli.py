@@ -27,6 +27,7 @@ from .input import JobInput
 from .job import Job
 from .output import JobOutput
 from .plans import FixedPlan, SearchedPlans
+from .replicas import merge, part_paths, start_over
 
 JOB_ONLY = ("output", "skip_bad", "ordered", "overwrite")
 
@@ -52,8 +53,9 @@ def job_settings(args, spec) -> dict:
             "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "stop_at_eos": args.stop_at_eos}
 
 
-def run_job(args, policy, spec, weights_dir, device, dtype, caps, planning: bool) -> int:
-    """policy: as the flags give it; planned (or fitted) here for the job's longest block."""
+def run_job(args, policy, spec, weights_dir, device, dtype, caps, planning: bool, replica=None) -> int:
+    """policy: as the flags give it; planned (or fitted) here for the job's longest block.
+    replica: this process's side of a data-parallel world (replicas.py), or None: the whole job."""
     tokenizer = load_tokenizer(weights_dir)
     if tokenizer is None:
         raise UsageError("--input", "needs a tokenizer: give --path (or --model) a directory with tokenizer files "
@@ -62,13 +64,15 @@ def run_job(args, policy, spec, weights_dir, device, dtype, caps, planning: bool
     defaults = {"max_tokens": args.gen_len, "temperature": args.temperature if args.do_sample else 0.0,
                 "top_p": args.top_p, "top_k": args.top_k, "seed": None}
     job_input = JobInput(args.input, tokenizer, defaults, spec.max_positions, args.chat, args.skip_bad)
-    output = JobOutput(args.output, job_settings(args, spec), args.overwrite)
+    settings = job_settings(args, spec)
+    output = open_output(args, settings, job_input, replica)
     if all(e.id in output.done for e in job_input.entries):  # a finished job run again: the model is not loaded
-        if args.ordered:
+        if args.ordered and replica is None:
             output.rewrite_in_order([e.id for e in job_input.entries])
         output.close()
         print(f"records: {len(job_input.entries)}, every one already in {args.output}: nothing to do", flush=True)
-        return 0
+        first_on_node(replica, "plan", lambda: None)  # its node's other ranks may wait to plan after it
+        return finish(replica, settings)
     read_seconds = time.perf_counter() - began
     good = [e for e in job_input.entries if e.error is None]
     if good:
@@ -77,7 +81,8 @@ def run_job(args, policy, spec, weights_dir, device, dtype, caps, planning: bool
         args.gen_len = min(args.gen_len, spec.max_positions - args.prompt_len)
         if args.gpu_batch_size is None and placement_flag(args) is None and args.max_batch is None:
             args.max_batch = len(good)
-    policy, profile = choose_policy(args, policy, spec, device, dtype, caps, planning)
+    policy, profile = first_on_node(replica, "plan",
+                                    lambda: choose_policy(args, policy, spec, device, dtype, caps, planning))
     plans = FixedPlan(policy)
     if planning:  # the capacities as the first plan saw them, before the weights take their share
         limits = plan_capacities(profile, args.offload_dir or default_offload_dir(), caps.get("gpu_mem"),
@@ -85,21 +90,49 @@ def run_job(args, policy, spec, weights_dir, device, dtype, caps, planning: bool
                                  dtype_name(dtype, device))
         plans = SearchedPlans(spec, policy, profile, limits, dtype_name(dtype, device), args.max_batch)
     total = len(job_input.entries)
-    set_stop_outcome(lambda: f"{len(output.done)} of {total} records are safe in {args.output}; "
-                              f"run the same command again to finish the rest ({resume_command()})")
+    set_stop_outcome(lambda: f"{sum(e.id in output.done for e in job_input.entries)} of {total} records are safe "
+                              f"in {output.path}; run the same command again to finish the rest ({resume_command()})")
     engine = load_engine(args, spec, policy, device, dtype, caps, dummy=False, profile=profile)
     try:
-        return generate_all(args, engine, job_input, output, tokenizer, spec, plans, read_seconds)
+        generate_all(args, engine, job_input, output, tokenizer, spec, plans, read_seconds, ordered=replica is None)
     finally:
         engine.close()
         output.close()
+    return finish(replica, settings)
+
+
+def open_output(args, settings, job_input, replica) -> JobOutput:
+    """The output this process appends to: --output itself (parts an interrupted data-parallel run
+    left merged into it first), or its replica's part, holding only its share of the records."""
+    all_ids = [e.id for e in job_input.entries]
+    if replica is not None:
+        output = replica.open_output(settings, args.overwrite, all_ids)
+        job_input.entries = replica.own(job_input.entries)
+        return output
+    if args.overwrite:
+        start_over(args.output)
+    elif part_paths(args.output):
+        merge(args.output, settings, all_ids)
+    return JobOutput(args.output, settings, args.overwrite)
+
+
+def first_on_node(replica, name: str, work):
+    return work() if replica is None else replica.peers.first_on_node(name, work)
+
+
+def finish(replica, settings) -> int:
+    line = None if replica is None else replica.finish(settings)
+    if line:
+        print(line, flush=True)
+    return 0
 
 
 def resume_command() -> str:
     return "python -m flexh2o.run " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
 
-def generate_all(args, engine, job_input, output, tokenizer, spec, plans, read_seconds: float = 0.0) -> int:
+def generate_all(args, engine, job_input, output, tokenizer, spec, plans, read_seconds: float = 0.0,
+                 ordered: bool = True) -> int:
     bar = None
     if not args.quiet:
         bar = tqdm(total=len(job_input.entries), initial=len(output.done & {e.id for e in job_input.entries}),
@@ -118,10 +151,10 @@ def generate_all(args, engine, job_input, output, tokenizer, spec, plans, read_s
         pass
     if bar is not None:
         bar.close()
-    if args.ordered:
+    if args.ordered and ordered:
         output.rewrite_in_order([e.id for e in job_input.entries])
     summary = job.stats.summary()
-    print(format_summary(summary, args.output), flush=True)
+    print(format_summary(summary, output.path), flush=True)
     if args.json_out:
         write_json_atomic(args.json_out, {"job": summary, "policy": engine.policy.to_dict()})
     return 0

@@ -42,6 +42,39 @@ def complete_records(path: str):
     return records, good
 
 
+def check_settings(path: str, settings: dict):
+    """Refuses to add to the output at `path` records made with other settings than `settings`."""
+    try:
+        with open(settings_path(path), encoding="utf-8") as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        raise UsageError("--output", f"{path} exists and no job settings lie beside it "
+                         f"({settings_path(path)}): not a flexh2o job's output; give --overwrite to "
+                         "replace it") from None
+    changed = sorted(k for k in set(saved) | set(settings) if saved.get(k) != settings.get(k))
+    if changed:
+        k = changed[0]
+        raise UsageError("--output", f"{path} was made with {k}={saved.get(k)!r}, this run has "
+                         f"{settings.get(k)!r}" + (f" (and {len(changed) - 1} more)" if len(changed) > 1
+                                                   else "") + "; give --overwrite to start it again")
+
+
+def write_in_order(path: str, by_id: dict, ids: list[str]) -> int:
+    """path <- the records of `by_id` in the order of `ids`, written whole and renamed into place;
+    returns how many."""
+    tmp = path + ".ordered.tmp"
+    written = 0
+    with open(tmp, "w", encoding="utf-8") as f:
+        for rid in ids:
+            if rid in by_id:
+                f.write(json.dumps(by_id[rid], ensure_ascii=False) + "\n")
+                written += 1
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return written
+
+
 class JobOutput:
     def __init__(self, path: str, settings: dict, overwrite: bool = False):
         self.path, self.settings = path, settings
@@ -56,19 +89,7 @@ class JobOutput:
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND)
 
     def _resume(self):
-        try:
-            with open(settings_path(self.path), encoding="utf-8") as f:
-                saved = json.load(f)
-        except (OSError, ValueError):
-            raise UsageError("--output", f"{self.path} exists and no job settings lie beside it "
-                             f"({settings_path(self.path)}): not a flexh2o job's output; give --overwrite to "
-                             "replace it") from None
-        changed = sorted(k for k in set(saved) | set(self.settings) if saved.get(k) != self.settings.get(k))
-        if changed:
-            k = changed[0]
-            raise UsageError("--output", f"{self.path} was made with {k}={saved.get(k)!r}, this run has "
-                             f"{self.settings.get(k)!r}" + (f" (and {len(changed) - 1} more)" if len(changed) > 1
-                                                            else "") + "; give --overwrite to start it again")
+        check_settings(self.path, self.settings)
         records, good = complete_records(self.path)
         if good < os.path.getsize(self.path):
             os.truncate(self.path, good)  # a record half-written by a kill is redone
@@ -88,15 +109,7 @@ class JobOutput:
     def rewrite_in_order(self, ids: list[str]):
         """The output's records in the order of `ids` (input order), replaced atomically."""
         records, _ = complete_records(self.path)
-        by_id = {record_id(r): r for r in records}
-        tmp = self.path + ".ordered.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            for rid in ids:
-                if rid in by_id:
-                    f.write(json.dumps(by_id[rid], ensure_ascii=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        write_in_order(self.path, {record_id(r): r for r in records}, ids)
         os.close(self.fd)
         self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
 
