@@ -74,14 +74,12 @@ def world_from_env(stages: int, env=os.environ) -> World:
     if size % stages:
         raise UsageError("--pipeline-stages", f"{stages} does not divide the world of {size} processes: give a "
                          f"divisor of {size}, or start a multiple of {stages} processes")
-    if stages > 1:
-        raise UsageError("--pipeline-stages", "pipeline parallelism is not built yet: give 1 (every process a "
-                         "data-parallel replica of the whole model)")
     return World(rank, size, local_rank, local_size, stages)
 
 
 def open_store(world: World, timeout: float):
-    """The world's store, as torchrun's rendezvous opened it (its agent's, or rank 0's)."""
+    """The world's store, as torchrun's rendezvous opened it (its agent's, or rank 0's): the
+    process group's (pipeline.py) and, under a prefix, the ranks' own keys."""
     import datetime
 
     import torch.distributed as dist
@@ -90,15 +88,18 @@ def open_store(world: World, timeout: float):
     except (RuntimeError, ValueError) as e:
         raise UsageError("--peer-timeout", f"the ranks could not meet at {os.environ.get('MASTER_ADDR')}:"
                          f"{os.environ.get('MASTER_PORT')} within {timeout:g} s: {str(e).splitlines()[0]}") from None
-    return dist.PrefixStore("flexh2o", store)
+    return store
 
 
 class Peers:
     """This rank's view of the others, through the store: agreement, failure, waiting."""
 
     def __init__(self, world: World, store, timeout: float, stop):
-        """stop(reason): what the watcher calls when another rank failed (signals.stop_for)."""
-        self.world, self.store, self.timeout, self._stop = world, store, timeout, stop
+        """store: the world's (open_store); stop(reason): what the watcher calls when another rank
+        failed (signals.stop_for)."""
+        import torch.distributed as dist
+        self.world, self.base, self.timeout, self._stop = world, store, timeout, stop
+        self.store = dist.PrefixStore("flexh2o", store)
         self._closed = threading.Event()
         self._beats = {r: (-1, time.monotonic()) for r in range(world.size) if r != world.rank}
         self._watcher = threading.Thread(target=self._watch, name="flexh2o-peers", daemon=True)

@@ -13,8 +13,11 @@ from .offload_dir import check_offload_dir
 from .errors import UsageError
 from .kv import make_policy
 from .machine import cpu_compute_dtype
-from .memory import add, capacities, check_fits, load_transient, projected_need, run_need, weight_need, with_loading
+from .memory import (add, capacities, check_fits, layer_bytes, load_transient, projected_need, run_need, weight_need,
+                     with_loading)
 from .models import eos_ids, is_gguf, resolve_model
+from .models.cached_attention import CachedAttention
+from .pipeline import StageSchedule, stage_slices
 from .policy import Policy
 from .sampling import Sampler, check_seed
 from .schedule import Schedule
@@ -121,6 +124,9 @@ class Engine:
         self._calls = threading.Lock()
         self.closed = False
         self.projected: dict | None = None  # the pre-flight projection per tier of the last generate call
+        self.stage = None  # a pipeline stage's (pipeline.py): this process runs a slice of the layers
+        self.cache_spec = spec  # the spec whose layer count the cache's pre-flight counts (a stage's slice)
+        self.layer_indices = list(range(len(layers)))  # each layer's index in the whole model
 
     @classmethod
     def from_pretrained(cls, model: str, policy: Policy | None = None, device=None, dtype=None,
@@ -128,14 +134,15 @@ class Engine:
                         bypass_page_cache: bool = False, gpu_mem: int | None = None, cpu_mem: int | None = None,
                         disk_mem: int | None = None, max_memory: int | None = None, progress: bool = False, seed: int = 0,
                         prompt_len: int | None = None, gen_len: int | None = None,
-                        placement_flag: str = "--percent", before_loading=None):
+                        placement_flag: str = "--percent", before_loading=None, stage=None):
         """Loads `model` (a preset name such as opt-1.3b or facebook/opt-1.3b, or a local HF
         directory) with its weights from `path` (or the directory itself), or dummy weights, and
         places them on the tiers the policy asks for. Tensors placed on disk go to a fresh
         sub-directory of `offload_dir`, removed by close() (or at exit). Given prompt_len and
         gen_len, the pre-flight covers the cache and activations of that job too, before loading.
         A policy that does not fit is blamed on `placement_flag` (the CLI's placement flags).
-        before_loading(), if given, runs once the pre-flight passed (the CLI's note of what goes where)."""
+        before_loading(), if given, runs once the pre-flight passed (the CLI's note of what goes where).
+        stage: a pipeline.Stage: only that stage's slice of the layers is loaded (pipeline.py)."""
         policy = policy or Policy()
         device = parse_device(device or default_device())
         dtype = parse_dtype(dtype) if dtype is not None else default_dtype(device)
@@ -149,7 +156,11 @@ class Engine:
         else:
             source = GGUFWeights(weights_dir) if is_gguf(weights_dir) else \
                 CheckpointWeights(weights_dir, "--path" if weights_dir == path else "--model")
-        layers = spec.build_layers()
+        layers, indices, cache_spec = spec.build_layers(), None, spec
+        if stage is not None:
+            indices = stage_slices(layer_bytes(layers, dtype.itemsize, policy), stage.count)[stage.index]
+            layers = [layers[j] for j in indices]
+            cache_spec = dataclasses.replace(spec, num_layers=sum(isinstance(la, CachedAttention) for la in layers))
         source.check([s for layer in layers for s in layer.weight_specs()])
         uses_disk = policy.disk_percent("w") > 0 or policy.disk_percent("cache") > 0
         if uses_disk and offload_dir is None:
@@ -159,7 +170,7 @@ class Engine:
         caps = capacities(device, offload_dir if uses_disk else None, gpu_mem, cpu_mem, disk_mem, max_memory,
                           str(dtype).removeprefix("torch."))
         if prompt_len and gen_len:
-            need = projected_need(spec, layers, policy, dtype.itemsize, prompt_len, gen_len, device)
+            need = projected_need(cache_spec, layers, policy, dtype.itemsize, prompt_len, gen_len, device)
         else:
             none = {"gpu": 0, "cpu": 0, "disk": 0}
             need = with_loading(weight_need(layers, dtype.itemsize, policy, device), none,
@@ -184,7 +195,10 @@ class Engine:
         except BaseException:
             tiers.close()
             raise
-        return cls(spec, layers, policy, tiers, source.describe(), caps, placement_flag)
+        engine = cls(spec, layers, policy, tiers, source.describe(), caps, placement_flag)
+        engine.stage, engine.cache_spec = stage, cache_spec
+        engine.layer_indices = list(indices) if indices is not None else list(range(len(layers)))
+        return engine
 
     # What may change between generate calls on a loaded engine: all but the weights' placement.
     BLOCK_FIELDS = ("gpu_batch_size", "num_gpu_batches", "cache_gpu_percent", "cache_cpu_percent", "act_gpu_percent",
@@ -258,8 +272,8 @@ class Engine:
         if prompt_len + max_new_tokens > spec.max_positions:
             raise UsageError("--prompt-len/--gen-len", f"prompt_len + gen_len = {prompt_len + max_new_tokens} "
                              f"exceeds the {spec.max_positions} positions of {spec.name}")
-        need = run_need(spec, policy, self.tiers.dtype.itemsize, prompt_len, max_new_tokens, self.tiers.compute,
-                        output_scores, self.tiers.io_threads)
+        need = run_need(self.cache_spec, policy, self.tiers.dtype.itemsize, prompt_len, max_new_tokens,
+                        self.tiers.compute, output_scores, self.tiers.io_threads)
         self.projected = add(self.weight_need, need)
         check_fits(self.projected, self.caps, self.tiers.compute, self.placement_flag)
         if forced_tokens is not None:
@@ -280,10 +294,14 @@ class Engine:
         io_before, read_before = self.tiers.io_seconds, self.tiers.disk.bytes_read if self.tiers.disk else 0
         try:
             self.tiers.reserve_loads(self.layers)
-            for j, layer in enumerate(self.layers):
+            for j, layer in zip(self.layer_indices, self.layers):
                 layer_seed = ((0 if seed is None else seed) * 100_003 + j) % (1 << 63)
                 layer.init_cache(batch_sizes, make_policy(policy, prompt_len, max_new_tokens, layer_seed), policy)
-            schedule = Schedule(self.layers, seqs, policy.num_gpu_batches, self.tiers, act_tier(policy))
+            if self.stage is None:
+                schedule = Schedule(self.layers, seqs, policy.num_gpu_batches, self.tiers, act_tier(policy))
+            else:
+                schedule = StageSchedule(self.layers, seqs, policy.num_gpu_batches, self.tiers, act_tier(policy),
+                                         self.stage, policy.gpu_batch_size, spec.hidden_size, prompt_len)
             with torch.no_grad():
                 steps_done = schedule.run(max_new_tokens, progress)
             if self.tiers.failure is not None:  # an I/O task failed that nothing waited for
@@ -303,9 +321,11 @@ class Engine:
                                           self.tiers.io_seconds - io_before, read, schedule.step_allocations,
                                           schedule.step_dequant_seconds, schedule.step_io_tasks,
                                           schedule.step_handoffs, schedule.step_h2d_bytes, schedule.finish_seconds)
+        chose = self.stage is None or self.stage.is_last  # scores exist where the LM head ran
+        scores = seqs.score_list(steps_done) if output_scores and chose else None
         if forced_tokens is not None:
-            return GenerateOutput(seqs.ids, seqs.score_list(steps_done) if output_scores else None,
-                                  seqs.forced_logprobs, seqs.greedy)
+            return GenerateOutput(seqs.ids, scores, seqs.forced_logprobs if chose else None,
+                                  seqs.greedy if chose else None)
         if output_scores:
-            return GenerateOutput(seqs.ids, seqs.score_list(steps_done))
+            return GenerateOutput(seqs.ids, scores)
         return seqs.ids

@@ -95,8 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     job.add_argument("--quiet", action="store_true", help="no progress bar")
     world = p.add_argument_group("more than one process (start with torchrun; see README)")
     world.add_argument("--pipeline-stages", type=int, default=1, metavar="S",
-                       help="the torchrun world is S stages x world/S replicas; each replica takes its share of "
-                            "--input's records (only S = 1, data parallel, is built so far)")
+                       help="the torchrun world is S pipeline stages (each a slice of the layers) x world/S "
+                            "replicas (each taking its share of --input's records); with S > 1 give "
+                            "--gpu-batch-size, --num-gpu-batches and the placement")
     world.add_argument("--peer-timeout", type=float, default=60.0, metavar="SECONDS",
                        help="a rank that gives no sign of life for this long stops every other rank")
     p.add_argument("--verbose", action="store_true", help="progress bars and more detail")

@@ -1,10 +1,8 @@
 """What `python -m flexh2o.run` does once its flags are parsed (run.py keeps the parser free of
 torch, so that --help answers at once): checks, the plan, loading, generation and the report."""
 
-import os
 import sys
 
-import psutil
 import torch
 
 from .disk import OffloadError
@@ -20,10 +18,11 @@ from .prompts import load_tokenizer, pad_prompts, read_prompts, synthetic_prompt
 from .sampling import check_sampling, check_seed
 from .output import check_output_file, json_text, write_json_atomic
 from .report import build_report, format_report
-from .distributed import Peers, world_from_env
-from .jobs.cli import check_job_flags, job_settings, run_job
-from .jobs.replicas import Replica
-from .signals import Stopped, stop_for, stopped_for
+from .distributed import world_from_env
+from .pipeline import LinkError
+from .signals import kept_line
+from .jobs.cli import check_job_flags, run_job
+from .run_world import run_in_world
 from .run_setup import choose_policy, dtype_name, load_engine
 from .optimizer.cost_model import predict
 from .planning import DEFAULT_GPU_BATCH_SIZE, check_planning_flags
@@ -54,6 +53,9 @@ def run_parsed(args) -> int:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except LinkError as e:  # a pipeline stage lost the rank it sends to or receives from
+        print(f"error: {e}; this rank stopped: {kept_line()} and its offload files removed", file=sys.stderr)
+        return 1
     except (OffloadError, IOTaskError) as e:  # a full disk names the flag; any other I/O failure its task
         cause = f"--offload-dir: {e.strerror}" if isinstance(e, OffloadError) else str(e)
         print(f"error: {cause}; the run stopped and its offload files were removed", file=sys.stderr)
@@ -90,9 +92,15 @@ def run(args) -> int:
         check_offload_dir(args.offload_dir)
     world = world_from_env(args.pipeline_stages)
     if world.distributed:
-        return run_replica(args, world, policy, spec, weights_dir, device, dtype, caps, planning)
+        return run_in_world(args, world, policy, spec, weights_dir, device, dtype, caps, planning, run_block)
     if args.input:
         return run_job(args, policy, spec, weights_dir, device, dtype, caps, planning)
+    return run_block(args, policy, spec, weights_dir, device, dtype, caps, planning)
+
+
+def run_block(args, policy, spec, weights_dir, device, dtype, caps, planning, stage=None, report=True) -> int:
+    """The one-block mode: one batch of prompts (synthetic, or --prompts-file), generated and
+    reported (where `report`: in a pipeline, by its first stage alone)."""
     if args.prompt_len + args.gen_len > spec.max_positions:
         raise UsageError("--prompt-len/--gen-len", f"prompt_len + gen_len = {args.prompt_len + args.gen_len} "
                          f"exceeds the {spec.max_positions} positions of {spec.name}")
@@ -103,53 +111,13 @@ def run(args) -> int:
     policy, profile = choose_policy(args, policy, spec, device, dtype, caps, planning)
     tokens = read_prompts(args.prompts_file, tokenizer, policy.batch_size, args.prompt_len, args.chat) \
         if args.prompts_file else None
-    engine = load_engine(args, spec, policy, device, dtype, caps, dummy, profile)
+    engine = load_engine(args, spec, policy, device, dtype, caps, dummy, profile, stage)
     try:
-        predicted = None if profile is None else predict(spec, policy, args.prompt_len, args.gen_len, profile,
-                                                         dtype_name(dtype, device))
-        return generate_and_report(args, engine, policy, tokens, tokenizer, dummy, predicted)
+        predicted = None if profile is None or stage is not None else \
+            predict(spec, policy, args.prompt_len, args.gen_len, profile, dtype_name(dtype, device))
+        return generate_and_report(args, engine, policy, tokens, tokenizer, dummy, predicted, report)
     finally:
         engine.close()
-
-
-def run_replica(args, world, policy, spec, weights_dir, device, dtype, caps, planning) -> int:
-    """One rank of a torchrun world of data-parallel replicas over a dataset job (jobs/replicas.py):
-    the ranks agree on the job first; an error here reaches every other rank, and another rank's
-    error or death stops this one (distributed.py)."""
-    if not args.input:
-        raise UsageError("--input", f"a torchrun world of {world.size} processes runs data-parallel replicas of "
-                         "a dataset job: give --input FILE and --output OUT.jsonl")
-    if args.peer_timeout <= 0:
-        raise UsageError("--peer-timeout", f"must be a positive number of seconds, got {args.peer_timeout:g}")
-    if device.type == "cuda":
-        device = torch.device("cuda", world.local_rank)  # one GPU per process on its node
-    if world.local_size > 1 and device.type == "cpu" and "max_memory" not in caps and "cpu_mem" not in caps:
-        caps["max_memory"] = psutil.virtual_memory().available // world.local_size  # the node's memory, shared
-    if world.rank > 0:
-        args.quiet = True  # one progress bar, rank 0's
-        if args.json_out:
-            stem, ext = os.path.splitext(args.json_out)
-            args.json_out = f"{stem}.rank{world.rank}{ext}"
-    peers = Peers.join(world, args.peer_timeout, stop_for)
-    try:
-        # Every rank compares the same settings and refuses alike: not told as a failure, which
-        # could stop a rank before it says so itself.
-        peers.agree({"device": device.type, "dtype": dtype_name(dtype, device), **job_settings(args, spec),
-                     "output": os.path.abspath(args.output), "pipeline_stages": args.pipeline_stages})
-    except BaseException:
-        peers.close()
-        raise
-    try:
-        return run_job(args, policy, spec, weights_dir, device, dtype, caps, planning, Replica(peers, args.output))
-    except Stopped as e:
-        if stopped_for() is None:  # a signal to this rank alone: the others hear of it at once
-            peers.fail(f"stopped by {e}")
-        raise
-    except BaseException as e:
-        peers.fail(str(e) if isinstance(e, UsageError) else f"{type(e).__name__}: {e}")
-        raise
-    finally:
-        peers.close()
 
 
 def batch_prompts(args, spec, batch: int, tokens):
@@ -159,20 +127,22 @@ def batch_prompts(args, spec, batch: int, tokens):
     return synthetic_prompts(batch, args.prompt_len, spec.vocab_size, args.seed)
 
 
-def generate_and_report(args, engine, policy, tokens, tokenizer, dummy, predicted=None) -> int:
+def generate_and_report(args, engine, policy, tokens, tokenizer, dummy, predicted=None, report=True) -> int:
     input_ids, mask = batch_prompts(args, engine.spec, policy.batch_size, tokens)
-    if dummy and not args.dummy:
+    if dummy and not args.dummy and report:
         print(f"note: no --path given for {engine.spec.name}: using dummy weights", file=sys.stderr)
     ids = engine.generate(input_ids, mask, max_new_tokens=args.gen_len, do_sample=args.do_sample,
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                          eos_token_id=-1 if args.stop_at_eos else None, progress=True)
+                          eos_token_id=-1 if args.stop_at_eos else None, progress=report)
+    if not report:
+        return 0
     sample, generated = None, None
     if tokenizer is not None and not dummy:
         texts = [tokenizer.decode(row[args.prompt_len:], skip_special_tokens=True) for row in ids]
         sample, generated = texts[0], texts if tokens is not None else None
-    report = build_report(engine, engine.last_stats, policy, sample, predicted, generated)
-    print(format_report(report), flush=True)
-    return save_json(args.json_out, report) if args.json_out else 0
+    built = build_report(engine, engine.last_stats, policy, sample, predicted, generated)
+    print(format_report(built), flush=True)
+    return save_json(args.json_out, built) if args.json_out else 0
 
 
 def save_json(path: str, report: dict) -> int:

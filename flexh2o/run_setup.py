@@ -85,7 +85,7 @@ def placement_note(spec, policy, device, dtype, prompt_len: int, gen_len: int, o
     return line
 
 
-def load_engine(args, spec, policy, device, dtype, caps: dict, dummy: bool, profile=None) -> Engine:
+def load_engine(args, spec, policy, device, dtype, caps: dict, dummy: bool, profile=None, stage=None) -> Engine:
     """The engine of a run, its weights placed by `policy`, sized for args.prompt_len + args.gen_len.
     Where anything is placed off the compute device, a note says what goes where once the pre-flight passed."""
     def announce():
@@ -98,4 +98,5 @@ def load_engine(args, spec, policy, device, dtype, caps: dict, dummy: bool, prof
                                   seed=args.seed, bypass_page_cache=args.no_page_cache,
                                   prompt_len=args.prompt_len, gen_len=args.gen_len,
                                   placement_flag=placement_flag(args) or "--weights/--cache/--act",
-                                  before_loading=announce if off_device else None, **caps)
+                                  before_loading=announce if off_device and stage is None else None, stage=stage,
+                                  **caps)

@@ -54,10 +54,15 @@ class Sequences:
         return slice(k * self.gpu_batch_size, (k + 1) * self.gpu_batch_size)
 
     def steps(self, i: int, num_gpu_batches: int) -> list[Step]:
-        self._uniforms = self.sampler.uniforms(self.ids.shape[0])
-        return [self._step(i, k) for k in range(num_gpu_batches)]
+        self.begin(i)
+        return [self.step(i, k) for k in range(num_gpu_batches)]
 
-    def _step(self, i, k) -> Step:
+    def begin(self, i: int):
+        """Token step i starts: the sampler's draws for it (made once per step, whatever the order
+        in which its gpu-batches then come)."""
+        self._uniforms = self.sampler.uniforms(self.ids.shape[0])
+
+    def step(self, i, k) -> Step:
         rows, dev = self.rows(k), self.device
         choose = lambda logits: self._choose_next(i, k, logits)  # noqa: E731
         valid = self.prompt_valid[rows]
@@ -91,6 +96,12 @@ class Sequences:
         else:
             u = None if self._uniforms is None else self._uniforms[rows]
             tokens = self.sampler.pick(logits, u).cpu()
+        return self.accept(i, k, tokens).unsqueeze(1).to(self.device)
+
+    def accept(self, i, k, tokens) -> torch.Tensor:
+        """Gpu-batch k's tokens [b] (CPU) of step i, as chosen (here, or by a pipeline's last stage):
+        recorded, with what they finish; returns them as recorded (padding where finished)."""
+        rows = self.rows(k)
         finished = self.finished[rows]
         tokens = tokens.masked_fill(finished, self.pad)  # finished sequences emit padding
         if self.eos is not None:  # one id, or several (any of them ends a sequence)
@@ -103,7 +114,7 @@ class Sequences:
             for n, row in enumerate(range(rows.start, rows.stop)):
                 if not self.finished[row] and self.stop_check(row, new[n]):
                     self.finished[row] = True
-        return tokens.unsqueeze(1).to(self.device)
+        return tokens
 
     def all_finished(self) -> bool:
         return bool(self.finished.all())

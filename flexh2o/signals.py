@@ -48,6 +48,11 @@ def set_stop_outcome(describe):
 _state = _State()
 
 
+def kept_line() -> str:
+    """What a stop line says of the work kept (set_stop_outcome's, or that the run was cancelled)."""
+    return _state.outcome() if _state.outcome is not None else "the run was cancelled"
+
+
 def stopped_for() -> str | None:
     """The reason stop_for gave, or None where the run was not stopped that way."""
     return _state.reason
@@ -163,7 +168,7 @@ def run_stoppable(main) -> int:
         _ignore_from_now()
     if code is not None or _state.first is None:
         return code
-    kept = _state.outcome() if _state.outcome is not None else "the run was cancelled"
+    kept = kept_line()
     if _state.reason is not None:
         _say(f"error: {_state.reason}; this rank stopped: {kept} and its offload files removed")
         return 1

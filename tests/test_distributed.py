@@ -28,9 +28,14 @@ def test_without_torchrun_the_world_is_one_process():
         world_from_env(2, {})
 
 
+def test_a_replicas_stages_are_neighbouring_ranks():
+    env = {"WORLD_SIZE": "6", "RANK": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "3"}
+    world = world_from_env(3, env)
+    assert (world.replicas, world.replica, world.stage, world.local_rank) == (2, 1, 1, 1)
+
+
 @pytest.mark.parametrize("size,stages,message", [(3, 2, "2 does not divide the world of 3"),
-                                                 (4, 0, "must be a positive integer"),
-                                                 (4, 2, "pipeline parallelism is not built yet")])
+                                                 (4, 0, "must be a positive integer")])
 def test_a_world_the_stages_do_not_fit_is_refused_on_every_rank(size, stages, message):
     for rank in range(size):
         env = {"WORLD_SIZE": str(size), "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(size)}
@@ -172,3 +177,30 @@ def test_one_process_takes_over_the_parts_replicas_left(model_with_tokenizer, jo
     assert "records: 14 (9 written now, 5 already in" in capsys.readouterr().out
     assert records(out) == records(alone)
     assert not os.path.exists(str(out) + ".parts")
+
+
+PIPELINE = ["--num-gpu-batches", "2", "--weights", "gpu=100,cpu=0,disk=0", "--pipeline-stages", "2"]
+
+
+@pytest.mark.parametrize("size", [2, 4])  # one pipeline of 2 stages; 2 replicas of 2 stages
+def test_pipeline_stages_write_what_one_process_writes(model_with_tokenizer, job_prompts, tmp_path, size):
+    alone, merged = tmp_path / "alone.jsonl", tmp_path / "merged.jsonl"
+    assert run(model_with_tokenizer, job_prompts, alone, *JOB[3:], *PIPELINE[:4]) == 0
+    results = finish(start_world(model_with_tokenizer, job_prompts, merged, size, lambda rank: PIPELINE))
+    assert [code for code, _, _ in results] == [0] * size, results
+    assert records(merged) == records(alone)
+
+
+def test_a_killed_stage_stops_the_other_naming_it(model_with_tokenizer, tmp_path):
+    many = tmp_path / "many.txt"
+    many.write_text("\n".join(prompt(1 + (7 * i) % 25, i) for i in range(40)) + "\n")
+    out, off = tmp_path / "out.jsonl", tmp_path / "off"
+    flags = PIPELINE[:2] + ["--weights", "gpu=0,cpu=50,disk=50", "--offload-dir", str(off), "--peer-timeout", "3",
+                            "--pipeline-stages", "2"]
+    procs = start_world(model_with_tokenizer, many, out, 2, lambda rank: flags)
+    reached = wait_for_lines(procs[1], tmp_path / "out.jsonl.parts" / "replica-0.jsonl", 2)
+    procs[1].send_signal(signal.SIGKILL)
+    (code0, _, err0), _ = finish(procs, timeout=60)
+    assert reached, "the pipeline ended before it could be killed"
+    assert code0 == 1 and "rank 1" in last_line(err0) and "this rank stopped" in last_line(err0), err0
+    assert [f for f in os.listdir(off) if f.startswith("flexh2o-run-")] == [run_folder(off, procs[1].pid)]

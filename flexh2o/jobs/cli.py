@@ -92,7 +92,8 @@ def run_job(args, policy, spec, weights_dir, device, dtype, caps, planning: bool
     total = len(job_input.entries)
     set_stop_outcome(lambda: f"{sum(e.id in output.done for e in job_input.entries)} of {total} records are safe "
                               f"in {output.path}; run the same command again to finish the rest ({resume_command()})")
-    engine = load_engine(args, spec, policy, device, dtype, caps, dummy=False, profile=profile)
+    engine = load_engine(args, spec, policy, device, dtype, caps, dummy=False, profile=profile,
+                         stage=None if replica is None else replica.stage)
     try:
         generate_all(args, engine, job_input, output, tokenizer, spec, plans, read_seconds, ordered=replica is None)
     finally:
@@ -154,8 +155,9 @@ def generate_all(args, engine, job_input, output, tokenizer, spec, plans, read_s
     if args.ordered and ordered:
         output.rewrite_in_order([e.id for e in job_input.entries])
     summary = job.stats.summary()
-    print(format_summary(summary, output.path), flush=True)
-    if args.json_out:
+    if output.writes:  # (a middle pipeline stage's records hold no tokens)
+        print(format_summary(summary, output.path), flush=True)
+    if args.json_out and output.writes:
         write_json_atomic(args.json_out, {"job": summary, "policy": engine.policy.to_dict()})
     return 0
 

@@ -76,6 +76,8 @@ def write_in_order(path: str, by_id: dict, ids: list[str]) -> int:
 
 
 class JobOutput:
+    writes = True
+
     def __init__(self, path: str, settings: dict, overwrite: bool = False):
         self.path, self.settings = path, settings
         check_output_file("--output", path)

@@ -74,12 +74,30 @@ def merge(output: str, settings: dict, ids_in_order: list[str]) -> int:
     return written
 
 
+class Unwritten:
+    """The output of a pipeline stage that holds no tokens to write: what is done, nothing written."""
+    writes = False
+
+    def __init__(self, path: str):
+        self.path, self.done = path, set()
+
+    def append(self, records: list[dict]):
+        self.done.update(record_id(r) for r in records)
+
+    def rewrite_in_order(self, ids: list[str]):
+        pass
+
+    def close(self):
+        pass
+
+
 class Replica:
     """A dataset job's side of one data-parallel replica: its records, its part of the output, and
     the merge (on rank 0). peers: distributed.Peers of the world."""
 
-    def __init__(self, peers, output: str):
-        self.peers, self.world, self.output = peers, peers.world, output
+    def __init__(self, peers, output: str, stage=None):
+        """stage: this rank's pipeline stage (pipeline.py), or None: the whole model."""
+        self.peers, self.world, self.output, self.stage = peers, peers.world, output, stage
 
     def open_output(self, settings: dict, overwrite: bool, all_ids: list[str]) -> JobOutput:
         """This replica's part, its `done` holding every record already made anywhere."""
@@ -90,8 +108,11 @@ class Replica:
             self.peers.wait_for(["cleared/0"])
         os.makedirs(parts_dir(self.output), exist_ok=True)
         own = part_path(self.output, self.world.replica)
-        part = JobOutput(own, settings)
-        others = [self.output] + [p for p in part_paths(self.output) if p != own]
+        if self.stage is None or self.stage.is_first:
+            part = JobOutput(own, settings)
+        else:  # the replica's first stage writes its records; the others run the same blocks
+            part = Unwritten(own)
+        others = [self.output] + [p for p in part_paths(self.output) if p != own or not part.writes]
         part.done |= set(records_in(others, settings))
         self.peers.store.set(f"opened/{self.world.rank}", "1")
         if self.world.rank == 0:

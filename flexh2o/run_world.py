@@ -1,0 +1,83 @@
+"""One rank of a `torchrun` world running `python -m flexh2o.run` (distributed.py): stage
+world.stage of replica world.replica.
+
+The ranks agree on the run's settings first (before any weight loads); then the stages of each
+replica join the process group their hidden states and tokens travel over (pipeline.py), and each
+rank runs its share: a dataset job's records dealt to its replica (jobs/replicas.py), or, with one
+replica, the one-block mode's batch through the pipeline. An error on any rank reaches every other
+rank, and another rank's error or death stops this one.
+"""
+
+import os
+
+import psutil
+import torch
+
+from .distributed import Peers
+from .errors import UsageError
+from .jobs.cli import job_settings, run_job
+from .jobs.replicas import Replica
+from .pipeline import join_pipeline
+from .policy import placement_flag
+from .run_setup import dtype_name
+from .signals import Stopped, stop_for, stopped_for
+
+
+def check_world_flags(args, world, planning: bool):
+    if world.replicas > 1 and not args.input:
+        raise UsageError("--input", f"a torchrun world of {world.replicas} replicas splits a dataset job's records: "
+                         "give --input FILE and --output OUT.jsonl (or --pipeline-stages "
+                         f"{world.size} for one pipeline over every process)")
+    if world.stages > 1 and (planning or args.gpu_batch_size is None or placement_flag(args) is None):
+        raise UsageError("--pipeline-stages", "give --gpu-batch-size, --num-gpu-batches and the placement "
+                         "(--weights/--cache/--act or --percent): planning per stage is not built yet")
+    if args.peer_timeout <= 0:
+        raise UsageError("--peer-timeout", f"must be a positive number of seconds, got {args.peer_timeout:g}")
+
+
+def world_settings(args, spec, device, dtype) -> dict:
+    """What every rank must run with alike."""
+    settings = {"device": device.type, "dtype": dtype_name(dtype, device), "pipeline_stages": args.pipeline_stages,
+                "gpu_batch_size": args.gpu_batch_size, "num_gpu_batches": args.num_gpu_batches,
+                **job_settings(args, spec)}
+    if args.input:
+        settings["output"] = os.path.abspath(args.output)
+    else:
+        settings.update(prompt_len=args.prompt_len, prompts_file=args.prompts_file, dummy=args.dummy)
+    return settings
+
+
+def run_in_world(args, world, policy, spec, weights_dir, device, dtype, caps, planning, run_block) -> int:
+    check_world_flags(args, world, planning)
+    if device.type == "cuda":
+        device = torch.device("cuda", world.local_rank)  # one GPU per process on its node
+    if world.local_size > 1 and device.type == "cpu" and "max_memory" not in caps and "cpu_mem" not in caps:
+        caps["max_memory"] = psutil.virtual_memory().available // world.local_size  # the node's memory, shared
+    if world.rank > 0:
+        args.quiet = True  # one progress bar, rank 0's
+        if args.json_out:
+            stem, ext = os.path.splitext(args.json_out)
+            args.json_out = f"{stem}.rank{world.rank}{ext}"
+    peers = Peers.join(world, args.peer_timeout, stop_for)
+    try:
+        # Every rank compares the same settings and refuses alike: not told as a failure, which
+        # could stop a rank before it says so itself.
+        peers.agree(world_settings(args, spec, device, dtype))
+    except BaseException:
+        peers.close()
+        raise
+    try:
+        stage = join_pipeline(world, peers) if world.stages > 1 else None
+        if args.input:
+            return run_job(args, policy, spec, weights_dir, device, dtype, caps, planning,
+                           Replica(peers, args.output, stage))
+        return run_block(args, policy, spec, weights_dir, device, dtype, caps, planning, stage, world.rank == 0)
+    except Stopped as e:
+        if stopped_for() is None:  # a signal to this rank alone: the others hear of it at once
+            peers.fail(f"stopped by {e}")
+        raise
+    except BaseException as e:
+        peers.fail(str(e) if isinstance(e, UsageError) else f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        peers.close()
