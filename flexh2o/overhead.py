@@ -60,14 +60,18 @@ class Growth:
 
 def process_growth(profile, dtype: str, threads: int, io_threads: int = 2) -> Growth:
     """What the pre-flight allows the process beyond its projection, for a run in `dtype` with
-    `threads` torch threads: the profile's calibration with MARGIN, else DEFAULT_GROWTH; plus the
-    dirty pages buffered writes may hold."""
+    `threads` torch threads: the profile's calibration with MARGIN (for these threads, else for the
+    fewest more: growth is per-thread arenas and scratch, so more threads bound fewer; a torchrun
+    world gives each process one thread), else DEFAULT_GROWTH; plus the dirty pages buffered
+    writes may hold."""
     dirty = (io_threads + 1) * DIRTY_WINDOW
-    measured = None if profile is None else (profile.process_growth or {}).get(dtype, {}).get(str(threads))
-    if measured is None:
+    table = {} if profile is None else {int(t): n for t, n in (profile.process_growth or {}).get(dtype, {}).items()}
+    more = sorted(t for t in table if t >= threads)
+    if not more:
         why = "no local profile" if profile is None else f"the profile has no calibration for {dtype}, {threads} threads"
         return Growth(DEFAULT_GROWTH + dirty, f"default: {why}")
-    return Growth(max(int(measured * MARGIN), FLOOR) + dirty, f"calibrated for {dtype}, {threads} threads: "
+    measured = table[more[0]]
+    return Growth(max(int(measured * MARGIN), FLOOR) + dirty, f"calibrated for {dtype}, {more[0]} threads: "
                   f"{measured >> 20} MB x{MARGIN} (at least {FLOOR >> 20} MB), + {dirty >> 20} MB dirty pages")
 
 

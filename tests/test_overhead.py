@@ -38,6 +38,11 @@ def test_the_growth_is_the_calibration_with_its_margin_or_the_default_saying_why
     for dtype, threads in (("bfloat16", 2), ("float32", 4)):  # not calibrated for these: the default, and why
         other = process_growth(measured, dtype, threads)
         assert other.bytes == DEFAULT_GROWTH + dirty and f"no calibration for {dtype}, {threads} threads" in other.source
+    # Fewer threads than calibrated (a torchrun world's one per process): the fewest more bound it.
+    several = from_dict({**TEST_CPU_PROFILE, "process_growth": {"float32": {"2": 100 * MB, "4": 300 * MB}}}, "test")
+    one = process_growth(several, "float32", 1)
+    assert one.bytes == int(100 * MB * MARGIN) + dirty and "calibrated for float32, 2 threads" in one.source
+    assert process_growth(several, "float32", 3).bytes == int(300 * MB * MARGIN) + dirty
 
 
 @pytest.mark.parametrize("bad", [[1], {"float32": {"two": 5}}, {"float32": {"2": -1}}, {"float32": 7}])
