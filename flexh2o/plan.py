@@ -37,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{tier}-mem", metavar="SIZE", help=f"cap on the {tier} tier (default: the profile's)")
     p.add_argument("--offload-dir", default=None, metavar="DIR",
                    help="where the local profile's disk is measured and found free")
+    p.add_argument("--pipeline-stages", type=int, default=1, metavar="S",
+                   help="plan a pipeline of S stages, each a machine like --hardware with these caps (pipeline.py)")
+    p.add_argument("--link-bandwidth", type=float, default=None, metavar="GB/s",
+                   help="with --pipeline-stages: the link between stages (default: the profile's link_bandwidth)")
     p.add_argument("--json-out", metavar="FILE", help="write the plan (policy, predicted throughput) as JSON here")
     return p
 
@@ -91,6 +95,8 @@ def plan(args) -> int:
         raise UsageError("--dtype", f"the {profile.name} profile has no figures for {args.dtype} (it has "
                          f"{', '.join(sorted(profile.matmul_flops))})")
     caps = plan_capacities(profile, offload_dir, *sizes, dtype=args.dtype)
+    if args.pipeline_stages != 1:
+        return plan_stages(args, spec, profile, caps, base)
     start = time.perf_counter()
     found = search(spec, args.prompt_len, args.gen_len, profile, caps, base, dtype=args.dtype,
                      allow_compression=args.allow_compression, max_batch=args.max_batch, total_batch=args.batch)
@@ -116,6 +122,50 @@ def plan(args) -> int:
             "capacities": {t: caps[t] for t in ("gpu", "cpu", "disk")},
             "policy": found.policy.to_dict(), "predicted": found.predicted.to_dict(), "command": command,
             "searched": found.candidates, "search_seconds": seconds})
+    return 0
+
+
+def plan_stages(args, spec, profile, caps, base) -> int:
+    """--pipeline-stages: each stage's placement and the pipeline's projected throughput."""
+    from .optimizer.pipeline_plan import plan_pipeline
+    from .optimizer.planner import describe_caps, run_flags
+    from .run_main import save_json
+    stages = args.pipeline_stages
+    if stages < 1 or stages > spec.num_layers:
+        raise UsageError("--pipeline-stages", f"must be between 1 and the {spec.num_layers} layers of {spec.name}, "
+                         f"got {stages}")
+    if args.link_bandwidth is not None and args.link_bandwidth <= 0:
+        raise UsageError("--link-bandwidth", f"must be a positive number of GB/s, got {args.link_bandwidth:g}")
+    link = args.link_bandwidth * 1e9 if args.link_bandwidth is not None else profile.link_bandwidth
+    if link is None:
+        raise UsageError("--link-bandwidth", f"the {profile.name} profile has no link_bandwidth: give the link "
+                         "between stages in GB/s (or measure this machine's: python -m flexh2o.profile --force)")
+    start = time.perf_counter()
+    found = plan_pipeline(spec, args.prompt_len, args.gen_len, profile, caps, base, stages, link, args.dtype,
+                          args.allow_compression, args.max_batch, args.batch)
+    seconds = time.perf_counter() - start
+    if found is None:
+        raise UsageError("/".join(f"--{t}-mem" for t in caps["given"]) or "--model",
+                         f"no batch of {spec.name} with {args.prompt_len}+{args.gen_len} tokens fits every one of "
+                         f"{stages} stages on {profile.name} ({describe_caps(caps, profile.device)} each)")
+    shape = found.stages[0].policy
+    print(f"plan for {spec.name} on {stages} x {profile.name} ({describe_caps(caps, profile.device)} each, link "
+          f"{link / 1e9:.2f} GB/s), {args.prompt_len} + {args.gen_len} tokens, batch {found.batch} "
+          f"({shape.gpu_batch_size} x {shape.num_gpu_batches}) in {found.micro_batches} micro-batches")
+    for s, stage in enumerate(found.stages):
+        print(f"stage {s}: layers {stage.layers.start}-{stage.layers.stop - 1}, "
+              f"{' '.join(run_flags(stage.policy)[2:])}: {stage.seconds:.2f} s per micro-batch over the run")
+    print(f"predicted: total {found.throughput:.3f} token/s ({found.seconds:.2f} s); the busiest stage idles "
+          f"{found.bubble_share:.0%} of it; hidden states between stages {found.link_seconds:.2f} s per micro-batch")
+    print(f"planned in {seconds:.1f} s")
+    if args.json_out:
+        return save_json(args.json_out, {
+            "model": spec.name, "hardware": profile.name, "stages": stages, "link_bandwidth": link,
+            "prompt_len": args.prompt_len, "gen_len": args.gen_len, "batch": found.batch,
+            "micro_batches": found.micro_batches, "total_throughput": found.throughput, "seconds": found.seconds,
+            "bubble_share": found.bubble_share, "link_seconds": found.link_seconds,
+            "stage_plans": [{"layers": [st.layers.start, st.layers.stop], "policy": st.policy.to_dict(),
+                             "seconds": st.seconds} for st in found.stages]})
     return 0
 
 

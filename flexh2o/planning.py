@@ -71,6 +71,40 @@ def planned_policy(args, policy, spec, dtype: str, caps: dict, profile, offload_
     return plan.policy
 
 
+def planned_stage_policy(args, policy, spec, dtype: str, caps: dict, profile, offload_dir: str, stage):
+    """A pipeline stage's policy (pipeline.py): the world's rank 0 plans every stage as a machine like
+    its own within the same caps (optimizer/pipeline_plan.py) and hands the plan to the other ranks
+    through their store; each takes its own stage's placement and the common batch shape."""
+    import json
+
+    from .optimizer.pipeline_plan import plan_pipeline
+    from .policy import Policy
+    peers = stage.peers
+    if peers.world.rank == 0:
+        if not profile.knows(dtype):
+            raise UsageError("--dtype", f"the local profile has no figures for {dtype}: give --gpu-batch-size, "
+                             "--num-gpu-batches and a placement to run it")
+        link = profile.link_bandwidth
+        if link is None:  # a profile measured before links were
+            from .optimizer.link import link_rate
+            link = link_rate()
+        limits = plan_capacities(profile, offload_dir, caps.get("gpu_mem"), caps.get("cpu_mem"), caps.get("disk_mem"),
+                                 caps.get("max_memory"), dtype)
+        plan = plan_pipeline(spec, args.prompt_len, args.gen_len, profile, limits, policy, stage.count, link, dtype,
+                             args.allow_compression, args.max_batch)
+        if plan is None:
+            raise UsageError("/".join(f"--{t}-mem" for t in limits["given"]) or "--model",
+                             f"no batch of {spec.name} with {args.prompt_len}+{args.gen_len} tokens fits every one "
+                             f"of {stage.count} stages like this machine ({describe_caps(limits, profile.device)})")
+        print(f"note: planned {stage.count} pipeline stages with the local hardware profile: batch {plan.batch}, "
+              + "; ".join(f"stage {s} (layers {p.layers.start}-{p.layers.stop - 1}) {' '.join(run_flags(p.policy))}"
+                          for s, p in enumerate(plan.stages))
+              + f" (predicted total {plan.throughput:.3f} token/s)", file=sys.stderr)
+        peers.store.set("pipeline_plan", json.dumps([p.policy.to_dict() for p in plan.stages]))
+    peers.wait_for(["pipeline_plan"])
+    return Policy(**json.loads(peers.store.get("pipeline_plan"))[stage.index])
+
+
 def duration(seconds: float) -> str:
     """A predicted duration as people say it: 40 s, 3.5 min, 2.1 h."""
     if seconds < 120:

@@ -150,6 +150,7 @@ def profile_rows(p: HardwareProfile) -> list[tuple[str, str]]:
                    ("disk write", bandwidth(p.disk_write)), ("dequantize", f"{p.dequant / 1e9:.3f} G values/s"
                                                                 + (f" ({KERNEL_NAMES[p.dequant_kernel]})" if p.dequant_kernel else "")),
                    ("layer overhead", f"{p.layer_overhead * 1e3:.3f} ms per layer call")] + attention_call_rows(p) \
+        + ([("link between pipeline stages", bandwidth(p.link_bandwidth))] if p.link_bandwidth else []) \
         + [(f"process growth, {dtype}, {threads} threads", f"{nbytes / 1e6:.0f} MB beyond the projection")
            for dtype, table in (p.process_growth or {}).items() for threads, nbytes in table.items()] \
         + ([("others' CPU share meanwhile", f"{p.others_cpu_share:.0%}" + (" (busy: measured again once quiet)"

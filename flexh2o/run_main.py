@@ -19,7 +19,7 @@ from .sampling import check_sampling, check_seed
 from .output import check_output_file, json_text, write_json_atomic
 from .report import build_report, format_report
 from .distributed import world_from_env
-from .pipeline import LinkError
+from .stage_link import LinkError
 from .signals import kept_line
 from .jobs.cli import check_job_flags, run_job
 from .run_world import run_in_world
@@ -108,7 +108,7 @@ def run_block(args, policy, spec, weights_dir, device, dtype, caps, planning, st
     dummy = args.dummy or weights_dir is None
     # Before the pre-flight reads the free memory: what the tokenizer holds is then already in use.
     tokenizer = None if dummy and not args.prompts_file else load_tokenizer(weights_dir)
-    policy, profile = choose_policy(args, policy, spec, device, dtype, caps, planning)
+    policy, profile = choose_policy(args, policy, spec, device, dtype, caps, planning, stage)
     tokens = read_prompts(args.prompts_file, tokenizer, policy.batch_size, args.prompt_len, args.chat) \
         if args.prompts_file else None
     engine = load_engine(args, spec, policy, device, dtype, caps, dummy, profile, stage)

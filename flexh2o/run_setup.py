@@ -3,6 +3,7 @@
 flexh2o.run's one-block mode and its dataset jobs (jobs/cli.py) share these.
 """
 
+import functools
 import os
 import sys
 import tempfile
@@ -14,22 +15,24 @@ from .memory import capacities, format_size, run_need, weight_need
 from .names import tier_label
 from .placement import WeightNeeds, describe as describe_placement, fits, fitted_placement, no_fit_error
 from .policy import Policy, placement_flag
-from .planning import cached_local_profile, duration, local_profile, planned_policy
+from .planning import cached_local_profile, duration, local_profile, planned_policy, planned_stage_policy
 
 
 def default_offload_dir() -> str:
     return os.path.join(tempfile.gettempdir(), "flexh2o_offload")
 
 
-def choose_policy(args, policy, spec, device, dtype, caps, planning):
+def choose_policy(args, policy, spec, device, dtype, caps, planning, stage=None):
     """The policy to run (planned by the cost model, or fitted to the machine when no placement is
     given) for args.prompt_len + args.gen_len, and the profile to predict it with (or None);
-    sets args.offload_dir where the policy puts something on disk."""
+    sets args.offload_dir where the policy puts something on disk. stage: a pipeline stage's
+    (pipeline.py), planned with the others."""
     profile = None
     if planning:
         offload_dir = args.offload_dir or default_offload_dir()
         profile = local_profile(device, offload_dir)
-        policy = planned_policy(args, policy, spec, dtype_name(dtype, device), caps, profile, offload_dir)
+        plan = planned_policy if stage is None else functools.partial(planned_stage_policy, stage=stage)
+        policy = plan(args, policy, spec, dtype_name(dtype, device), caps, profile, offload_dir)
     elif placement_flag(args) is None:
         policy = fit_default_placement(args, policy, spec, device, dtype, caps)
     if profile is None:

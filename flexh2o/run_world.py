@@ -23,14 +23,18 @@ from .run_setup import dtype_name
 from .signals import Stopped, stop_for, stopped_for
 
 
-def check_world_flags(args, world, planning: bool):
+def check_world_flags(args, world, spec, planning: bool):
     if world.replicas > 1 and not args.input:
         raise UsageError("--input", f"a torchrun world of {world.replicas} replicas splits a dataset job's records: "
                          "give --input FILE and --output OUT.jsonl (or --pipeline-stages "
                          f"{world.size} for one pipeline over every process)")
-    if world.stages > 1 and (planning or args.gpu_batch_size is None or placement_flag(args) is None):
-        raise UsageError("--pipeline-stages", "give --gpu-batch-size, --num-gpu-batches and the placement "
-                         "(--weights/--cache/--act or --percent): planning per stage is not built yet")
+    if world.stages > 1 and not planning and (args.gpu_batch_size is None or placement_flag(args) is None):
+        raise UsageError("--pipeline-stages", "give --gpu-batch-size and the placement (--weights/--cache/--act or "
+                         "--percent) together, or neither (every stage then planned)")
+    layers = len(spec.build_layers())
+    if world.stages > layers:
+        raise UsageError("--pipeline-stages", f"{world.stages} stages for the {layers} layers of {spec.name} (its "
+                         f"embedding and LM head count as layers): give at most {layers}")
     if args.peer_timeout <= 0:
         raise UsageError("--peer-timeout", f"must be a positive number of seconds, got {args.peer_timeout:g}")
 
@@ -48,7 +52,7 @@ def world_settings(args, spec, device, dtype) -> dict:
 
 
 def run_in_world(args, world, policy, spec, weights_dir, device, dtype, caps, planning, run_block) -> int:
-    check_world_flags(args, world, planning)
+    check_world_flags(args, world, spec, planning)
     if device.type == "cuda":
         device = torch.device("cuda", world.local_rank)  # one GPU per process on its node
     if world.local_size > 1 and device.type == "cpu" and "max_memory" not in caps and "cpu_mem" not in caps:

@@ -145,7 +145,7 @@ TEST_CPU_PROFILE = {
                      "bfloat16": {"1": 10e9, "256": 11e9}},
     "attention_flops": {"float32": 60e9, "bfloat16": 3e9}, "device_bandwidth": 15e9, "cpu_attention_bandwidth": 15e9,
     "h2d": 0.0, "d2h": 0.0, "h2d_pageable": 0.0, "d2h_pageable": 0.0, "memcpy": 9e9, "disk_read": 1.2e9,
-    "disk_write": 0.56e9, "dequant": 0.7e9, "layer_overhead": 0.0003,
+    "disk_write": 0.56e9, "dequant": 0.7e9, "layer_overhead": 0.0003, "link_bandwidth": 1e9,
     "dequant_kernel": "native" if native.library() is not None else "torch", "kernels_build": native.build(),
     "attention_costs": {"prompt_fused": [1e-4, 2e-9], "prompt_observed": [4e-4, 5e-9],
                         "decode_fused": [1e-4, 35e-9], "decode_evicting": [6e-4, 70e-9]},

@@ -58,7 +58,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_world(model_dir, input_path, output, size: int, flags_of_rank=lambda rank: []) -> list:
+def start_world(model_dir, input_path, output, size: int, flags_of_rank=lambda rank: [], job=JOB) -> list:
     """`size` ranks of `python -m flexh2o.run`, each told its place as torchrun tells it (one thread each)."""
     port, procs = free_port(), []
     for rank in range(size):
@@ -66,7 +66,7 @@ def start_world(model_dir, input_path, output, size: int, flags_of_rank=lambda r
                    LOCAL_WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "flexh2o.run", "--model", str(model_dir), "--input", str(input_path), "--output",
-             str(output), *JOB, *flags_of_rank(rank)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+             str(output), *job, *flags_of_rank(rank)], cwd=REPO, env=env, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True))
     return procs
 
@@ -204,3 +204,14 @@ def test_a_killed_stage_stops_the_other_naming_it(model_with_tokenizer, tmp_path
     assert reached, "the pipeline ended before it could be killed"
     assert code0 == 1 and "rank 1" in last_line(err0) and "this rank stopped" in last_line(err0), err0
     assert [f for f in os.listdir(off) if f.startswith("flexh2o-run-")] == [run_folder(off, procs[1].pid)]
+
+
+def test_a_pipeline_given_no_batch_or_placement_is_planned_once_for_every_stage(model_with_tokenizer, job_prompts,
+                                                                              tmp_path):
+    alone, merged = tmp_path / "alone.jsonl", tmp_path / "merged.jsonl"
+    assert run(model_with_tokenizer, job_prompts, alone, "--gen-len", "8", "--gpu-batch-size", "2") == 0
+    results = finish(start_world(model_with_tokenizer, job_prompts, merged, 2, lambda rank: ["--pipeline-stages", "2"],
+                                 job=["--dtype", "float32", "--quiet", "--gen-len", "8"]))
+    assert [code for code, _, _ in results] == [0, 0], results
+    assert "note: planned 2 pipeline stages" in results[0][2]
+    assert records(merged) == records(alone)

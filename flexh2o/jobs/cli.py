@@ -81,10 +81,11 @@ def run_job(args, policy, spec, weights_dir, device, dtype, caps, planning: bool
         args.gen_len = min(args.gen_len, spec.max_positions - args.prompt_len)
         if args.gpu_batch_size is None and placement_flag(args) is None and args.max_batch is None:
             args.max_batch = len(good)
+    stage = None if replica is None else replica.stage  # a pipeline's stages run the one plan of every block
     policy, profile = first_on_node(replica, "plan",
-                                    lambda: choose_policy(args, policy, spec, device, dtype, caps, planning))
+                                    lambda: choose_policy(args, policy, spec, device, dtype, caps, planning, stage))
     plans = FixedPlan(policy)
-    if planning:  # the capacities as the first plan saw them, before the weights take their share
+    if planning and stage is None:  # the capacities as the first plan saw them, before the weights take their share
         limits = plan_capacities(profile, args.offload_dir or default_offload_dir(), caps.get("gpu_mem"),
                                  caps.get("cpu_mem"), caps.get("disk_mem"), caps.get("max_memory"),
                                  dtype_name(dtype, device))
@@ -92,8 +93,7 @@ def run_job(args, policy, spec, weights_dir, device, dtype, caps, planning: bool
     total = len(job_input.entries)
     set_stop_outcome(lambda: f"{sum(e.id in output.done for e in job_input.entries)} of {total} records are safe "
                               f"in {output.path}; run the same command again to finish the rest ({resume_command()})")
-    engine = load_engine(args, spec, policy, device, dtype, caps, dummy=False, profile=profile,
-                         stage=None if replica is None else replica.stage)
+    engine = load_engine(args, spec, policy, device, dtype, caps, dummy=False, profile=profile, stage=stage)
     try:
         generate_all(args, engine, job_input, output, tokenizer, spec, plans, read_seconds, ordered=replica is None)
     finally:

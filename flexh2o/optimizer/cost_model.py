@@ -136,12 +136,14 @@ class CostModel:
     """Predictions for one model, prompt and generation length on one profile (dtype: the run's,
     by default the profile's)."""
 
-    def __init__(self, spec, prompt_len: int, gen_len: int, profile: HardwareProfile, dtype: str | None = None):
+    def __init__(self, spec, prompt_len: int, gen_len: int, profile: HardwareProfile, dtype: str | None = None,
+                 layers=None):
+        """layers: the ones a process runs (a pipeline stage's slice), by default all of spec's."""
         self.spec, self.prompt_len, self.gen_len, self.hw = spec, prompt_len, gen_len, profile
         self.dtype = dtype or profile.dtype
         self.dtype_bytes = DTYPE_BYTES[self.dtype]
         self.on_cuda = profile.device == "cuda"
-        self.layers = spec.build_layers()
+        self.layers = spec.build_layers() if layers is None else layers
         self.kinds = [type(layer).__name__ for layer in self.layers]
         # The 2-D weights each layer multiplies by, as (out, in).
         self.matrices = [[shape for _, shape in layer.weight_specs() if len(shape) == 2] for layer in self.layers]

@@ -64,6 +64,9 @@ class HardwareProfile:
     # to the kernel's limit; None (or a dtype missing) where no kernel takes it: the cost model then
     # charges dequantizing, then the full-width product.
     int4_matmul_flops: dict | None = None
+    # Bytes/s between two pipeline stages' processes (optimizer/link.py: two local processes over
+    # gloo); None where not measured. Between machines it is the network's.
+    link_bandwidth: float | None = None
 
     def knows(self, dtype: str) -> bool:
         """Whether the profile has matrix-product figures for runs in this dtype."""
@@ -174,6 +177,8 @@ def check_fields(data: dict, where: str):
             bad("others_cpu_share", f"must be a share between 0 and 1, not {share!r}")
     if data.get("int4_matmul_flops") is not None:
         table("int4_matmul_flops", data["int4_matmul_flops"], None, rows=True)
+    if data.get("link_bandwidth") is not None:
+        number("link_bandwidth", data["link_bandwidth"])
     if data.get("kernels_build") is not None and not isinstance(data["kernels_build"], str):
         bad("kernels_build", f"must be a build's name (a string), not {data['kernels_build']!r}")
     kernel = data.get("dequant_kernel")

@@ -35,6 +35,7 @@ from .. import int4_tiles, native
 from ..grouped_weight import GroupedWeight
 from ..quant import dequantize, packed_bytes, quantize
 from ..unwidened import MAX_ROWS, kernel_for
+from .link import link_rate
 from ..tiers import Tiers, copy_in_memory
 from ..weights import DummyWeights
 from .attention_costs import DECODE_BATCH, HEAD_DIM, HEADS, measure_attention_costs
@@ -384,4 +385,5 @@ def _measure(device: torch.device, offload_dir: str, quick: bool, log) -> Hardwa
         dequant=logged(log, "dequantize", dequant_rate, device, dtype, sizes, sync),
         dequant_kernel=dequant_kernel(device), kernels_build=native.build() if device.type == "cpu" else None,
         int4_matmul_flops={d: t for d, t in int4.items() if t} or None,
-        layer_overhead=overhead, attention_costs=calls, process_growth=growth)
+        layer_overhead=overhead, attention_costs=calls, process_growth=growth,
+        link_bandwidth=logged(log, "link between processes", link_rate, quick))

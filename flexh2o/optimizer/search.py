@@ -75,8 +75,9 @@ def fits(need: dict, caps: dict, on_cuda: bool):
 
 class Search:
     def __init__(self, spec, prompt_len: int, gen_len: int, profile, caps: dict, dtype: str | None = None,
-                 step: float = 5, samples: int = SEARCH_SAMPLES, weight_shares=None):
-        self.model = CostModel(spec, prompt_len, gen_len, profile, dtype)
+                 step: float = 5, samples: int = SEARCH_SAMPLES, weight_shares=None, layers=None):
+        """layers: a pipeline stage's slice (pipeline_plan.py; spec then counts its attention layers)."""
+        self.model = CostModel(spec, prompt_len, gen_len, profile, dtype, layers)
         self.spec, self.prompt_len, self.gen_len, self.caps = spec, prompt_len, gen_len, caps
         self.device = torch.device(profile.device)
         self.on_cuda = profile.device == "cuda"
