@@ -13,11 +13,10 @@ from .offload_dir import check_offload_dir
 from .errors import UsageError
 from .kv import make_policy
 from .machine import cpu_compute_dtype
-from .memory import (add, capacities, check_fits, layer_bytes, load_transient, projected_need, run_need, weight_need,
-                     with_loading)
+from .memory import add, capacities, check_fits, load_transient, projected_need, run_need, weight_need, with_loading
 from .models import eos_ids, is_gguf, resolve_model
 from .models.cached_attention import CachedAttention
-from .pipeline import StageSchedule, stage_slices
+from .pipeline import StageSchedule, model_slices
 from .policy import Policy
 from .sampling import Sampler, check_seed
 from .schedule import Schedule
@@ -158,7 +157,7 @@ class Engine:
                 CheckpointWeights(weights_dir, "--path" if weights_dir == path else "--model")
         layers, indices, cache_spec = spec.build_layers(), None, spec
         if stage is not None:
-            indices = stage_slices(layer_bytes(layers, dtype.itemsize, policy), stage.count)[stage.index]
+            indices = model_slices(layers, dtype.itemsize, stage.count)[stage.index]
             layers = [layers[j] for j in indices]
             cache_spec = dataclasses.replace(spec, num_layers=sum(isinstance(la, CachedAttention) for la in layers))
         source.check([s for layer in layers for s in layer.weight_specs()])

@@ -24,10 +24,19 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import UsageError
 from .schedule import Schedule
 from .stage_link import Link, run_interruptibly
 
 HIDDEN, TOKENS, CONTROL = 1, 2, 3  # message tags
+
+
+def model_slices(layers, dtype_bytes: int, stages: int) -> list[range]:
+    """The stages' slices of a model's layers, by their bytes uncompressed: every stage computes the
+    same slices whatever placement or compression each then chooses for its own."""
+    from .memory import layer_bytes
+    from .policy import Policy
+    return stage_slices(layer_bytes(layers, dtype_bytes, Policy()), stages)
 
 
 def stage_slices(layer_bytes: list[int], stages: int) -> list[range]:
@@ -99,7 +108,12 @@ def join_pipeline(world, peers) -> Stage:
         # for a whole prompt step of the stages before.
         dist.init_process_group("gloo", store=dist.PrefixStore("pg", peers.base), rank=world.rank,
                                 world_size=world.size, timeout=datetime.timedelta(days=1))
-    run_interruptibly(join)
+    try:
+        run_interruptibly(join)
+    except RuntimeError as e:
+        reason = str(e).splitlines()[0].rsplit("] ", 1)[-1][:200]
+        raise UsageError("--pipeline-stages", f"the stages could not connect over gloo ({reason}); across machines, "
+                         "set GLOO_SOCKET_IFNAME to the network interface they share") from None
     return Stage(world.stage, world.stages, world.rank - world.stage, Link(), peers)
 
 

@@ -72,15 +72,17 @@ def planned_policy(args, policy, spec, dtype: str, caps: dict, profile, offload_
 
 
 def planned_stage_policy(args, policy, spec, dtype: str, caps: dict, profile, offload_dir: str, stage):
-    """A pipeline stage's policy (pipeline.py): the world's rank 0 plans every stage as a machine like
-    its own within the same caps (optimizer/pipeline_plan.py) and hands the plan to the other ranks
-    through their store; each takes its own stage's placement and the common batch shape."""
+    """A pipeline stage's policy (pipeline.py): the replica's first stage plans every stage of it as a
+    machine like its own within the same caps, for the replica's own records (optimizer/pipeline_plan.py),
+    and hands the plan to its other stages through the store; each takes its own stage's placement
+    and the common batch shape. (A replica with nothing left to do plans nothing: none of its stages
+    asks.)"""
     import json
 
     from .optimizer.pipeline_plan import plan_pipeline
     from .policy import Policy
-    peers = stage.peers
-    if peers.world.rank == 0:
+    peers, key = stage.peers, f"pipeline_plan/{stage.first_rank}"
+    if stage.is_first:
         if not profile.knows(dtype):
             raise UsageError("--dtype", f"the local profile has no figures for {dtype}: give --gpu-batch-size, "
                              "--num-gpu-batches and a placement to run it")
@@ -100,9 +102,9 @@ def planned_stage_policy(args, policy, spec, dtype: str, caps: dict, profile, of
               + "; ".join(f"stage {s} (layers {p.layers.start}-{p.layers.stop - 1}) {' '.join(run_flags(p.policy))}"
                           for s, p in enumerate(plan.stages))
               + f" (predicted total {plan.throughput:.3f} token/s)", file=sys.stderr)
-        peers.store.set("pipeline_plan", json.dumps([p.policy.to_dict() for p in plan.stages]))
-    peers.wait_for(["pipeline_plan"])
-    return Policy(**json.loads(peers.store.get("pipeline_plan"))[stage.index])
+        peers.store.set(key, json.dumps([p.policy.to_dict() for p in plan.stages]))
+    peers.wait_for([key])
+    return Policy(**json.loads(peers.store.get(key))[stage.index])
 
 
 def duration(seconds: float) -> str:

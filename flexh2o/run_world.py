@@ -41,9 +41,9 @@ def check_world_flags(args, world, spec, planning: bool):
 
 def world_settings(args, spec, device, dtype) -> dict:
     """What every rank must run with alike."""
-    settings = {"device": device.type, "dtype": dtype_name(dtype, device), "pipeline_stages": args.pipeline_stages,
+    settings = {"device": device.type, "pipeline_stages": args.pipeline_stages,
                 "gpu_batch_size": args.gpu_batch_size, "num_gpu_batches": args.num_gpu_batches,
-                **job_settings(args, spec)}
+                **job_settings(args, spec), "compute_dtype": dtype_name(dtype, device)}  # as resolved here
     if args.input:
         settings["output"] = os.path.abspath(args.output)
     else:
@@ -53,10 +53,14 @@ def world_settings(args, spec, device, dtype) -> dict:
 
 def run_in_world(args, world, policy, spec, weights_dir, device, dtype, caps, planning, run_block) -> int:
     check_world_flags(args, world, spec, planning)
-    if device.type == "cuda":
-        device = torch.device("cuda", world.local_rank)  # one GPU per process on its node
-    if world.local_size > 1 and device.type == "cpu" and "max_memory" not in caps and "cpu_mem" not in caps:
-        caps["max_memory"] = psutil.virtual_memory().available // world.local_size  # the node's memory, shared
+    if device.type == "cuda":  # one GPU per process on its node
+        if world.local_size > torch.cuda.device_count():
+            raise UsageError("--nproc-per-node", f"{world.local_size} processes on a node with "
+                             f"{torch.cuda.device_count()} GPUs: give at most one process per GPU")
+        device = torch.device("cuda", world.local_rank)
+        torch.cuda.set_device(device)  # (pinned memory and caches would open a context on GPU 0 otherwise)
+    if world.local_size > 1 and "max_memory" not in caps and "cpu_mem" not in caps:
+        caps["max_memory"] = psutil.virtual_memory().available // world.local_size  # the node's RAM, shared
     if world.rank > 0:
         args.quiet = True  # one progress bar, rank 0's
         if args.json_out:
@@ -75,7 +79,11 @@ def run_in_world(args, world, policy, spec, weights_dir, device, dtype, caps, pl
         if args.input:
             return run_job(args, policy, spec, weights_dir, device, dtype, caps, planning,
                            Replica(peers, args.output, stage))
-        return run_block(args, policy, spec, weights_dir, device, dtype, caps, planning, stage, world.rank == 0)
+        code = run_block(args, policy, spec, weights_dir, device, dtype, caps, planning, stage, world.rank == 0)
+        peers.finished()
+        if world.rank == 0:
+            peers.wait_all_finished()  # (its process may host the store the others still use)
+        return code
     except Stopped as e:
         if stopped_for() is None:  # a signal to this rank alone: the others hear of it at once
             peers.fail(f"stopped by {e}")

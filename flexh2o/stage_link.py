@@ -56,10 +56,11 @@ class Call:
     def __init__(self, fn):
         self.fn, self.done, self.error = fn, threading.Event(), None
 
-    def result(self, source: int):
+    def result(self, source: int | None):
+        """fn's outcome; a RuntimeError of the link with rank `source` (None: raised as it is) as a LinkError."""
         while not self.done.wait(WAIT_SLICE_SECONDS):
             pass
-        if isinstance(self.error, RuntimeError):
+        if isinstance(self.error, RuntimeError) and source is not None:
             raise broken(self.error, source) from None
         if self.error is not None:
             raise self.error
@@ -67,7 +68,7 @@ class Call:
 
 def run_interruptibly(fn):
     """fn() on a daemon thread, waited for in slices a signal can interrupt."""
-    Waiter(1).submit(fn).result(-1)
+    Waiter(1).submit(fn).result(None)
 
 
 class Received:

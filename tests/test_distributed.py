@@ -215,3 +215,45 @@ def test_a_pipeline_given_no_batch_or_placement_is_planned_once_for_every_stage(
     assert [code for code, _, _ in results] == [0, 0], results
     assert "note: planned 2 pipeline stages" in results[0][2]
     assert records(merged) == records(alone)
+
+
+def test_a_planned_pipeline_replica_with_nothing_left_lets_the_others_plan_their_own(model_with_tokenizer,
+                                                                                     job_prompts, tmp_path):
+    """2 replicas of 2 stages, planned; replica 0's share already written (a resumed job): its stages
+    skip, replica 1's first stage plans for its own records and the job finishes."""
+    from flexh2o.jobs.input import JobInput
+    from flexh2o.prompts import load_tokenizer
+    alone, out = tmp_path / "alone.jsonl", tmp_path / "out.jsonl"
+    assert run(model_with_tokenizer, job_prompts, alone, "--gen-len", "8", "--gpu-batch-size", "2") == 0
+    defaults = {"max_tokens": 8, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None}
+    entries = JobInput(str(job_prompts), load_tokenizer(str(model_with_tokenizer)), defaults, 64).entries
+    mine = {e.id for e in deal(entries, 2, 0)}
+    part = part_path(str(out), 0)
+    os.makedirs(os.path.dirname(part))
+    with open(part, "w") as f:
+        f.writelines(line for line in open(alone) if json.loads(line)["id"] in mine)
+    with open(part + ".job.json", "w") as f:
+        f.write(open(str(alone) + ".job.json").read())
+    results = finish(start_world(model_with_tokenizer, job_prompts, out, 4, lambda rank: ["--pipeline-stages", "2"],
+                                 job=["--dtype", "float32", "--quiet", "--gen-len", "8"]), timeout=180)
+    assert [code for code, _, _ in results] == [0] * 4, results
+    assert "note: planned 2 pipeline stages" in results[2][2] and "planned" not in results[0][2]
+    assert records(out) == records(alone)
+
+
+def test_every_stage_slices_the_model_alike_whatever_it_compresses():
+    """A planned stage may compress its weights and another not: the slices must not move (OPT-125M
+    in 3 stages: by compressed bytes the first would take 6 layers, by full ones 5)."""
+    import torch
+    from flexh2o import Engine, Policy
+    from flexh2o.models import resolve_model
+    from flexh2o.optimizer.pipeline_plan import stage_parts
+    from flexh2o.pipeline import Stage
+    spec, _ = resolve_model("opt-125m")
+    planned = [piece for _, _, piece in stage_parts(spec, 3, 4)]
+    held = []
+    for compress in (False, True):
+        with Engine.from_pretrained("opt-125m", policy=Policy(compress_weight=compress), device="cpu",
+                                    dtype=torch.float32, dummy=True, stage=Stage(0, 3, 0, None)) as engine:
+            held.append(engine.layer_indices)
+    assert held[0] == held[1] == list(planned[0])

@@ -3,8 +3,11 @@ one process to another over torch.distributed's gloo, measured between two local
 profile's `link_bandwidth`). Across machines the network sets it instead: a profile for such a
 setup names its own figure, and `python -m flexh2o.plan --link-bandwidth` overrides it."""
 
+import queue
 import socket
 import time
+
+from ..errors import UsageError
 
 
 def _free_port() -> int:
@@ -52,6 +55,9 @@ def link_rate(quick: bool = False) -> float:
         p.start()
     try:
         rate = results.get(timeout=120)
+    except queue.Empty:
+        raise UsageError("--link-bandwidth", "two local processes could not measure the link between them within "
+                         "120 s: give the link's speed in GB/s") from None
     finally:
         for p in procs:
             p.join(timeout=30)

@@ -15,9 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..memory import layer_bytes
 from ..models.cached_attention import CachedAttention
-from ..pipeline import micro_batches, stage_slices
+from ..pipeline import micro_batches, model_slices
 from .cost_model import DTYPE_BYTES
 from .search import GPU_BATCH_SIZES, NUM_GPU_BATCHES, Search
 
@@ -49,11 +48,11 @@ class PipelinePlan:
         return 1 - busiest / self.seconds
 
 
-def stage_parts(spec, stages: int, dtype_bytes: int, policy) -> list:
+def stage_parts(spec, stages: int, dtype_bytes: int) -> list:
     """(spec counting only the slice's attention layers, its layers, their range) per stage."""
     layers = spec.build_layers()
     parts = []
-    for piece in stage_slices(layer_bytes(layers, dtype_bytes, policy), stages):
+    for piece in model_slices(layers, dtype_bytes, stages):
         mine = [layers[j] for j in piece]
         attention = sum(isinstance(layer, CachedAttention) for layer in mine)
         parts.append((dataclasses.replace(spec, num_layers=attention), mine, piece))
@@ -94,7 +93,7 @@ def plan_pipeline(spec, prompt_len: int, gen_len: int, profile, caps: dict, base
     within `caps` (each stage a machine like `profile`); None if no shape fits every stage."""
     dtype = dtype or profile.dtype
     dtype_bytes = DTYPE_BYTES[dtype]
-    parts = stage_parts(spec, stages, dtype_bytes, base)
+    parts = stage_parts(spec, stages, dtype_bytes)
     searches = [Search(part_spec, prompt_len, gen_len, profile, caps, dtype, step, layers=layers)
                 for part_spec, layers, _ in parts]
     best = None
