@@ -80,6 +80,8 @@ CASES = {  # model, stages, gpu-batch size, gpu-batches, KV policy, placement pe
     "opt-3-h2o-disk": ("wide", 3, 1, 3, {"hh_ratio": 0.3}, [DISK, MEMORY, HALF], None),
     "llama-2-h2o-3-per-micro-batch": ("llama", 2, 2, 6, {"hh_ratio": 0.25}, [HALF, DISK], None),
     "llama-3-full-stops-early": ("llama", 3, 2, 3, {}, [MEMORY, HALF, DISK], [1, 3, 2, 2, 3, 1]),
+    "opt-2-h2o-2-per-micro-batch": ("tiny", 2, 1, 4, {"hh_ratio": 0.3}, [HALF, MEMORY], None),
+    "opt-2-uneven-1-and-2": ("wide", 2, 2, 3, {}, [MEMORY, DISK], None),
 }
 
 
