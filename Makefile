@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,bench,models]"
+	$(PY) -m pip install -q -e ".[test,bench,models,eval]"
 	touch $@
 
 # Setup goes on without the model: a failed download prints one line and its tests skip. The

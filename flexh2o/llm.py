@@ -61,7 +61,7 @@ class _Prompts:
         return request, prompt_ids(self.llm.tokenizer, request, self.llm.chat)
 
 
-class _Collected:
+class Collected:
     """A job's output kept in memory."""
 
     def __init__(self):
@@ -72,7 +72,7 @@ class _Collected:
         self.done.update(str(c.index) for c in completions)
 
 
-class _CompletionFormat:
+class CompletionFormat:
     def result(self, entry, request, text, finish_reason, prompt_tokens, completion_tokens) -> Completion:
         return Completion(entry.number, text, finish_reason, prompt_tokens, completion_tokens)
 
@@ -116,9 +116,9 @@ class LLM:
             part = list(itertools.islice(source, chunk))
             if not part:
                 return
-            collected = _Collected()
+            collected = Collected()
             job = Job(self.engine, _Prompts(self, part, first, settings), collected, self.tokenizer,
-                      _CompletionFormat(), eos_ids(self.spec), self.seed)
+                      CompletionFormat(), eos_ids(self.spec), self.seed)
             with torch.no_grad():
                 for completions in job.run():
                     yield from completions

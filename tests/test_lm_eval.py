@@ -1,0 +1,167 @@
+"""flexh2o as lm-evaluation-harness's model: the offline tasks agree with lm-eval's own hf model on
+tiny random Llama and OPT models (full cache, float32), and bad input is one line before any
+weight loads."""
+
+import json
+import os
+
+import pytest
+import torch
+
+lm_eval = pytest.importorskip("lm_eval")
+from lm_eval import simple_evaluate  # noqa: E402
+from lm_eval.api.instance import Instance  # noqa: E402
+from lm_eval.models.huggingface import HFLM  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers, processors  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+
+from flexh2o import lm_eval as command  # noqa: E402
+from flexh2o.engine import Engine  # noqa: E402
+from flexh2o.harness.model import FlexH2OLM  # noqa: E402
+
+TASKS = ("flexh2o_lastword", "flexh2o_lastword_gen", "flexh2o_cloze")
+LIMIT = 4
+POSITIONS = 256
+
+
+def task_words(limit: int) -> list[str]:
+    """The word-level tokens of the first items of the offline tasks (the tiny models' vocabulary)."""
+    split = pre_tokenizers.Whitespace()
+    words = set()
+    for name in ("lastword", "cloze"):
+        with open(os.path.join(command.TASKS_DIR, f"{name}.jsonl")) as f:
+            for line in list(f)[:limit]:
+                row = json.loads(line)
+                text = " ".join([row["context"], row.get("target", ""), *row.get("choices", [])])
+                words.update(w for w, _ in split.pre_tokenize_str(text))
+    return sorted(words)
+
+
+def save_tokenizer(directory, words: list[str], bos: bool):
+    vocab = {"<unk>": 0, "<pad>": 1, "</s>": 2, "<s>": 3, **{w: 4 + i for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    if bos:  # as OPT's tokenizer does: every encoding starts with its BOS
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 3)])
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
+                            bos_token="<s>" if bos else None).save_pretrained(directory)
+    return len(vocab)
+
+
+@pytest.fixture(scope="module")
+def word_models(tmp_path_factory):
+    """kind -> directory of a tiny random model with a word-level tokenizer over the tasks' words:
+    a Llama whose tokenizer adds nothing, an OPT whose tokenizer starts every text with BOS."""
+    words, out = task_words(LIMIT), {}
+    for seed, (kind, bos) in enumerate((("llama", False), ("opt", True))):
+        directory = str(tmp_path_factory.mktemp(kind))
+        vocab = save_tokenizer(directory, words, bos)
+        torch.manual_seed(seed)
+        if kind == "llama":
+            config = LlamaConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, intermediate_size=64, max_position_embeddings=POSITIONS,
+                                 pad_token_id=1, bos_token_id=3, eos_token_id=2)
+            model = LlamaForCausalLM(config)
+        else:
+            config = OPTConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, ffn_dim=64,
+                               num_attention_heads=4, max_position_embeddings=POSITIONS, pad_token_id=1,
+                               bos_token_id=3, eos_token_id=2)
+            model = OPTForCausalLM(config)
+        with torch.no_grad():  # larger weights than transformers' init, so that greedy choices are clear
+            for name, p in model.named_parameters():
+                p.normal_(1, 0.1) if "norm" in name else p.normal_(0, 0.3)
+        model.eval().save_pretrained(directory)
+        out[kind] = directory
+    return out
+
+
+def samples(lm, tasks=TASKS, limit=LIMIT) -> dict:
+    out = simple_evaluate(model=lm, tasks=list(tasks), limit=limit, task_manager=TaskManager(include_path=command.TASKS_DIR),
+                          bootstrap_iters=0, log_samples=True, verbosity="ERROR")
+    return {task: sorted(out["samples"][task], key=lambda s: s["doc_id"]) for task in tasks}
+
+
+def hf_model(directory, **kwargs):
+    return HFLM(pretrained=directory, dtype="float32", batch_size=4, device="cpu", **kwargs)
+
+
+def flexh2o_model(directory, **kwargs):
+    return FlexH2OLM(model=directory, dtype="float32", gpu_batch_size=8, **kwargs)
+
+
+def loglikelihoods(task_samples: list) -> list:
+    return [resp for s in task_samples for [resp] in s["resps"]]
+
+
+@pytest.mark.parametrize("kind", ["llama", "opt"])
+def test_offline_tasks_agree_with_lm_evals_hf_model(word_models, kind):
+    ours, theirs = samples(flexh2o_model(word_models[kind])), samples(hf_model(word_models[kind]))
+    for task in ("flexh2o_lastword", "flexh2o_cloze"):
+        a, b = loglikelihoods(ours[task]), loglikelihoods(theirs[task])
+        assert len(a) == len(b) == LIMIT * (4 if task == "flexh2o_cloze" else 1)
+        for (ll, greedy), (ll_hf, greedy_hf) in zip(a, b):
+            assert ll == pytest.approx(ll_hf, abs=1e-4) and greedy == greedy_hf
+    texts = [s["resps"][0][0] for s in ours["flexh2o_lastword_gen"]]
+    assert texts == [s["resps"][0][0] for s in theirs["flexh2o_lastword_gen"]]
+    assert any(texts), "every generation was empty: the comparison would hold for anything"
+
+
+def rolling(lm, texts: list) -> list:
+    return lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (t,), n) for n, t in enumerate(texts)],
+                                    disable_tqdm=True)
+
+
+def test_rolling_windows_agree_with_lm_evals_hf_model(word_models):
+    """Documents longer than max_length: several windows each, every token scored once."""
+    with open(os.path.join(command.TASKS_DIR, "lastword.jsonl")) as f:
+        texts = [json.loads(line)["context"] for line in list(f)[:3]]
+    ours = rolling(flexh2o_model(word_models["opt"], max_length=24), texts)
+    theirs = rolling(hf_model(word_models["opt"], max_length=24), texts)
+    assert ours == pytest.approx(theirs, abs=1e-4)
+
+
+def test_streamed_context_tokens_score_as_prefilled_ones_with_the_full_cache(word_models):
+    plain = samples(flexh2o_model(word_models["llama"]), ["flexh2o_cloze"], 3)["flexh2o_cloze"]
+    streamed = samples(flexh2o_model(word_models["llama"], streamed=12), ["flexh2o_cloze"], 3)["flexh2o_cloze"]
+    for (a, ga), (b, gb) in zip(loglikelihoods(plain), loglikelihoods(streamed)):
+        assert a == pytest.approx(b, abs=1e-4) and ga == gb
+
+
+def test_h2o_evicts_through_the_harness_and_the_weights_load_once(word_models, monkeypatch):
+    loads = []
+    real = Engine.from_pretrained.__func__
+    monkeypatch.setattr(Engine, "from_pretrained", classmethod(lambda cls, *a, **k: loads.append(1) or real(cls, *a, **k)))
+    lm = flexh2o_model(word_models["llama"], streamed=16)
+    full = loglikelihoods(samples(lm, ["flexh2o_cloze"], 3)["flexh2o_cloze"])
+    lm.use_kv(kv_policy="h2o", hh_ratio=0.1, recent_ratio=0.1)
+    h2o = loglikelihoods(samples(lm, ["flexh2o_cloze"], 3)["flexh2o_cloze"])
+    assert len(loads) == 1
+    assert max(abs(a - b) for (a, _), (b, _) in zip(full, h2o)) > 1e-3  # a 20% budget changes the scores
+
+
+@pytest.mark.parametrize("model_args, flag", [
+    ("bogus=1", "model_args bogus"),
+    ("kv_policy=h2o,hh_ratio=0.001", "model_args hh_ratio"),
+    ("kv_policy=h2o,hh_ratio=0.2,recent_ratio=0.001", "model_args recent_ratio"),
+    ("max_length=20", "--tasks"),
+    ("gpu_batch_size=zero", "model_args gpu_batch_size"),
+    ("kv_policy=lru", "model_args kv_policy"),
+    ("max_length=1000", "model_args max_length"),
+    ("kv_policy=h2o", "model_args hh_ratio"),
+])
+def test_bad_input_is_one_line_before_any_weight_loads(word_models, monkeypatch, capsys, model_args, flag):
+    monkeypatch.setattr(Engine, "from_pretrained", lambda *a, **k: pytest.fail("weights loaded"))
+    code = command.main(["--model_args", f"model={word_models['llama']},{model_args}", "--tasks",
+                         "flexh2o_lastword", "--limit", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith(f"error: {flag}:"), err[-1]
+
+
+def test_the_command_runs_flexh2o_only_and_helps(capsys):
+    assert command.main(["--model", "hf", "--tasks", "flexh2o_cloze"]) == 2
+    assert capsys.readouterr().err.startswith("error: --model: this command runs lm-eval with --model flexh2o")
+    assert command.main(["--help"]) == 0 and "streamed=N" in capsys.readouterr().out
+    argv = command.harness_argv(["--tasks", "flexh2o_cloze"])
+    assert argv[:3] == ["run", "--model", "flexh2o"] and "auto" in argv and command.TASKS_DIR in argv
+    assert "auto" not in command.harness_argv(["--tasks", "t", "--batch_size", "8"])
