@@ -178,7 +178,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=MODEL)
     p.add_argument("--limit-lastword", type=int, default=60, help="items of flexh2o_lastword (of 300)")
-    p.add_argument("--limit-cloze", type=int, default=30, help="items of flexh2o_cloze (of 300: 4 sequences each)")
+    p.add_argument("--limit-cloze", type=int, default=24, help="items of flexh2o_cloze (of 300: 4 sequences each)")
     p.add_argument("--streamed", type=int, default=16)
     p.add_argument("--gpu-batch-size", type=int, default=64)
     p.add_argument("--out", default="results/accuracy", help="writes OUT.json, OUT.md and OUT.png")

@@ -165,3 +165,15 @@ def test_the_command_runs_flexh2o_only_and_helps(capsys):
     argv = command.harness_argv(["--tasks", "flexh2o_cloze"])
     assert argv[:3] == ["run", "--model", "flexh2o"] and "auto" in argv and command.TASKS_DIR in argv
     assert "auto" not in command.harness_argv(["--tasks", "t", "--batch_size", "8"])
+
+
+def test_placement_and_caps_pass_through_and_change_nothing_but_where_tensors_live(word_models, tmp_path):
+    plain = loglikelihoods(samples(flexh2o_model(word_models["opt"]), ["flexh2o_lastword"], 3)["flexh2o_lastword"])
+    lm = flexh2o_model(word_models["opt"], w_gpu_percent=0, w_cpu_percent=0, cache_gpu_percent=50,
+                       cache_cpu_percent=0, offload_dir=str(tmp_path), max_memory="8GB")
+    offloaded = loglikelihoods(samples(lm, ["flexh2o_lastword"], 3)["flexh2o_lastword"])
+    assert lm.engine.policy.disk_percent("w") == 100 and lm.engine.caps["limit"] is not None
+    assert lm.engine.tiers.disk.bytes_read > 0
+    for (a, ga), (b, gb) in zip(plain, offloaded):
+        assert a == pytest.approx(b, abs=1e-5) and ga == gb
+    lm.close()

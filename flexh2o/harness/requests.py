@@ -72,7 +72,7 @@ def check_budgets(policy, prompts: list) -> None:
     """Refuses a KV policy whose budget rounds to zero slots for the shortest prefilled prompt."""
     if policy.kv_policy == "full" or not prompts:
         return
-    shortest, task = min((len(tokens), task) for tokens, task in prompts)
+    shortest, task = min(((len(tokens), task) for tokens, task in prompts), key=lambda pair: pair[0])
     try:
         check_budget(policy, shortest)
     except UsageError as e:
