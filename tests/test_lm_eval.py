@@ -177,3 +177,13 @@ def test_placement_and_caps_pass_through_and_change_nothing_but_where_tensors_li
     for (a, ga), (b, gb) in zip(plain, offloaded):
         assert a == pytest.approx(b, abs=1e-5) and ga == gb
     lm.close()
+
+
+def test_lm_evals_own_batch_size_and_device_are_taken_and_values_typed():
+    from flexh2o.harness.settings import DEFAULT_GPU_BATCH, read_settings
+    s = read_settings({"model": "m", "batch_size": "8", "max_batch_size": 64, "device": "cpu"})
+    assert (s.gpu_batch_size, s.device) == (8, "cpu")
+    assert read_settings({"model": "m", "batch_size": "auto:4"}).gpu_batch_size == DEFAULT_GPU_BATCH
+    assert read_settings({"model": "m", "batch_size": 8, "gpu_batch_size": 4}).gpu_batch_size == 4
+    s = read_settings({"model": "m", "compress_cache": "true", "hh_ratio": "0.1", "streamed": 0, "device": "cpu"})
+    assert s.compress_cache is True and s.hh_ratio == 0.1 and s.kv_policy is None and s.streamed == 0

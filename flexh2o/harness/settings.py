@@ -86,7 +86,7 @@ def read_settings(args: dict) -> Settings:
     """Settings from model_args (lm-eval's own batch_size and device included); refuses unknown keys,
     wrong types and policies the engine would refuse, before anything loads."""
     args = dict(args)
-    batch, device, _ = (args.pop(key, None) for key in HARNESS_KEYS)
+    batch, _, device = (args.pop(key, None) for key in HARNESS_KEYS)
     unknown = sorted(set(args) - set(TYPES))
     if unknown:
         raise UsageError(f"model_args {unknown[0]}", f"is not a flexh2o model argument; accepted: "
