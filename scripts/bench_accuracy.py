@@ -165,6 +165,7 @@ def plot(result: dict, path: str):
                     ax.plot([100 * b for b, _ in points], [100 * a for _, a in points], style, marker="o",
                             color=f"C{n}", label=kv if variant == "none" else None)
         ax.set_xscale("log")
+        ax.minorticks_off()
         ax.set_xticks([100 * b for b in BUDGETS], [f"{b:.0%}" for b in BUDGETS])
         ax.set_xlabel("KV cache budget (share of the prefilled context)")
         ax.set_ylabel("accuracy (%)")
@@ -172,6 +173,7 @@ def plot(result: dict, path: str):
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def main():
