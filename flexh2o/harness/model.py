@@ -44,6 +44,7 @@ class FlexH2OLM(TemplateLM):
                              f"{self.max_length}")
         self.engine = self.plans = None
         self._tasks: list = []
+        self._prefix_text = self.tokenizer.decode([self.prefix_token_id])  # a string holding it has its BOS
 
     # -- lm-eval's interface ------------------------------------------------------------------
     @property
@@ -61,7 +62,7 @@ class FlexH2OLM(TemplateLM):
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         add = self.settings.add_bos_token if add_special_tokens is None else add_special_tokens
-        if add_special_tokens is None and string.startswith(self.tokenizer.decode([self.prefix_token_id]) or "\0"):
+        if add_special_tokens is None and self._prefix_text and string.startswith(self._prefix_text):
             add = False  # the string holds its BOS already
         return self.tokenizer.encode(string, **({} if add is None else {"add_special_tokens": add}))
 

@@ -6,6 +6,7 @@ import torch
 
 from ..jobs.blocks import block_shape, plan_blocks
 from ..jobs.input import Entry, sampling
+from ..jobs.plans import use_plan
 from ..prompts import pad_prompts
 
 GREEDY = sampling(0.0, 1.0, 0)
@@ -13,13 +14,6 @@ GREEDY = sampling(0.0, 1.0, 0)
 
 def entries(items: list) -> list[Entry]:
     return [Entry(n, str(n), 0, 0, len(item.prompt), len(item.fed), GREEDY, None) for n, item in enumerate(items)]
-
-
-def use_plan(engine, plans, prompt_len: int, gen_len: int, records: int):
-    policy = plans.policy_for(prompt_len, gen_len, records)
-    if policy is not engine.policy:
-        engine.use_policy(**{f: getattr(policy, f) for f in engine.BLOCK_FIELDS})
-    return policy
 
 
 def score(engine, items: list, plans, advance=lambda done: None) -> list[tuple[float, bool]]:

@@ -52,6 +52,7 @@ class Settings:
 TYPES = {f.name: str(f.type) for f in fields(Settings)}  # "int | None", "<class 'bool'>"
 # What lm-eval itself passes to every model, from its own flags; device and batch_size are taken.
 HARNESS_KEYS = ("batch_size", "max_batch_size", "device")
+ZERO_ALLOWED = ("streamed", "seed")  # the whole-number keys for which 0 means something
 PERCENT_KEYS = "w_gpu_percent/w_cpu_percent/cache_gpu_percent/cache_cpu_percent"
 
 
@@ -70,9 +71,8 @@ def _typed(key: str, value, kind: str):
             number = int(str(value))
         except ValueError:
             raise UsageError(flag, f"must be a whole number, got {value!r}") from None
-        if number < 0 or (number == 0 and key not in ("streamed", "seed")):
-            raise UsageError(flag, f"must be {'0 or more' if key in ('streamed', 'seed') else 'positive'}, "
-                             f"got {value!r}")
+        if number < 0 or (number == 0 and key not in ZERO_ALLOWED):
+            raise UsageError(flag, f"must be {'0 or more' if key in ZERO_ALLOWED else 'positive'}, got {value!r}")
         return number
     if "float" in kind:
         try:

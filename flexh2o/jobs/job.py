@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from ..prompts import pad_prompts
 from .blocks import block_shape, plan_blocks
 from .input import Entry, JobInput
-from .plans import FixedPlan
+from .plans import FixedPlan, use_plan
 
 
 @dataclass
@@ -111,9 +111,7 @@ class Job:
     def _generate(self, block: list[Entry]) -> list[dict]:
         engine, spec = self.engine, self.engine.spec
         prompt_len, gen_len = block_shape(block, spec.max_positions)
-        policy = self.plans.policy_for(prompt_len, gen_len, len(block))
-        if policy is not engine.policy:
-            engine.use_policy(**{f: getattr(policy, f) for f in engine.BLOCK_FIELDS})
+        policy = use_plan(engine, self.plans, prompt_len, gen_len, len(block))
         batch = policy.batch_size
         requests, tokens = zip(*(self.input.tokens(e) for e in block))
         filler = batch - len(block)

@@ -73,3 +73,12 @@ def weight_fields(policy) -> dict:
     """What a loaded engine's weights are fixed at."""
     return {"w_gpu_percent": policy.w_gpu_percent, "w_cpu_percent": policy.w_cpu_percent,
             "compress_weight": policy.compress_weight}
+
+
+def use_plan(engine, plans, prompt_len: int, gen_len: int, records: int):
+    """Sets `engine` to the policy `plans` gives a block of `records` records at this shape (what may
+    change on a loaded engine); returns that policy."""
+    policy = plans.policy_for(prompt_len, gen_len, records)
+    if policy is not engine.policy:
+        engine.use_policy(**{f: getattr(policy, f) for f in engine.BLOCK_FIELDS})
+    return policy
