@@ -14,7 +14,8 @@ The last --streamed tokens of each context are fed one at a time, not prefilled 
 streamed): the prompt step attends to every prefilled token, so without it a one-token answer
 (three in four of the last words) would be scored before any eviction happened. The budgets are
 of the prefilled part. The first --limit-lastword and --limit-cloze items of each task (of 300):
-on 2 cores the 42 runs take about an hour at the defaults.
+on 2 cores the 42 runs take about an hour and a half at the defaults. Each item's result is kept,
+so that a policy is compared with the full cache item by item (a paired standard error).
 Runs are saved as they finish: a stopped run resumes where it was.
 """
 
@@ -50,7 +51,17 @@ def runs():
 def accuracy(results: dict, task: str, limit: int) -> dict:
     value = results["results"][task][f"{TASKS[task]},none"]
     n = results["n-samples"][task]["effective"] if "n-samples" in results else limit
-    return {"acc": value, "stderr": math.sqrt(value * (1 - value) / max(1, n - 1)), "n": n}
+    correct = [int(x[TASKS[task]]) for x in sorted(results["samples"][task], key=lambda x: x["doc_id"])]
+    return {"acc": value, "stderr": math.sqrt(value * (1 - value) / max(1, n - 1)), "n": n, "correct": correct}
+
+
+def paired_gap(full: dict, run: dict) -> tuple[float, float]:
+    """The run's accuracy minus the full cache's, in points, and that difference's standard error over
+    the same items (items both get right or both wrong add nothing to it)."""
+    d = [a - b for a, b in zip(run["correct"], full["correct"])]
+    n, mean = len(d), sum(d) / len(d)
+    var = sum((x - mean) ** 2 for x in d) / max(1, n - 1)
+    return 100 * mean, 100 * math.sqrt(var / n)
 
 
 def limits(args) -> dict:
@@ -76,7 +87,7 @@ def measure(args, out_json: str, publish) -> dict:
         result["runs"][key] = {}
         for task, limit in limits(args).items():
             out = simple_evaluate(model=lm, tasks=[task], limit=limit, task_manager=manager, bootstrap_iters=0,
-                                  log_samples=False, verbosity="WARNING")
+                                  log_samples=True, verbosity="WARNING")
             result["runs"][key][task] = accuracy(out, task, limit)
         result["runs"][key]["seconds"] = time.perf_counter() - began
         print(key, {t: round(v["acc"], 4) for t, v in result["runs"][key].items() if t in TASKS},
@@ -124,6 +135,19 @@ def markdown(result: dict, command: str) -> str:
             lines.append(f"| {kv} | " + " | ".join(cell(runs_.get(f"{kv}/{variant}/{b}"), t)
                                                    for t in TASKS for b in BUDGETS) + " |")
         lines.append("")
+        if full is not None and "correct" in full[next(iter(TASKS))]:
+            lines += [f"Difference from the full cache ({label}), points, ± its standard error over the same items:",
+                      "", "| policy | " + " | ".join(f"{t.removeprefix('flexh2o_')} {b:.0%}"
+                                                   for t in TASKS for b in BUDGETS) + " |",
+                      "|---|" + "---|" * (len(TASKS) * len(BUDGETS))]
+            for kv in POLICIES:
+                cells = []
+                for t in TASKS:
+                    for b in BUDGETS:
+                        run = runs_.get(f"{kv}/{variant}/{b}")
+                        cells.append("—" if run is None else "{:+.1f} ± {:.1f}".format(*paired_gap(full[t], run[t])))
+                lines.append(f"| {kv} | " + " | ".join(cells) + " |")
+            lines.append("")
     missing = [key for key, _ in runs() if key not in runs_]
     if missing:
         lines += [f"**Partial**: {len(missing)} of {len(list(runs()))} runs not measured yet (—).", ""]
@@ -179,7 +203,7 @@ def plot(result: dict, path: str):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=MODEL)
-    p.add_argument("--limit-lastword", type=int, default=60, help="items of flexh2o_lastword (of 300)")
+    p.add_argument("--limit-lastword", type=int, default=200, help="items of flexh2o_lastword (of 300)")
     p.add_argument("--limit-cloze", type=int, default=24, help="items of flexh2o_cloze (of 300: 4 sequences each)")
     p.add_argument("--streamed", type=int, default=16)
     p.add_argument("--gpu-batch-size", type=int, default=64)
