@@ -14,7 +14,7 @@ from .errors import UsageError
 from .kv import make_policy
 from .machine import cpu_compute_dtype
 from .memory import add, capacities, check_fits, load_transient, projected_need, run_need, weight_need, with_loading
-from .models import eos_ids, is_gguf, resolve_model
+from .models import eos_ids, is_gguf, resolve_model, with_stored_formats
 from .models.cached_attention import CachedAttention
 from .pipeline import StageSchedule, model_slices
 from .policy import Policy
@@ -155,6 +155,7 @@ class Engine:
         else:
             source = GGUFWeights(weights_dir) if is_gguf(weights_dir) else \
                 CheckpointWeights(weights_dir, "--path" if weights_dir == path else "--model")
+        spec = with_stored_formats(spec, source.stored_formats() if hasattr(source, "stored_formats") else ())
         layers, indices, cache_spec = spec.build_layers(), None, spec
         if stage is not None:
             indices = model_slices(layers, dtype.itemsize, stage.count)[stage.index]

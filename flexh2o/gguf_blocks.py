@@ -1,4 +1,5 @@
-"""A GGUF file's low-bit blocks kept as the file stores them: Q4_0, Q4_1 and Q8_0.
+"""Matrices kept as the checkpoint stores them: a GGUF file's low-bit blocks (Q4_0, Q4_1, Q8_0),
+and 16-bit values (F16, BF16; GGUF or safetensors) in a float32 run.
 
 With --compress-weight in a float32 run, a GGUF matrix in one of these formats is placed as its
 own bytes (rows of blocks of 32 values, gguf_reader.py's BLOCK_LAYOUTS) instead of being widened
@@ -9,6 +10,14 @@ native/blocks.c, float32 activations), as quant.py's groups are; the dequantized
 bit-equal to gguf_reader.py's. In other widths the matrices are quantized into quant.py's groups
 as before: the bfloat16 kernel (int4_tiles.py) takes those, and its bfloat16 scales could not
 hold a block's float16 ones.
+
+A float32 run whose weights do not all sit on the compute tier keeps a 16-bit checkpoint's
+matrices 16-bit on every tier (sixteen_bit_at_rest), as blocks of 32 values with no scale: half the
+bytes stored and moved, widened exactly into the compute buffer at each load (or multiplied as
+they are by the same kernels). Weights all on the compute tier are used in place in float32 as
+before: widening them at every step would cost time and save nothing a run needs. Nor the LM head
+(models/layer.py's one_of_a_kind, always on the compute tier): 16-bit, it would also need a
+float32 buffer of its size for the steps the kernel does not take.
 """
 
 import torch
@@ -17,8 +26,21 @@ from . import native
 from .quant import NATIVE_DTYPES
 
 BLOCK = 32
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
-NATIVE_FORMATS = {"groups": -1, "Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # native/blocks.c's enum (groups: quant.py's)
+SIXTEEN_BIT = {"F16": torch.float16, "BF16": torch.bfloat16}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "F16": 64, "BF16": 64}
+NATIVE_FORMATS = {"groups": -1, "Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "F16": 3, "BF16": 4}  # native/blocks.c's enum
+
+
+def sixteen_bit_at_rest(policy, dtype_bytes: int, one_of_a_kind: bool) -> bool:
+    """Whether a layer keeps its 16-bit matrices 16-bit (see above): a float32 run, not compressing
+    the weights (which quantizes them instead), placing some on the cpu tier or disk."""
+    return dtype_bytes == 4 and not policy.compress_weight and policy.w_gpu_percent < 100 and not one_of_a_kind
+
+
+def applies(fmt: str | None, compressed: bool, sixteen_bit: bool) -> bool:
+    """Whether a matrix its checkpoint stores in `fmt` is placed in it: low-bit blocks when the run
+    compresses it (in float32), 16-bit values where sixteen_bit_at_rest holds."""
+    return fmt in SIXTEEN_BIT and sixteen_bit or fmt in BLOCK_BYTES and fmt not in SIXTEEN_BIT and compressed
 
 
 def holds(fmt: str | None, shape) -> bool:
@@ -50,6 +72,8 @@ def dequantize(blocks: torch.Tensor, fmt: str, n: int, out: torch.Tensor | None 
 
 def _dequantize_torch(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
     """float32 values [rows, n] by torch operations (any device): gguf_reader.py's arithmetic."""
+    if fmt in SIXTEEN_BIT:
+        return blocks.contiguous().view(SIXTEEN_BIT[fmt]).float()
     b = blocks.reshape(-1, BLOCK_BYTES[fmt])
 
     def half(at):

@@ -83,7 +83,7 @@ class GGUFModel:
         return torch.from_numpy(weights)
 
     def block_format(self, name) -> str | None:
-        """The GGUF block format (Q4_0, Q4_1, Q8_0) a matrix is kept in as stored, or None."""
+        """The format (Q4_0, Q4_1, Q8_0, F16, BF16: gguf_blocks.py) a matrix can be kept in as stored, or None."""
         from .gguf_blocks import holds
         fmt = self._gguf_tensor(name).tensor_type.name
         return fmt if holds(fmt, self.shape(name)) else None
@@ -94,7 +94,7 @@ class GGUFModel:
         the process's memory beside the copy)."""
         from .quant import groups_buffer
         gguf_tensor = self._gguf_tensor(name)
-        rows = groups_buffer((self.shape(name)[0], gguf_tensor.data.size // self.shape(name)[0]))
+        rows = groups_buffer((self.shape(name)[0], gguf_tensor.data.nbytes // self.shape(name)[0]))
         with open(self.path, "rb", buffering=0) as f:
             f.seek(gguf_tensor.offset)
             if f.readinto(memoryview(rows.numpy()).cast("B")) != rows.numel():

@@ -23,6 +23,7 @@ from .memory_limit import process_limit
 from .names import tier_label
 from .overhead import DEFAULT_GROWTH, Growth, process_growth
 from .models.attention import PROBS_CHUNK_BYTES, observed_chunk_bytes
+from .gguf_blocks import applies, sixteen_bit_at_rest
 from .quant import BLOCK_VALUES, DEQUANT_WORKING_BYTES, compressible, stored_row_bytes
 from .placed import split_rows
 from .schedule import most_held
@@ -113,17 +114,18 @@ def cat_formats(formats: list) -> str | None:
 
 def stored_shapes(layer, dtype_bytes: int, policy) -> list[tuple]:
     """(shape, compressed, bytes of a row as stored) of each tensor a layer places (after prepare);
-    compressed in a float32 run, a GGUF matrix its file keeps low-bit counts its own blocks
-    (gguf_blocks.py)."""
+    a matrix its checkpoint keeps low-bit or 16-bit counts as stored where gguf_blocks.applies
+    (compressed then means: not in the run's width)."""
     key = type(layer), tuple(shape for _, shape in layer.weight_specs()), layer.stored_formats()
     if key not in _PREPARED:
         _PREPARED[key] = list(zip(layer.prepare([tuple(s) for s in key[1]], cat=cat_shapes),
                                   layer.prepare(list(key[2]), cat=cat_formats)))
-    out = []
+    out, sixteen_bit = [], sixteen_bit_at_rest(policy, dtype_bytes, layer.one_of_a_kind)
     for shape, fmt in _PREPARED[key]:
         compressed = policy.compress_weight and compressible(shape)
-        kept = fmt if dtype_bytes == 4 else None  # GGUFWeights.get_packed: kept in float32 runs
-        out.append((shape, compressed, stored_row_bytes(shape, dtype_bytes, compressed, kept or "groups")))
+        kept = fmt if dtype_bytes == 4 and applies(fmt, compressed, sixteen_bit) else None
+        out.append((shape, compressed or kept is not None, stored_row_bytes(shape, dtype_bytes, compressed or kept
+                                                                             is not None, kept or "groups")))
     return out
 
 

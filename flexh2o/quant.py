@@ -245,8 +245,14 @@ def dequantize_as(packed: torch.Tensor, fmt: str, n: int, out: torch.Tensor | No
 
 def join(items: list):
     """torch.cat along the first dimension, of tensors or of Packed weights (rows of groups). Packed
-    weights of different formats (a GGUF's q, k and v in two) are joined as this module's groups,
-    the others dequantized and quantized again."""
+    weights of different low-bit formats (a GGUF's q, k and v in two) are joined as this module's
+    groups, the others dequantized and quantized again; 16-bit values beside anything else are
+    widened (they are only kept where nothing is quantized)."""
+    from .gguf_blocks import SIXTEEN_BIT
+    sixteen_bit = [isinstance(i, Packed) and i.fmt in SIXTEEN_BIT for i in items]
+    if any(sixteen_bit) and not (all(sixteen_bit) and len({i.fmt for i in items}) == 1):
+        # 16-bit values beside another width (a GGUF's q in F16, its k in F32): all widened, exactly
+        items = [dequantize_as(i.groups, i.fmt, i.shape[-1]) if isinstance(i, Packed) else i for i in items]
     if not isinstance(items[0], Packed):
         return torch.cat(items)
     if len({i.fmt for i in items}) > 1:

@@ -4,8 +4,9 @@ Each hands out one tensor at a time by its checkpoint name (without the leading 
 run's dtype, so a model larger than memory is never read whole, and a checkpoint tensor stored in
 another width is not held in both (memory.load_transient counts one layer's tensors in the run's
 width; a GGUF tensor is dequantized to float32 first, unless it is kept as its own low-bit blocks:
-GGUFWeights.get_packed). `check` validates names and shapes up front, so a wrong checkpoint is a
-clear error before anything runs.
+GGUFWeights.get_packed), and a float32 run may keep a 16-bit matrix as it is (get_sixteen_bit,
+gguf_blocks.sixteen_bit_at_rest). `check` validates names and shapes up front, so a wrong
+checkpoint is a clear error before anything runs.
 """
 
 import glob
@@ -20,7 +21,8 @@ import zipfile
 import torch
 
 from .errors import UsageError, check_regular_file
-from .quant import GROUP, GROUP_BYTES, Packed, quantize
+from .gguf_blocks import SIXTEEN_BIT, holds
+from .quant import GROUP, GROUP_BYTES, Packed, groups_buffer, quantize
 
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
@@ -58,6 +60,25 @@ def safetensors_ranges(file: str) -> dict:
             for name, info in header.items() if name != "__metadata__"}
 
 
+def checkpoint_formats(directory: str, flag: str = "--path") -> dict:
+    """canonical name -> F16 or BF16 of each 16-bit matrix of a directory's safetensors files that
+    gguf_blocks takes as stored, read from their JSON headers alone. A file that is not a regular
+    one is refused (naming `flag`); one whose header does not parse is left to CheckpointWeights
+    to report."""
+    out = {}
+    for file in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):
+        check_regular_file(file, flag)
+        try:
+            with open(file, "rb") as f:
+                size = struct.unpack("<Q", f.read(8))[0]
+                header = json.loads(f.read(size)) if size <= os.fstat(f.fileno()).st_size else {}
+            out.update({canonical_name(name): info["dtype"] for name, info in header.items()
+                        if name != "__metadata__" and info["dtype"] in SIXTEEN_BIT and holds(info["dtype"], info["shape"])})
+        except (OSError, ValueError, struct.error, TypeError, KeyError, AttributeError):
+            continue
+    return out
+
+
 class CheckpointWeights:
     """safetensors shards, or `.bin` shards read with torch.load(weights_only=True) (see load_bin)."""
 
@@ -66,6 +87,7 @@ class CheckpointWeights:
         self._where = {}  # canonical name -> (file, stored name)
         self._open = {}
         self._ranges = {}  # file -> safetensors_ranges(file), for prefetch
+        self._stored = None  # canonical name -> F16/BF16, made when first asked for
         files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
         self.format = "safetensors"
         if not files:
@@ -161,6 +183,28 @@ class CheckpointWeights:
             finally:
                 os.close(fd)
 
+    def get_sixteen_bit(self, name: str, shape) -> Packed | None:
+        """A safetensors F16/BF16 matrix as its 16-bit values, bit for bit (gguf_blocks.sixteen_bit_at_rest),
+        or None (other widths, a shape the blocks do not take, .bin checkpoints: their widths are not
+        known before they are read, and the pre-flight must count what is placed)."""
+        fmt = self._formats().get(name)
+        if fmt is None:
+            return None
+        file, stored = self._where[name]
+        values = self._handle(file).get_tensor(stored)
+        rows = groups_buffer((values.shape[0], values.shape[1] * 2))
+        rows.view(values.dtype).copy_(values)
+        return Packed(rows, tuple(shape), fmt)
+
+    def stored_formats(self) -> tuple:
+        """(name, format) of every matrix that can be kept as stored (gguf_blocks.py)."""
+        return tuple(sorted(self._formats().items()))
+
+    def _formats(self) -> dict:
+        if self._stored is None:
+            self._stored = checkpoint_formats(self.directory, self.flag) if self.format == "safetensors" else {}
+        return self._stored
+
     def get_as_stored(self, name: str, shape) -> torch.Tensor:
         """The tensor in the file's own float width (float16, bfloat16 or float32), for a caller that
         reads any of them exactly (quant.quantize): a 16-bit checkpoint is not widened first."""
@@ -197,11 +241,16 @@ class GGUFWeights:
         (gguf_blocks.py), never widened; None for the others, and in other widths, whose 4-bit
         kernel (int4_tiles.py) takes quant.py's groups: those are quantized into them as read."""
         fmt = self.model.block_format(name) if dtype == torch.float32 else None
-        return Packed(self.model.blocks(name), tuple(shape), fmt) if fmt is not None else None
+        return Packed(self.model.blocks(name), tuple(shape), fmt) if fmt not in (None, *SIXTEEN_BIT) else None
 
-    def block_formats(self) -> dict:
-        """name -> block format of every matrix get_packed keeps in its blocks."""
-        return {name: fmt for name in self._names if (fmt := self.model.block_format(name)) is not None}
+    def get_sixteen_bit(self, name: str, shape) -> Packed | None:
+        """An F16/BF16 matrix as its 16-bit values (gguf_blocks.sixteen_bit_at_rest), or None."""
+        fmt = self.model.block_format(name)
+        return Packed(self.model.blocks(name), tuple(shape), fmt) if fmt in SIXTEEN_BIT else None
+
+    def stored_formats(self) -> tuple:
+        """(name, format) of every matrix that can be kept as stored (gguf_blocks.py)."""
+        return tuple(sorted((n, f) for n in self._names if (f := self.model.block_format(n)) is not None))
 
     def describe(self) -> str:
         return f"{self.path} (GGUF; its Q4_0/Q4_1/Q8_0 matrices kept as stored with --compress-weight in float32)"

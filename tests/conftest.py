@@ -37,6 +37,14 @@ def make_tiny_opt(directory, seed=0, safe_serialization=True, max_shard_size=Non
     return model
 
 
+def sixteen_bit_opt(tmp_path, width: torch.dtype, config: str = "tiny") -> str:
+    """A tiny OPT of CONFIGS saved in `width` (safetensors), in a directory under tmp_path."""
+    directory = str(tmp_path / f"opt-{config}-{width}".replace("torch.", ""))
+    make_tiny_opt(directory, seed=3, **CONFIGS[config])
+    OPTForCausalLM.from_pretrained(directory).to(width).save_pretrained(directory)
+    return directory
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """name -> (directory, transformers model) for every config in CONFIGS."""

@@ -17,7 +17,7 @@ from flexh2o.memory import compute_copy_bytes
 from flexh2o.cuda_io import Copied, CudaCopies, Landed
 from flexh2o.kv.home import CacheHome
 from flexh2o.tiers import Tiers
-from conftest import padded_batch
+from conftest import padded_batch, sixteen_bit_opt
 from simulated_cuda import SimulatedCuda
 
 NEW_TOKENS = 5
@@ -96,13 +96,16 @@ def test_cuda_branches_match_the_cpu_on_a_simulated_device(tiny_models, tmp_path
 
 
 @pytest.mark.parametrize("simulated", [False, True])
-@pytest.mark.parametrize("name", ["weights-cpu", "mixed-act-cpu", "compressed-mixed", "compressed-disk-h2o"])
+@pytest.mark.parametrize("name", ["weights-cpu", "mixed-act-cpu", "compressed-mixed", "compressed-disk-h2o",
+                                  "16-bit-weights-cpu", "16-bit-mixed-act-cpu"])
 def test_weight_buffers_are_made_before_the_run_as_the_preflight_counts(tiny_models, tmp_path, monkeypatch, name,
                                                                        simulated):
     """Every pooled buffer a weight load takes is made before the prompt step (made on first use,
     an LM head's came after it, when the prompt's work was already done), and they add up to the
-    pre-flight's compute copies; none of those shapes is made again during the run."""
-    directory, _ = tiny_models["wide"]
+    pre-flight's compute copies; none of those shapes is made again during the run. 16-bit: a
+    float16 checkpoint, kept 16-bit (gguf_blocks.sixteen_bit_at_rest)."""
+    directory = sixteen_bit_opt(tmp_path, torch.float16) if name.startswith("16-bit") else tiny_models["wide"][0]
+    name = name.removeprefix("16-bit-")
     made, seen = [], {}
     original_new, original_reserve, original_generate = Buffers._new_buffer, Tiers.reserve_loads, Engine.generate
 
@@ -127,7 +130,8 @@ def test_weight_buffers_are_made_before_the_run_as_the_preflight_counts(tiny_mod
         generate(directory, MATRIX[name], tmp_path)
     device = torch.device("cuda" if simulated else "cpu")  # the simulated device computes on CPU tensors
     assert seen["bytes"] == compute_copy_bytes(seen["layers"], seen["tiers"].dtype.itemsize, MATRIX[name], device)
-    assert (seen["bytes"] > 0) == (simulated or name != "weights-cpu")  # on the CPU, CPU memory is used in place
+    # on the CPU, CPU memory is used in place (16-bit weights are not: widened into buffers)
+    assert (seen["bytes"] > 0) == (simulated or name != "weights-cpu" or directory != tiny_models["wide"][0])
     assert not seen["keys"] & set(made)
 
 

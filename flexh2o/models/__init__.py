@@ -5,6 +5,7 @@ import json
 import os
 
 from ..errors import UsageError, check_regular_file
+from ..weights import checkpoint_formats
 from . import llama, opt
 
 FAMILIES = {"opt": opt, "llama": llama, "mistral": llama, "qwen2": llama}  # config.json's model_type -> module
@@ -72,11 +73,10 @@ def resolve_model(model: str, path: str | None = None):
         gguf = read_gguf(model)
         spec = spec_from_config(gguf.config, model, name, "--model")
         formats = tuple(sorted((n, f) for n in gguf.names() if (f := gguf.block_format(n)) is not None))
-        if formats and hasattr(spec, "stored_formats"):
-            spec = dataclasses.replace(spec, stored_formats=formats)
-        return spec, model
+        return with_stored_formats(spec, formats), model
     if os.path.lexists(os.path.join(model, "config.json")):  # not isfile: a FIFO there is refused, not skipped
-        return spec_from_directory(model, os.path.basename(os.path.normpath(model)), "--model"), model
+        spec = spec_from_directory(model, os.path.basename(os.path.normpath(model)), "--model")
+        return with_stored_formats(spec, tuple(sorted(checkpoint_formats(model, "--model").items()))), model
     name = preset_name(model)
     if name not in PRESETS:
         raise UsageError("--model", f"unknown model {model!r}; accepted: {', '.join(PRESETS)} "
@@ -90,4 +90,11 @@ def resolve_model(model: str, path: str | None = None):
                              f"(layers {found.num_layers}, hidden {found.hidden_size}, "
                              f"expected layers {spec.num_layers}, hidden {spec.hidden_size})")
         spec = found
+    if path is not None:
+        spec = with_stored_formats(spec, tuple(sorted(checkpoint_formats(path).items())))
     return spec, path
+
+
+def with_stored_formats(spec, formats: tuple):
+    """The spec with the (name, format) pairs its checkpoint stores (gguf_blocks.py)."""
+    return dataclasses.replace(spec, stored_formats=formats) if formats != spec.stored_formats else spec

@@ -9,6 +9,7 @@ import functools
 import torch
 
 from ..errors import UsageError
+from ..gguf_blocks import sixteen_bit_at_rest
 from ..quant import Packed, compressible, join, quantize, stored_row_bytes
 from ..placed import split_rows
 
@@ -87,17 +88,21 @@ class Layer:
         # Quantized for a float32 run, a checkpoint's 16-bit matrix is read as it is stored (widening is exact).
         as_stored = getattr(source, "get_as_stored", None) if policy.compress_weight and tiers.dtype == torch.float32 \
             else None
+        sixteen_bit = getattr(source, "get_sixteen_bit", None) \
+            if sixteen_bit_at_rest(policy, tiers.dtype.itemsize, self.one_of_a_kind) else None
         raw = []
         for name, shape in self.weight_specs():
             tensor = packed(name, shape, tiers.dtype) if packed is not None and compressible(shape) else None
             if tensor is None and as_stored is not None and compressible(shape):
                 tensor = as_stored(name, shape)
+            if tensor is None and sixteen_bit is not None and compressible(shape):
+                tensor = sixteen_bit(name, shape)
             tensor = tensor if tensor is not None else source.get(name, shape, tiers.dtype)
             if policy.compress_weight and compressible(shape) and not isinstance(tensor, Packed):
                 tensor = quantized(name, tensor, tiers.dtype)
             raw.append(tensor)
         tensors = self.prepare(raw, cat=join)
-        compressed = [policy.compress_weight and compressible(t.shape) for t in tensors]
+        compressed = [isinstance(t, Packed) or policy.compress_weight and compressible(t.shape) for t in tensors]
         row_bytes = [t.groups[0].numel() if isinstance(t, Packed) else stored_row_bytes(t.shape, tiers.dtype.itemsize, c)
                      for t, c in zip(tensors, compressed)]
         rows = split_rows([tuple(t.shape) for t in tensors], row_bytes, *self.weight_shares(policy))

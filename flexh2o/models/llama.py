@@ -51,8 +51,8 @@ class LlamaSpec:
     eos_token_ids: tuple = ()  # every end-of-sequence id the config lists; eos_token_id is the first
     model_type: str = "llama"
     family: str = "llama"
-    # (checkpoint name, GGUF block format) of each matrix its file keeps low-bit (gguf_blocks.py):
-    # with --compress-weight placed as stored, so the pre-flight counts those bytes.
+    # (checkpoint name, format) of each matrix its checkpoint stores low-bit or 16-bit
+    # (gguf_blocks.py), placed as stored where gguf_blocks.applies: the pre-flight counts those bytes.
     stored_formats: tuple = ()
 
     def __post_init__(self):

@@ -23,6 +23,7 @@ class OPTSpec:
     bos_token_id: int = 2
     eos_token_id: int = 2
     family: str = "opt"
+    stored_formats: tuple = ()  # as LlamaSpec's
 
     @property
     def embed_dim(self) -> int:

@@ -1,11 +1,13 @@
-/* GGUF's blocks of 32 values (Q4_0, Q4_1, Q8_0), as llama.cpp's files store them, dequantized and
-multiplied without a widened copy (gguf_blocks.py).
+/* GGUF's blocks of 32 values (Q4_0, Q4_1, Q8_0), as llama.cpp's files store them, and 16-bit
+values (F16, BF16: 32 of them taken as a block with no scale), dequantized and multiplied without a
+widened copy (gguf_blocks.py).
 
 A block: its float16 scale d, for Q4_1 a float16 minimum m, then its quants. Q4_0: 16 bytes of
 nibbles, value (q - 8) * d; Q4_1: value q * d + m; the low nibbles are values 0..15, the high ones
 16..31. Q8_0: 32 signed bytes, value q * d. Values are made in float32 as gguf_reader.py's torch
 code makes them (a product, then a sum, no fused multiply-add), so dequantizing is bit-equal to
-it; the product differs from dequantize-then-multiply only in the order of its sums.
+it; the product differs from dequantize-then-multiply only in the order of its sums. A 16-bit
+value widens to float32 exactly.
 
 Each function does the rows [first, last) of its arguments, so the caller splits over threads.
 */
@@ -14,10 +16,10 @@ Each function does the rows [first, last) of its arguments, so the caller splits
 
 #define BLOCK 32
 
-enum format { GROUPS = -1, Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
+enum format { GROUPS = -1, Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, F16 = 3, BF16 = 4 };
 
 static int64_t block_bytes(int format) {
-    return format == Q4_0 ? 18 : format == Q4_1 ? 20 : 34;
+    return format == Q4_0 ? 18 : format == Q4_1 ? 20 : format == Q8_0 ? 34 : 2 * BLOCK;
 }
 
 static float half_at(const uint8_t *p) {
@@ -27,6 +29,13 @@ static float half_at(const uint8_t *p) {
 }
 
 static void block_values(int format, const uint8_t *b, float *v) {
+    if (format == F16 || format == BF16) {
+        uint16_t bits[BLOCK];
+        memcpy(bits, b, sizeof bits);
+        for (int i = 0; i < BLOCK; i++)
+            v[i] = format == F16 ? (float)f16_from_bits(bits[i]) : bf16_to_float(bits[i]);
+        return;
+    }
     float d = half_at(b);
     if (format == Q8_0) {
         const int8_t *q = (const int8_t *)(b + 2);
@@ -64,9 +73,17 @@ void dequantize_blocks(int format, const uint8_t *blocks, int64_t n, void *out, 
 
 /* y[i, j] = sum over c of x[i, c] * w[j, c] for the rows i < m of x (float32, k values each, row
    stride ldx) and the weight rows first <= j < last (each k / BLOCK blocks); y float32, row stride ldy. */
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 /* The block's values as four vectors of eight, made as block_values makes them. */
 static void block_vectors(int format, const uint8_t *b, __m256 w[4]) {
+    if (format == F16 || format == BF16) {
+        for (int q = 0; q < 4; q++) {
+            __m128i bits = _mm_loadu_si128((const __m128i *)(b + 16 * q));
+            w[q] = format == F16 ? _mm256_cvtph_ps(bits)
+                                 : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+        }
+        return;
+    }
     __m256 d = _mm256_set1_ps(half_at(b));
     if (format == Q8_0) {
         for (int q = 0; q < 4; q++) {

@@ -9,9 +9,11 @@ longest of its compute and of each I/O channel's busy time, and without overlap 
   attention calls as the profile timed them (attention_costs.py; a profile without them: the
   prompt's products at attention_flops, decode reading K and V at the device's bandwidth), 4-bit
   weights multiplied unwidened at the rate the profile timed its kernel, or dequantized once per
-  load, a fixed cost per (layer, gpu-batch) call, and, where the CPU computes, the
-  memory copies the I/O threads make: a thread copying takes a core from the compute's two-thread
-  team, whose work waits on its slower thread, so a copy adds its whole time;
+  load, a 16-bit checkpoint's matrices kept 16-bit (gguf_blocks.sixteen_bit_at_rest) widened per
+  load where the kernel does not take the step's rows, a fixed cost per (layer, gpu-batch) call,
+  and, where the CPU computes, the memory copies the I/O threads make: a thread copying takes a
+  core from the compute's two-thread team, whose work waits on its slower thread, so a copy adds
+  its whole time;
 - h2d / d2h: copies between CPU memory and the GPU (pinned), weights, cache and parked hidden states;
 - disk: reads and writes of the offload files, without the page cache (where the CPU computes,
   the cache's count as compute: see _cache_io).
@@ -31,6 +33,7 @@ import numpy as np
 from ..engine import DTYPES
 from ..kv import POLICIES, budget, slot_bytes
 from ..kv.home import batch_split, cpu_attention_dtype
+from ..gguf_blocks import SIXTEEN_BIT, sixteen_bit_at_rest
 from ..memory import DTYPE_OF, split_as_placed
 from ..unwidened import MAX_ROWS, kernel_for
 from .attention_costs import decode_units, prompt_units
@@ -147,6 +150,9 @@ class CostModel:
         self.kinds = [type(layer).__name__ for layer in self.layers]
         # The 2-D weights each layer multiplies by, as (out, in).
         self.matrices = [[shape for _, shape in layer.weight_specs() if len(shape) == 2] for layer in self.layers]
+        # Per matrix, whether its checkpoint stores it 16-bit (kept so where sixteen_bit_at_rest holds).
+        self.stored_16_bit = [[fmt in SIXTEEN_BIT for (_, shape), fmt in zip(layer.weight_specs(), layer.stored_formats())
+                               if len(shape) == 2] for layer in self.layers]
         self.stages = self._distinct_stages()
 
     def _distinct_stages(self) -> list[tuple[int, int]]:
@@ -298,17 +304,23 @@ class CostModel:
             matrices = [projection] if spec.embed_dim != spec.hidden_size else []
         elif self.kinds[j] == "OutputEmbed":
             rows = b  # only the last position predicts
-        full_width, seconds, widened = 0, hw.layer_overhead, 0
-        for shape in matrices:
+        full_width, seconds, widened, widened_16_bit = 0, hw.layer_overhead, 0, 0
+        sixteen_bit = self.kinds[j] != "InputEmbed" and \
+            sixteen_bit_at_rest(policy, self.dtype_bytes, self.layers[j].one_of_a_kind)
+        for shape, stored_16_bit in zip(matrices, self.stored_16_bit[j] if sixteen_bit else [False] * len(matrices)):
             flops = 2 * rows * shape[0] * shape[1]
             rate = self.unwidened_rate(shape, rows) if policy.compress_weight else None
             if rate is not None:
                 seconds += flops / rate
                 continue
-            full_width += flops
+            full_width += flops  # 16-bit values multiplied as they are (native/blocks.c): about float32's rate
             widened += shape[0] * shape[1] if policy.compress_weight else 0
+            if stored_16_bit and (self.on_cuda or rows > MAX_ROWS["groups"]):
+                widened_16_bit += shape[0] * shape[1]
         seconds += full_width / hw.matmul_rate(rows, self.dtype) if full_width else 0.0
         ch = Channels().add("compute", "compute", policy.num_gpu_batches * seconds)
+        if widened_16_bit:  # read 2 bytes, write 4, once per load
+            ch.add("compute", "weight I/O", widened_16_bit * 6 / (hw.device_bandwidth if self.on_cuda else hw.memcpy))
         return ch.add("compute", "weight I/O", widened / hw.dequant) if widened else ch
 
     def unwidened_rate(self, shape, rows: int) -> float | None:
