@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaConfig
 
 from flexh2o import Engine, Policy
-from conftest import CONFIGS, VOCAB
+from conftest import CONFIGS, VOCAB, sixteen_bit_opt
 from test_llama import make_tiny_llama
 
 
@@ -29,9 +29,9 @@ def decode_step_bytes(directory, tmp_path) -> tuple[list, int, int]:
         assert head.one_of_a_kind and all(s.tier == "gpu" for p in head.home for s in p.segments)
         vectors = [p for layer in engine.layers for p in layer.home if len(p.shape) == 1]
         assert vectors and all(s.tier == "gpu" for p in vectors for s in p.segments)
-        whole = sum(math.prod(p.shape) * 4 for layer in engine.layers[:-1] for p in layer.home[layer.gathered:]
-                    if len(p.shape) > 1)
-        row = sum(p.shape[1] * 4 for layer in engine.layers for p in layer.home[:layer.gathered])
+        whole = sum(math.prod(p.shape) * p.dtype.itemsize for layer in engine.layers[:-1]
+                    for p in layer.home[layer.gathered:] if len(p.shape) > 1)
+        row = sum(p.shape[1] * p.dtype.itemsize for layer in engine.layers for p in layer.home[:layer.gathered])
         return engine.last_stats.step_h2d_bytes[1:-1], whole, row
 
 
@@ -55,3 +55,12 @@ def test_a_tied_embedding_is_read_once_per_token(tiny_models, tmp_path):
                         if "layers." in n and p.dim() > 1)  # the decoder layers' matrices only
     assert all(whole + row <= step <= whole + 2 * row for step in steps), (steps, whole, row)
     assert all(step < whole + table for step in steps)
+
+
+def test_a_16_bit_checkpoint_moves_half_the_bytes(tiny_models, tmp_path):
+    """The same OPT saved in float16: its matrices stay 16-bit on disk (gguf_blocks.sixteen_bit_at_rest),
+    and a decode step reads half the bytes of the float32 checkpoint's."""
+    steps32, whole32, row32 = decode_step_bytes(tiny_models["tiny"][0], tmp_path / "32")
+    steps16, whole16, row16 = decode_step_bytes(sixteen_bit_opt(tmp_path, torch.float16), tmp_path / "16")
+    assert whole16 * 2 == whole32 and row16 * 2 == row32
+    assert all(whole16 + row16 <= step <= whole16 + 2 * row16 for step in steps16), (steps16, whole16, row16)
