@@ -88,6 +88,10 @@ class GGUFModel:
         fmt = self._gguf_tensor(name).tensor_type.name
         return fmt if holds(fmt, self.shape(name)) else None
 
+    def stored_formats(self) -> tuple:
+        """(name, format) of every matrix that can be kept as stored (block_format)."""
+        return tuple(sorted((n, f) for n in self._tensors if (f := self.block_format(n)) is not None))
+
     def blocks(self, name) -> torch.Tensor:
         """A block_format() matrix's bytes as stored, uint8 [rows, row bytes] in Hugging Face row
         order: a new tensor, read from the file (not through its map, whose pages would count in

@@ -124,8 +124,8 @@ def stored_shapes(layer, dtype_bytes: int, policy) -> list[tuple]:
     for shape, fmt in _PREPARED[key]:
         compressed = policy.compress_weight and compressible(shape)
         kept = fmt if dtype_bytes == 4 and applies(fmt, compressed, sixteen_bit) else None
-        out.append((shape, compressed or kept is not None, stored_row_bytes(shape, dtype_bytes, compressed or kept
-                                                                             is not None, kept or "groups")))
+        stored = compressed or kept is not None  # not in the run's width
+        out.append((shape, stored, stored_row_bytes(shape, dtype_bytes, stored, kept or "groups")))
     return out
 
 

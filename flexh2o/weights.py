@@ -250,7 +250,7 @@ class GGUFWeights:
 
     def stored_formats(self) -> tuple:
         """(name, format) of every matrix that can be kept as stored (gguf_blocks.py)."""
-        return tuple(sorted((n, f) for n in self._names if (f := self.model.block_format(n)) is not None))
+        return self.model.stored_formats()
 
     def describe(self) -> str:
         return f"{self.path} (GGUF; its Q4_0/Q4_1/Q8_0 matrices kept as stored with --compress-weight in float32)"

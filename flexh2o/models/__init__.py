@@ -72,8 +72,7 @@ def resolve_model(model: str, path: str | None = None):
         name = os.path.basename(model)[: -len(".gguf")]
         gguf = read_gguf(model)
         spec = spec_from_config(gguf.config, model, name, "--model")
-        formats = tuple(sorted((n, f) for n in gguf.names() if (f := gguf.block_format(n)) is not None))
-        return with_stored_formats(spec, formats), model
+        return with_stored_formats(spec, gguf.stored_formats()), model
     if os.path.lexists(os.path.join(model, "config.json")):  # not isfile: a FIFO there is refused, not skipped
         spec = spec_from_directory(model, os.path.basename(os.path.normpath(model)), "--model")
         return with_stored_formats(spec, tuple(sorted(checkpoint_formats(model, "--model").items()))), model
