@@ -15,9 +15,10 @@ A float32 run whose weights do not all sit on the compute tier keeps a 16-bit ch
 matrices 16-bit on every tier (sixteen_bit_at_rest), as blocks of 32 values with no scale: half the
 bytes stored and moved, widened exactly into the compute buffer at each load (or multiplied as
 they are by the same kernels). Weights all on the compute tier are used in place in float32 as
-before: widening them at every step would cost time and save nothing a run needs. Nor the LM head
-(models/layer.py's one_of_a_kind, always on the compute tier): 16-bit, it would also need a
-float32 buffer of its size for the steps the kernel does not take.
+before: widening them at every step would cost time and save nothing a run needs. The LM head
+(models/layer.py's one_of_a_kind, always on the compute tier) follows the same rule: where the
+CPU multiplies it, the kernel takes it at every row count (a row per sequence), so no float32 copy
+of it exists at all (weight_io.py); on CUDA it is widened into a buffer per load as the rest are.
 """
 
 import torch
@@ -31,10 +32,10 @@ BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "F16": 64, "BF16": 64}
 NATIVE_FORMATS = {"groups": -1, "Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "F16": 3, "BF16": 4}  # native/blocks.c's enum
 
 
-def sixteen_bit_at_rest(policy, dtype_bytes: int, one_of_a_kind: bool) -> bool:
-    """Whether a layer keeps its 16-bit matrices 16-bit (see above): a float32 run, not compressing
-    the weights (which quantizes them instead), placing some on the cpu tier or disk."""
-    return dtype_bytes == 4 and not policy.compress_weight and policy.w_gpu_percent < 100 and not one_of_a_kind
+def sixteen_bit_at_rest(policy, dtype_bytes: int) -> bool:
+    """Whether a run keeps a checkpoint's 16-bit matrices 16-bit (see above): a float32 run, not
+    compressing the weights (which quantizes them instead), placing some on the cpu tier or disk."""
+    return dtype_bytes == 4 and not policy.compress_weight and policy.w_gpu_percent < 100
 
 
 def applies(fmt: str | None, compressed: bool, sixteen_bit: bool) -> bool:

@@ -32,7 +32,8 @@ def matmul(x: torch.Tensor, data: torch.Tensor, k: int, fmt: str = "groups") -> 
 class GroupedWeight:
     """A compressed matrix as loaded: its groups `data` [n, row bytes] in format `fmt` (quant.py's
     groups, or a GGUF file's blocks: gguf_blocks.py) and `values`, a compute buffer [n, k] filled
-    only if a step of many rows asks for the widened matrix."""
+    only if a step of many rows asks for the widened matrix; None for a matrix multiplied as it is
+    at every row count (Placed.any_rows)."""
     kernel_name = "groups"  # unwidened.py
 
     def __init__(self, data: torch.Tensor, k: int, values: torch.Tensor, fmt: str = "groups"):

@@ -14,6 +14,7 @@ import numpy as np
 import psutil
 import torch
 
+from . import native
 from .offload_dir import existing_ancestor
 from .errors import UsageError
 from .kv import POLICIES, budget, cache_bytes, slot_bytes
@@ -26,6 +27,7 @@ from .models.attention import PROBS_CHUNK_BYTES, observed_chunk_bytes
 from .gguf_blocks import applies, sixteen_bit_at_rest
 from .quant import BLOCK_VALUES, DEQUANT_WORKING_BYTES, compressible, stored_row_bytes
 from .placed import split_rows
+from .unwidened import kernel_for
 from .schedule import most_held
 
 GB = 1 << 30
@@ -112,21 +114,27 @@ def cat_formats(formats: list) -> str | None:
     return formats[0] if len(set(formats)) == 1 else None
 
 
-def stored_shapes(layer, dtype_bytes: int, policy) -> list[tuple]:
-    """(shape, compressed, bytes of a row as stored) of each tensor a layer places (after prepare);
-    a matrix its checkpoint keeps low-bit or 16-bit counts as stored where gguf_blocks.applies
-    (compressed then means: not in the run's width)."""
+def stored_formats(layer, dtype_bytes: int, policy) -> list[tuple]:
+    """(shape, format) of each tensor a layer places (after prepare): its format as stored where not
+    in the run's width: "groups" (compress_weight: quant.py's), or the checkpoint's own low-bit or
+    16-bit blocks where gguf_blocks.applies; None in the run's width."""
     key = type(layer), tuple(shape for _, shape in layer.weight_specs()), layer.stored_formats()
     if key not in _PREPARED:
         _PREPARED[key] = list(zip(layer.prepare([tuple(s) for s in key[1]], cat=cat_shapes),
                                   layer.prepare(list(key[2]), cat=cat_formats)))
-    out, sixteen_bit = [], sixteen_bit_at_rest(policy, dtype_bytes, layer.one_of_a_kind)
+    out, sixteen_bit = [], sixteen_bit_at_rest(policy, dtype_bytes)
     for shape, fmt in _PREPARED[key]:
         compressed = policy.compress_weight and compressible(shape)
         kept = fmt if dtype_bytes == 4 and applies(fmt, compressed, sixteen_bit) else None
-        stored = compressed or kept is not None  # not in the run's width
-        out.append((shape, stored, stored_row_bytes(shape, dtype_bytes, stored, kept or "groups")))
+        out.append((shape, kept or ("groups" if compressed else None)))
     return out
+
+
+def stored_shapes(layer, dtype_bytes: int, policy) -> list[tuple]:
+    """(shape, compressed, bytes of a row as stored) of each tensor a layer places (after prepare);
+    compressed: not in the run's width (stored_formats)."""
+    return [(shape, fmt is not None, stored_row_bytes(shape, dtype_bytes, fmt is not None, fmt or "groups"))
+            for shape, fmt in stored_formats(layer, dtype_bytes, policy)]
 
 
 def layer_bytes(layers, dtype_bytes: int, policy) -> list[int]:
@@ -175,12 +183,17 @@ def largest_disk_segment(layers, dtype_bytes: int, policy) -> int:
 def buffered(layer, dtype_bytes: int, policy, device) -> Counter:
     """The pooled compute buffers a layer's weight loads take, as (kind, bytes) -> count: every
     weight the layer cannot use in place, and every compressed one (dequantized into a buffer,
-    its groups first moved into one unless they are on the compute device)."""
+    its groups first moved into one unless they are on the compute device), but the LM head's
+    where the kernel multiplies it at every row count (WeightIO.never_widened)."""
     out = Counter()
-    for shape, compressed, rb, rows in split_as_placed(layer, dtype_bytes, policy)[layer.gathered:]:
+    placed = split_as_placed(layer, dtype_bytes, policy)
+    formats = stored_formats(layer, dtype_bytes, policy)
+    for (shape, compressed, rb, rows), (_, fmt) in list(zip(placed, formats))[layer.gathered:]:
         whole = [tier for tier, n in rows.items() if n == shape[0]]
         in_place = bool(whole) and (whole[0] == "gpu" or (whole[0] == "cpu" and device.type == "cpu"))
-        if compressed or not in_place:
+        never_widened = compressed and layer.one_of_a_kind and kernel_for(
+            shape, DTYPE_OF[dtype_bytes], device.type == "cpu", native.library() is not None, fmt) == "groups"
+        if (compressed or not in_place) and not never_widened:
             out[("values", shape), math.prod(shape) * dtype_bytes] += 1
         if compressed and not in_place:
             out[("groups", shape), shape[0] * rb] += 1
@@ -204,16 +217,25 @@ def compute_copy_bytes(layers, dtype_bytes: int, policy, device) -> int:
 
 def load_transient(layers, dtype_bytes: int, policy) -> int:
     """Host memory loading takes beyond the placed weights, at its peak: one layer's tensors as read
-    (in the run's width, weights.py), the concatenations prepare() makes of them, with
-    compress_weight the layer's groups and a block's float32 temporaries, and the groups of the
-    two layers before, which may still be being written (weight_io.py)."""
+    (in the run's width, weights.py, or as stored where kept so: gguf_blocks.applies), the
+    concatenations prepare() makes of them, with compress_weight the layer's groups and a block's
+    float32 temporaries, and the tensors not in the run's width of the two layers before, which may
+    still be being written (weight_io.py)."""
+    def nbytes(shape, fmt):  # as stored
+        return shape[0] * stored_row_bytes(shape, dtype_bytes, fmt is not None, fmt or "groups")
+
     def layer(layer):
-        read = sum(math.prod(shape) for _, shape in layer.weight_specs()) * dtype_bytes
+        sixteen_bit, read = sixteen_bit_at_rest(policy, dtype_bytes), 0
+        for (_, shape), fmt in zip(layer.weight_specs(), layer.stored_formats()):
+            as_stored = dtype_bytes == 4 and applies(fmt, policy.compress_weight and compressible(shape), sixteen_bit)
+            read += nbytes(shape, fmt if as_stored else None)
         shapes = [tuple(shape) for _, shape in layer.weight_specs()]
-        stored = stored_shapes(layer, dtype_bytes, policy)
-        made = sum(math.prod(shape) for shape, _, _ in stored if shape not in shapes) * dtype_bytes
-        groups = sum(shape[0] * rb for shape, compressed, rb in stored if compressed)
-        return read + made + (groups + 8 * BLOCK_VALUES if groups else 0), groups
+        stored = stored_formats(layer, dtype_bytes, policy)
+        # A concatenation of kept blocks is made as stored; one to quantize, in the run's width.
+        made = sum(nbytes(shape, None if fmt == "groups" else fmt) for shape, fmt in stored if shape not in shapes)
+        quantized = sum(nbytes(shape, fmt) for shape, fmt in stored if fmt == "groups")
+        not_run_width = sum(nbytes(shape, fmt) for shape, fmt in stored if fmt is not None)
+        return read + made + (quantized + 8 * BLOCK_VALUES if quantized else 0), not_run_width
     held = per_layer(layers, layer)
     return max(h + sum(g for _, g in held[max(i - 2, 0): i]) for i, (h, _) in enumerate(held))
 

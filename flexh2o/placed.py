@@ -25,6 +25,9 @@ class Placed:
     decoded_shape: tuple | None = None  # compressed: the shape it dequantizes to
     tiled: bool = False  # compressed in the int4 kernel's layout (int4_tiles.pack), not quant.py's
     fmt: str = "groups"  # compressed: quant.py's groups, or a GGUF file's blocks (gguf_blocks.py)
+    # Compressed: multiplied as stored at every row count where flexh2o's kernel takes it, never
+    # widened (an LM head: a row per sequence; models/layer.py).
+    any_rows: bool = False
 
     def resident(self) -> torch.Tensor | None:
         """The tensor itself when one memory tier holds it whole."""

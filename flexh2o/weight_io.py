@@ -33,6 +33,11 @@ class WeightIO:
         """The kernel that multiplies a compressed matrix of this shape as it is (unwidened.py)."""
         return kernel_for(shape, self.dtype, not self.on_cuda, native.library() is not None, fmt)
 
+    def never_widened(self, placed: Placed) -> bool:
+        """Whether a compressed matrix is multiplied as stored at every row count: no compute
+        buffer of its values is made (Placed.any_rows, where flexh2o's kernel takes it)."""
+        return placed.any_rows and not placed.tiled and self.unwidened_kernel(placed.decoded_shape, placed.fmt) == "groups"
+
     def tiles_for(self, shape) -> bool:
         """Whether a compressed matrix of this shape is placed in the int4 kernel's layout."""
         return self.unwidened_kernel(shape) == "tiles"
@@ -134,7 +139,7 @@ class WeightIO:
         if placed.decoded_shape is None:
             return [] if in_place else [(placed.shape, placed.dtype, False)]
         groups = [] if in_place else [(placed.shape, placed.dtype, self.on_cuda)]
-        return [(placed.decoded_shape, self.dtype, False)] + groups
+        return ([] if self.never_widened(placed) else [(placed.decoded_shape, self.dtype, False)]) + groups
 
     def reserve_loads(self, layers):
         """Makes, before a run, every pooled buffer the layers' weight loads take. The layers of each
@@ -208,8 +213,9 @@ class WeightIO:
         return picked[inverse.to(self.compute)].view(*ids.shape, -1)
 
     def _load_compressed(self, placed: Placed, whole) -> Pending:
-        """Its groups, moved to the compute device unless they are there, dequantized into a buffer."""
-        out = self.buffer(placed.decoded_shape)
+        """Its groups, moved to the compute device unless they are there, dequantized into a buffer
+        (none for a matrix never widened)."""
+        out = None if self.never_widened(placed) else self.buffer(placed.decoded_shape)
         if not self.on_cuda:
             return self._load_compressed_for_cpu(placed, whole, out)
         fmt = placed.fmt
@@ -270,7 +276,8 @@ class WeightIO:
         values and (where its bytes were moved) the buffer holding them; nothing for a weight
         used where it lives."""
         if isinstance(value, (int4_tiles.TiledWeight, GroupedWeight)):
-            self.release(value.values)
+            if value.values is not None:
+                self.release(value.values)
             if value.data is not placed.resident():
                 self.release(value.data)
         elif value is not placed.resident():

@@ -3,6 +3,7 @@ tier (gguf_blocks.sixteen_bit_at_rest): placed as stored on every tier, widened 
 load or multiplied as it is (native/blocks.c), the pre-flight counting the bytes placed; a run
 gives the tokens of the same checkpoint widened and used in place."""
 
+import dataclasses
 import math
 import os
 import sys
@@ -12,9 +13,15 @@ import torch
 
 from flexh2o import Engine, Policy, gguf_blocks, grouped_weight, native
 from flexh2o.memory import layer_bytes
+from flexh2o.models import with_stored_formats
+from flexh2o.models.opt import PRESETS
+from flexh2o.optimizer.hardware import from_dict
+from flexh2o.overhead import DEFAULT_GROWTH
+from flexh2o.optimizer.search import search
+from flexh2o.placement import fits
 
 sys.path.insert(0, os.path.dirname(__file__))
-from conftest import sixteen_bit_opt  # noqa: E402
+from conftest import TEST_CPU_PROFILE, sixteen_bit_opt  # noqa: E402
 from test_gguf import write_tiny  # noqa: E402
 
 WIDTHS = {"F16": torch.float16, "BF16": torch.bfloat16}
@@ -89,10 +96,11 @@ def test_a_16_bit_checkpoint_is_placed_as_stored_and_runs_as_widened(tmp_path, f
     policy = Policy(2, 2, *PLACEMENTS[placement], **h2o)
 
     def inspect(engine):
-        matrices = sum(1 for layer in engine.layers[:-1] for p in layer.home if len(p.decoded_shape or p.shape) == 2
+        matrices = sum(1 for layer in engine.layers for p in layer.home if len(p.decoded_shape or p.shape) == 2
                        and (p.decoded_shape or p.shape)[-1] % 32 == 0)
         assert kept(engine) == {fmt: matrices}
-        assert all(p.decoded_shape is None for p in engine.layers[-1].home)  # the LM head: float32, in place
+        head = engine.layers[-1].home[-1]  # the LM head: 16-bit too, never widened
+        assert head.fmt == fmt and head.any_rows and engine.tiers.never_widened(head)
         assert sum(layer_bytes(engine.layers, 4, policy)) == placed_bytes(engine)
     sixteen = run(model, policy, tmp_path, inspect)
     widened = run(model, Policy(2, 2, 100, 0, **h2o), tmp_path,
@@ -160,3 +168,41 @@ def test_on_a_simulated_cuda_device_the_16_bit_weights_are_widened_there(tmp_pat
     out, stats, simulated = simulated_run(model, MATRIX[name], tmp_path, monkeypatch, seed=len(name))
     assert_same(reference, out)
     assert stats.step_allocations[2:] == [0] * (NEW_TOKENS - 2) and simulated.copies > 0
+
+
+def test_every_plan_for_a_16_bit_checkpoint_passes_the_pre_flight():
+    """Under a cap, the search may only choose what the engine's pre-flight then admits: a placement
+    that keeps the checkpoint 16-bit holds each layer's 16-bit copies while loading, one with the
+    weights all on the compute tier does not, so loading's transient is counted per placement."""
+    # A small vocabulary: loading's peak is a layer's, not the embedding table's.
+    spec = dataclasses.replace(PRESETS["opt-125m"], num_layers=4, vocab_size=512)
+    matrices = [(name, "F16") for layer in spec.build_layers() for name, shape in layer.weight_specs()
+                if len(shape) == 2]
+    spec = with_stored_formats(spec, tuple(matrices))
+    profile = from_dict(TEST_CPU_PROFILE, "test")
+    cpu, planned = torch.device("cpu"), set()
+    for cap in range(40 << 20, 400 << 20, 5 << 20):
+        ram = cap + DEFAULT_GROWTH  # what the process may grow by is left out of the cap
+        caps = {"gpu": ram, "cpu": ram, "ram": ram, "disk": 1 << 40, "given": ()}
+        plan = search(spec, 64, 8, profile, caps, Policy(), dtype="float32", max_batch=16)
+        if plan is not None:
+            planned.add((plan.policy.w_gpu_percent, plan.policy.batch_size))
+            assert fits(spec, plan.policy, 4, 64, 8, caps, cpu), (cap, plan.policy)
+    assert any(w_gpu < 100 for w_gpu, _ in planned) and any(w_gpu == 100 for w_gpu, _ in planned)
+
+
+@needs_kernels
+def test_the_lm_head_is_multiplied_as_stored_past_the_kernels_rows_and_never_widened(tmp_path):
+    """The head multiplies a row per sequence: a gpu-batch of 40 is past the 32 rows at which other
+    matrices are widened, and still no float32 copy of the head is made."""
+    model = sixteen_bit_opt(tmp_path, torch.float16)
+    policy = Policy(40, 1, 0, 100)
+    ids = torch.randint(3, 60, (40, 10), generator=torch.Generator().manual_seed(0))
+    with Engine.from_pretrained(model, policy, device="cpu", dtype=torch.float32) as engine:
+        head, made, new_buffer = engine.layers[-1].home[-1], [], engine.tiers._new_buffer
+        assert head.fmt == "F16" and head.decoded_shape[0] > 32
+        engine.tiers._new_buffer = lambda key: made.append(key[0]) or new_buffer(key)
+        sixteen = engine.generate(ids, max_new_tokens=4, output_scores=True)
+        assert made and head.decoded_shape not in made
+    with Engine.from_pretrained(model, Policy(40, 1, 100, 0), device="cpu", dtype=torch.float32) as engine:
+        assert_same_run(sixteen, engine.generate(ids, max_new_tokens=4, output_scores=True))

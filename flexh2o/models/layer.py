@@ -54,6 +54,8 @@ class Layer:
     # A layer of its own kind (the LM head) sits on the compute device whatever the weight shares:
     # elsewhere, its loads would need a compute buffer as large as itself, held for the whole run
     # (in real models no other layer's weights share its shapes), and every token would move it too.
+    # Compressed or 16-bit, it is multiplied as stored at every row count (a row per sequence; its
+    # Placed.any_rows): a float32 copy of it would cost as much memory as it saves.
     one_of_a_kind = False
 
     @property
@@ -89,7 +91,7 @@ class Layer:
         as_stored = getattr(source, "get_as_stored", None) if policy.compress_weight and tiers.dtype == torch.float32 \
             else None
         sixteen_bit = getattr(source, "get_sixteen_bit", None) \
-            if sixteen_bit_at_rest(policy, tiers.dtype.itemsize, self.one_of_a_kind) else None
+            if sixteen_bit_at_rest(policy, tiers.dtype.itemsize) else None
         raw = []
         for name, shape in self.weight_specs():
             tensor = packed(name, shape, tiers.dtype) if packed is not None and compressible(shape) else None
@@ -114,6 +116,8 @@ class Layer:
         names = {id(r): name for (name, _), r in zip(self.weight_specs(), raw)}  # for tensors prepare() kept as read
         self.home = [place_once(tiers, names.get(id(t)), t, r, c, tl) for t, r, c, tl in zip(tensors, rows, compressed,
                                                                                               tiled)]
+        for placed in self.home if self.one_of_a_kind else ():
+            placed.any_rows = True
         self._loading = None
         # Weights all used where they live: every token's "load" is this same list, nothing moves.
         loaded = self.home[self.gathered:]

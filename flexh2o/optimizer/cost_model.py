@@ -305,17 +305,17 @@ class CostModel:
         elif self.kinds[j] == "OutputEmbed":
             rows = b  # only the last position predicts
         full_width, seconds, widened, widened_16_bit = 0, hw.layer_overhead, 0, 0
-        sixteen_bit = self.kinds[j] != "InputEmbed" and \
-            sixteen_bit_at_rest(policy, self.dtype_bytes, self.layers[j].one_of_a_kind)
+        sixteen_bit = self.kinds[j] != "InputEmbed" and sixteen_bit_at_rest(policy, self.dtype_bytes)
+        any_rows = self.layers[j].one_of_a_kind and not self.on_cuda  # the head: never widened (WeightIO.never_widened)
         for shape, stored_16_bit in zip(matrices, self.stored_16_bit[j] if sixteen_bit else [False] * len(matrices)):
             flops = 2 * rows * shape[0] * shape[1]
-            rate = self.unwidened_rate(shape, rows) if policy.compress_weight else None
+            rate = self.unwidened_rate(shape, rows, any_rows) if policy.compress_weight else None
             if rate is not None:
                 seconds += flops / rate
                 continue
             full_width += flops  # 16-bit values multiplied as they are (native/blocks.c): about float32's rate
             widened += shape[0] * shape[1] if policy.compress_weight else 0
-            if stored_16_bit and (self.on_cuda or rows > MAX_ROWS["groups"]):
+            if stored_16_bit and (self.on_cuda or rows > MAX_ROWS["groups"] and not any_rows):
                 widened_16_bit += shape[0] * shape[1]
         seconds += full_width / hw.matmul_rate(rows, self.dtype) if full_width else 0.0
         ch = Channels().add("compute", "compute", policy.num_gpu_batches * seconds)
@@ -323,12 +323,13 @@ class CostModel:
             ch.add("compute", "weight I/O", widened_16_bit * 6 / (hw.device_bandwidth if self.on_cuda else hw.memcpy))
         return ch.add("compute", "weight I/O", widened / hw.dequant) if widened else ch
 
-    def unwidened_rate(self, shape, rows: int) -> float | None:
+    def unwidened_rate(self, shape, rows: int, any_rows: bool = False) -> float | None:
         """FLOP/s of a compressed matrix multiplied unwidened in a step of `rows` rows; None where it
-        is widened instead (no kernel for it, more rows than its kernel's limit, or not measured)."""
+        is widened instead (no kernel for it, more rows than its kernel's limit unless `any_rows`
+        (the LM head, with flexh2o's own kernel), or not measured)."""
         measured = self.hw.int4_matmul_rate(1, self.dtype) is not None
         kernel = kernel_for(shape, DTYPES[self.dtype], not self.on_cuda, measured)
-        if kernel is None or rows > MAX_ROWS[kernel]:
+        if kernel is None or rows > MAX_ROWS[kernel] and not (any_rows and kernel == "groups"):
             return None
         return self.hw.int4_matmul_rate(rows, self.dtype)
 

@@ -87,7 +87,8 @@ class Search:
         self._weights = {}
 
     def weights(self, policy):
-        """Per distinct weight-compression: the weights' memory need and per-layer I/O for every share."""
+        """Per distinct weight-compression: the weights' memory need, per-layer I/O and loading's
+        transient (memory.load_transient) for every share."""
         key = policy.compress_weight
         if key not in self._weights:
             policies = [replace(policy, w_gpu_percent=g, w_cpu_percent=c) for g, c in self.weight_shares]
@@ -96,7 +97,10 @@ class Search:
             need = {t: np.array([n[t] for n in needs], dtype=np.float64)[:, None] for t in TIERS}
             per_policy = [self.model.weight_io(p) for p in policies]
             io = [stacked([ios[j] for ios in per_policy], (-1, 1)) for j in range(len(layers))]
-            self._weights[key] = need, io, load_transient(layers, self.dtype_bytes, policy)
+            # Per share: where the weights are not all on the compute tier, a 16-bit checkpoint's
+            # matrices stay 16-bit, and loading holds those copies too.
+            transient = np.array([load_transient(layers, self.dtype_bytes, p) for p in policies], dtype=np.float64)
+            self._weights[key] = need, io, transient[:, None]
         return self._weights[key]
 
     def score(self, policy):
