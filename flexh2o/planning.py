@@ -14,7 +14,7 @@ from .optimizer.search import search
 from .prompts import read_lines
 
 DEFAULT_GPU_BATCH_SIZE = 4  # with --gpu-batch-size absent but a placement given
-PLANNING_FLAGS = ("--max-batch", "--allow-compression")
+PLANNING_FLAGS = ("--max-batch", "--batch", "--allow-compression")
 
 
 def check_planning_flags(args, planning: bool):
@@ -22,7 +22,7 @@ def check_planning_flags(args, planning: bool):
         if getattr(args, flag[2:].replace("-", "_")) not in (None, False) and not planning:
             raise UsageError(flag, "applies only to a planned run: leave out --gpu-batch-size and the placement "
                              "flags (--weights/--cache/--act/--percent)")
-    for flag in ("gpu_batch_size", "num_gpu_batches", "max_batch"):
+    for flag in ("gpu_batch_size", "num_gpu_batches", "max_batch", "batch"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')}", f"must be a positive integer, got {value}")
@@ -50,12 +50,15 @@ def planned_policy(args, policy, spec, dtype: str, caps: dict, profile, offload_
                          f"{', '.join(sorted(profile.matmul_flops))}): give --gpu-batch-size and a placement to run it")
     limits = plan_capacities(profile, offload_dir, caps.get("gpu_mem"), caps.get("cpu_mem"), caps.get("disk_mem"),
                              caps.get("max_memory"), dtype)
-    total = len(read_lines(args.prompts_file)) if args.prompts_file else None
+    total, what = args.batch, "sequences of --batch"
+    if args.prompts_file:
+        total, what = len(read_lines(args.prompts_file)), "prompts of --prompts-file"
+        if args.batch is not None and args.batch != total:
+            raise UsageError("--batch", f"is {args.batch}, but --prompts-file holds {total} prompts")
     if total is not None and args.max_batch is not None and args.max_batch < total:
-        raise UsageError("--max-batch", f"is {args.max_batch}, below the {total} prompts of --prompts-file")
+        raise UsageError("--max-batch", f"is {args.max_batch}, below the {total} {what}")
     if total is not None and args.num_gpu_batches is not None and total % args.num_gpu_batches:
-        raise UsageError("--num-gpu-batches", f"{args.num_gpu_batches} does not divide the {total} prompts of "
-                         "--prompts-file")
+        raise UsageError("--num-gpu-batches", f"{args.num_gpu_batches} does not divide the {total} {what}")
     plan = search(spec, args.prompt_len, args.gen_len, profile, limits, policy, dtype=dtype,
                   allow_compression=args.allow_compression, max_batch=args.max_batch, total_batch=total,
                   num_gpu_batches=None if args.num_gpu_batches is None else (args.num_gpu_batches,))

@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gpu-batches per block (default: planned, else 1)")
     p.add_argument("--max-batch", type=int, default=None, metavar="N",
                    help="when planning: the largest batch (sequences) to consider")
+    p.add_argument("--batch", type=int, default=None, metavar="N",
+                   help="when planning: a batch of exactly N sequences (--prompts-file: its prompts' count)")
     p.add_argument("--allow-compression", action="store_true",
                    help="when planning: let the plan store weights and/or cache as 4-bit groups")
     p.add_argument("--percent", type=float, nargs=6, default=None,

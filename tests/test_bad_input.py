@@ -260,6 +260,11 @@ def test_weights_read_from_the_model_directory_name_model_even_with_a_path(tiny_
 PLANNING = [
     (["--max-batch", "0"], "--max-batch", "positive integer"),
     (["--max-batch", "4", "--gpu-batch-size", "2"], "--max-batch", "applies only to a planned run"),
+    (["--batch", "0"], "--batch", "positive integer"),
+    (["--batch", "4", "--gpu-batch-size", "2"], "--batch", "applies only to a planned run"),
+    (["--batch", "8", "--max-batch", "4"], "--max-batch", "is 4, below the 8 sequences of --batch"),
+    (["--batch", "6", "--num-gpu-batches", "4"], "--num-gpu-batches", "4 does not divide the 6 sequences of --batch"),
+    (["--batch", "4", "--input", "in.jsonl", "--output", "out.jsonl"], "--batch", "is the one-block mode's"),
     (["--allow-compression", "--weights", "gpu=100"], "--allow-compression", "applies only to a planned run"),
     (["--gpu-mem", "1KB", "--cpu-mem", "1KB", "--disk-mem", "1KB"], "--gpu-mem/--cpu-mem/--disk-mem",
      "no batch size or placement of opt-125m with 8+2 tokens fits this machine"),

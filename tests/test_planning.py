@@ -73,6 +73,13 @@ def test_run_without_a_batch_or_placement_plans_and_predicts(tiny_models, tmp_pa
     assert "predicted (cost model, local profile)" in captured.out
 
 
+def test_run_planned_for_an_exact_batch(tiny_models, tmp_path, capsys, no_measuring):
+    out = tmp_path / "r.json"
+    assert flexh2o.run.main(["--model", tiny_models["tiny"][0], "--prompt-len", "8", "--gen-len", "2",
+                             "--batch", "6", "--dtype", "float32", "--json-out", str(out)]) == 0
+    assert json.loads(out.read_text())["batch_size"] == 6
+
+
 def test_run_told_its_policy_predicts_without_planning(tiny_models, tmp_path, capsys, no_measuring):
     out = tmp_path / "r.json"
     assert flexh2o.run.main(["--model", tiny_models["tiny"][0], "--prompt-len", "8", "--gen-len", "3",

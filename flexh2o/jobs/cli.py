@@ -42,6 +42,9 @@ def check_job_flags(args):
         raise UsageError("--input", "needs --output OUT.jsonl, where each record's result goes")
     if args.prompts_file is not None:
         raise UsageError("--prompts-file", "is the one-block mode; with --input, give the prompts there")
+    if args.batch is not None:
+        raise UsageError("--batch", "is the one-block mode's; a job plans its blocks from --input's records "
+                         "(--max-batch caps them)")
 
 
 def job_settings(args, spec) -> dict:
