@@ -4,6 +4,7 @@
     run.oom_killed, run.timed_out, run.peak_bytes, run.returncode
     run.result                                                    # the child's last "RESULT {json}" line
     run.progress                                                  # the number on its last "PROGRESS n" line
+    run.lines                                                     # its other stdout lines, each with when it came
 
 The cgroup is made below this process's own memory cgroup (so whatever limits the machine puts on
 this process still hold), gets memory.limit_in_bytes (and memory.memsw.limit_in_bytes where swap
@@ -23,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 RESULT = "RESULT "      # prefix of the line a child prints its result on (one JSON object)
 PROGRESS = "PROGRESS "  # prefix of a line with a number saying how far the child got (not echoed)
@@ -44,6 +45,7 @@ class BudgetRun:
     result: dict | None   # the child's RESULT line, if it printed one
     progress: int | None  # the child's last PROGRESS line, if it printed one
     seconds: float
+    lines: list = field(default_factory=list)  # (time.monotonic() it came, line) of every other stdout line
 
 
 def own_memory_cgroup() -> str:
@@ -135,12 +137,14 @@ def run_in_budget(argv: list[str], limit: int, name: str, timeout: float | None 
         if timer:
             timer.start()
         result = progress = None
+        lines = []
         for line in proc.stdout:
             if line.startswith(RESULT):
                 result = json.loads(line[len(RESULT):])
             elif line.startswith(PROGRESS):
                 progress = int(line[len(PROGRESS):])
             else:
+                lines.append((time.monotonic(), line))
                 print("    " + line, end="", flush=True)
         proc.wait()
         if timer:
@@ -152,7 +156,7 @@ def run_in_budget(argv: list[str], limit: int, name: str, timeout: float | None 
         return BudgetRun(proc.returncode, killed or oom_kills > 0, bool(fired),
                          int(_read(os.path.join(group, "memory.max_usage_in_bytes"))), failcnt,
                          _field(os.path.join(group, "memory.stat"), "total_pgmajfault"), result, progress,
-                         time.perf_counter() - start)
+                         time.perf_counter() - start, lines)
     finally:
         if proc is not None and proc.poll() is None:
             proc.kill()

@@ -14,6 +14,7 @@ import torch
 from flexh2o import Engine, Policy, gguf_blocks, grouped_weight, native
 from flexh2o.memory import layer_bytes
 from flexh2o.models import with_stored_formats
+from flexh2o.models.llama import LlamaSpec
 from flexh2o.models.opt import PRESETS
 from flexh2o.optimizer.hardware import from_dict
 from flexh2o.overhead import DEFAULT_GROWTH
@@ -206,3 +207,20 @@ def test_the_lm_head_is_multiplied_as_stored_past_the_kernels_rows_and_never_wid
         assert made and head.decoded_shape not in made
     with Engine.from_pretrained(model, Policy(40, 1, 100, 0), device="cpu", dtype=torch.float32) as engine:
         assert_same_run(sixteen, engine.generate(ids, max_new_tokens=4, output_scores=True))
+
+
+def test_a_16_bit_model_twice_the_cap_is_planned_with_several_sequences_per_gpu_batch():
+    """Issue 30's synthetic Llama (1.26B, F16, untied head: 2.35 GB) under a 1.5 GB cgroup, 1.2 GB
+    of it free after the process's own 0.3 GB: kept 16-bit (the head and the embedding too, 0.4 GB
+    each in float32), a float32 run is planned gpu-batches of many sequences, which the pre-flight
+    admits."""
+    spec = LlamaSpec(name="synthetic-1.26b", num_layers=24, hidden_size=2048, num_heads=32, num_kv_heads=4,
+                     ffn_dim=5632, vocab_size=49152, max_positions=4096)
+    spec = with_stored_formats(spec, tuple((name, "F16") for layer in spec.build_layers()
+                                           for name, shape in layer.weight_specs() if len(shape) == 2))
+    ram = (1200 << 20) + DEFAULT_GROWTH
+    caps = {"gpu": ram, "cpu": ram, "ram": ram, "disk": 1 << 40, "given": ()}
+    plan = search(spec, 128, 16, from_dict(TEST_CPU_PROFILE, "test"), caps, Policy(), dtype="float32",
+                  total_batch=32)
+    assert plan.policy.gpu_batch_size >= 8 and plan.policy.w_gpu_percent < 100
+    assert fits(spec, plan.policy, 4, 128, 16, caps, torch.device("cpu"))
