@@ -36,7 +36,8 @@ class WeightIO:
     def never_widened(self, placed: Placed) -> bool:
         """Whether a compressed matrix is multiplied as stored at every row count: no compute
         buffer of its values is made (Placed.any_rows, where flexh2o's kernel takes it)."""
-        return placed.any_rows and not placed.tiled and self.unwidened_kernel(placed.decoded_shape, placed.fmt) == "groups"
+        kernel = self.unwidened_kernel(placed.decoded_shape, placed.fmt)
+        return placed.any_rows and not placed.tiled and kernel == "groups"
 
     def tiles_for(self, shape) -> bool:
         """Whether a compressed matrix of this shape is placed in the int4 kernel's layout."""

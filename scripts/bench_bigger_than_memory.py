@@ -157,11 +157,12 @@ def measure(engine: str, batch: int, a, binary: str | None) -> dict:
     decode_start, prefill_start = t["end"] - t["decode_s"], t["end"] - t["decode_s"] - t["prefill_s"]
     decode, prefill = disk.over(decode_start, t["end"]), disk.over(prefill_start, decode_start)
     tokens = batch * a.gen_len
+    steps = t["decode_steps"]
     return row | {
         "plan": t["plan"], "prefill_s": t["prefill_s"], "decode_s": t["decode_s"],
-        "prefill_tok_s": batch * a.prompt_len / t["prefill_s"], "decode_tok_s": batch * t["decode_steps"] / t["decode_s"],
-        "step_s": t["decode_s"] / t["decode_steps"], "end_to_end_tok_s": tokens / (t["prefill_s"] + t["decode_s"]),
-        "decode_read_per_step_bytes": None if decode["read_bytes"] is None else decode["read_bytes"] / t["decode_steps"],
+        "prefill_tok_s": batch * a.prompt_len / t["prefill_s"], "decode_tok_s": batch * steps / t["decode_s"],
+        "step_s": t["decode_s"] / steps, "end_to_end_tok_s": tokens / (t["prefill_s"] + t["decode_s"]),
+        "decode_read_per_step_bytes": None if decode["read_bytes"] is None else decode["read_bytes"] / steps,
         "decode_disk_busy": decode["busy_share"], "prefill_read_bytes": prefill["read_bytes"],
         "prefill_disk_busy": prefill["busy_share"]}
 

@@ -30,7 +30,8 @@ def tensor_shapes(s: dict, vocab: int) -> dict:
                    f"blk.{i}.attn_k.weight": (kv, s["hidden"]), f"blk.{i}.attn_v.weight": (kv, s["hidden"]),
                    f"blk.{i}.attn_output.weight": (s["hidden"], s["hidden"]),
                    f"blk.{i}.ffn_norm.weight": (s["hidden"],), f"blk.{i}.ffn_gate.weight": (s["ffn"], s["hidden"]),
-                   f"blk.{i}.ffn_up.weight": (s["ffn"], s["hidden"]), f"blk.{i}.ffn_down.weight": (s["hidden"], s["ffn"])}
+                   f"blk.{i}.ffn_up.weight": (s["ffn"], s["hidden"]),
+                   f"blk.{i}.ffn_down.weight": (s["hidden"], s["ffn"])}
     return shapes | {"output_norm.weight": (s["hidden"],), "output.weight": (vocab, s["hidden"])}
 
 
