@@ -12,8 +12,9 @@ B prompts of --prompt-len tokens, --gen-len tokens generated each, greedy:
   --gen-len - 1: the prompt step gives each sequence's first token, as flexh2o's does, so both
   make --gen-len tokens with the same work.
 - flexh2o: `python -m flexh2o.run --batch B`, planned by its cost model inside the cgroup (it finds
-  the limit itself), in its default dtype for this CPU (--dtype to choose), offload files under
-  --workdir.
+  the limit itself), offload files under --workdir; once in each of --dtypes (default: its own
+  default for this CPU, and float32, where the F16 file stays 16-bit at rest and is widened per
+  use: gguf_blocks.sixteen_bit_at_rest).
 
 Each run is a child in a fresh cgroup of --limit (scripts/memory_budget.py), after the GGUF's page
 cache is dropped (posix_fadvise DONTNEED; fincore checks it); batches and engines interleave, for
@@ -51,7 +52,7 @@ sys.path.insert(0, os.path.join(REPO, "scripts"))
 from bench_vs_llamacpp import build_llama_cpp  # noqa: E402
 from memory_budget import CgroupUnavailable, check_available, exit_on_sigterm, run_in_budget  # noqa: E402
 from synthetic_gguf import write_model  # noqa: E402
-from flexh2o.machine import describe_machine  # noqa: E402
+from flexh2o.machine import cpu_compute_dtype, describe_machine  # noqa: E402
 from flexh2o.memory import parse_size  # noqa: E402
 from flexh2o.output import write_json_atomic, write_text_atomic  # noqa: E402
 
@@ -125,14 +126,13 @@ def run_llama(binary: str, batch: int, a) -> tuple:
                  "plan": f"mmap, -b 2048 -ub 512, -t {a.threads}"}
 
 
-def run_flexh2o(batch: int, a) -> tuple:
+def run_flexh2o(batch: int, dtype: str, a) -> tuple:
     out = os.path.join(a.workdir, "flexh2o.json")
     if os.path.exists(out):
         os.remove(out)
     cmd = [sys.executable, "-m", "flexh2o.run", "--model", a.model, "--prompt-len", str(a.prompt_len),
            "--gen-len", str(a.gen_len), "--batch", str(batch), "--no-stop-at-eos",
-           "--offload-dir", os.path.join(a.workdir, "offload"), "--json-out", out] + \
-        (["--dtype", a.dtype] if a.dtype else [])
+           "--offload-dir", os.path.join(a.workdir, "offload"), "--json-out", out, "--dtype", dtype]
     run = run_in_budget(cmd, a.limit, "flexh2o-bigger", timeout=a.timeout)
     end = line_time(run, "model:")  # the report's first line, printed as generate returns
     if run.returncode != 0 or end is None or not os.path.exists(out):
@@ -149,7 +149,7 @@ def run_flexh2o(batch: int, a) -> tuple:
 def measure(engine: str, batch: int, a, binary: str | None) -> dict:
     resident = drop_page_cache(a.model)
     with DiskMeter(a.workdir) as disk:
-        run, t = run_llama(binary, batch, a) if engine == "llama.cpp" else run_flexh2o(batch, a)
+        run, t = run_llama(binary, batch, a) if engine == "llama.cpp" else run_flexh2o(batch, engine.split()[1], a)
     row = {"engine": engine, "batch": batch, "returncode": run.returncode, "oom_killed": run.oom_killed,
            "timed_out": run.timed_out, "cgroup_peak_bytes": run.peak_bytes, "resident_before_bytes": resident}
     if t is None:
@@ -190,7 +190,7 @@ def markdown(result: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for batch in a["batches"]:
         base = best(result["runs"], "llama.cpp", batch)
-        for engine in ("llama.cpp", "flexh2o"):
+        for engine in result["settings"]["engines"]:
             r = best(result["runs"], engine, batch)
             if r is None:
                 failed = [x for x in result["runs"] if x["engine"] == engine and x["batch"] == batch]
@@ -214,11 +214,13 @@ def plot(result: dict, path: str):
     import matplotlib.pyplot as plt
     batches = result["settings"]["batches"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for i, engine in enumerate(("llama.cpp", "flexh2o")):
+    engines = result["settings"]["engines"]
+    width = 0.8 / len(engines)
+    for i, engine in enumerate(engines):
         rows = [best(result["runs"], engine, b) for b in batches]
-        xs = [j + (i - 0.5) * 0.35 for j in range(len(batches))]
-        axes[0].bar(xs, [r["end_to_end_tok_s"] if r else 0 for r in rows], 0.35, label=engine)
-        axes[1].bar(xs, [(r["decode_read_per_step_bytes"] or 0) / GB if r else 0 for r in rows], 0.35, label=engine)
+        xs = [j + (i - (len(engines) - 1) / 2) * width for j in range(len(batches))]
+        axes[0].bar(xs, [r["end_to_end_tok_s"] if r else 0 for r in rows], width, label=engine)
+        axes[1].bar(xs, [(r["decode_read_per_step_bytes"] or 0) / GB if r else 0 for r in rows], width, label=engine)
     for ax, title in zip(axes, ("end-to-end tokens/s", "disk read per decode step (GB)")):
         ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
         ax.set_title(title)
@@ -237,7 +239,8 @@ def main():
     ap.add_argument("--gen-len", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
-    ap.add_argument("--dtype", default=None, help="flexh2o's compute dtype (default: its own for this CPU)")
+    ap.add_argument("--dtypes", nargs="+", default=None,
+                    help="flexh2o's compute dtypes, a run each (default: its own for this CPU, and float32)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds a run may take before it is killed")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "flexh2o_bench_bigger"),
                     help="the model, flexh2o's offload files; on the disk measured")
@@ -259,17 +262,19 @@ def main():
     print(f"model: {a.model} (written once)", flush=True)
     shapes = write_model(a.model)
     binary = build_llama_cpp(os.path.join(a.llama_workdir, "llama.cpp"), print)
+    own = str(cpu_compute_dtype()).removeprefix("torch.")
+    engines = ["llama.cpp"] + [f"flexh2o {dtype}" for dtype in dict.fromkeys(a.dtypes or [own, "float32"])]
     runs = []
     for round_ in range(a.repeats):
         for batch in a.batches:
-            for engine in ("llama.cpp", "flexh2o"):
+            for engine in engines:
                 print(f"round {round_ + 1}, batch {batch}: {engine}", flush=True)
                 row = measure(engine, batch, a, binary)
                 print("  " + json.dumps({k: v for k, v in row.items() if k != "plan"}), flush=True)
                 runs.append(row | {"round": round_})
     shutil.rmtree(os.path.join(a.workdir, "offload"), ignore_errors=True)
     settings = {"batches": a.batches, "limit_bytes": a.limit, "prompt_len": a.prompt_len, "gen_len": a.gen_len,
-                "repeats": a.repeats, "threads": a.threads, "dtype": a.dtype, "model_bytes": os.path.getsize(a.model),
+                "repeats": a.repeats, "threads": a.threads, "engines": engines, "model_bytes": os.path.getsize(a.model),
                 "model_params": sum(math.prod(d) for d in shapes.values())}
     notes = ("Decode window: each engine's own decode time, back from the moment its result line came (llama.cpp's "
              "JSON line, flexh2o's report); disk figures are the device's (every process on it) in that window. "
