@@ -24,7 +24,7 @@ from .memory_limit import process_limit
 from .names import tier_label
 from .overhead import DEFAULT_GROWTH, Growth, process_growth
 from .models.attention import PROBS_CHUNK_BYTES, observed_chunk_bytes
-from .gguf_blocks import applies, sixteen_bit_at_rest
+from .gguf_blocks import BLOCK_BYTES, SIXTEEN_BIT, applies, sixteen_bit_at_rest
 from .quant import BLOCK_VALUES, DEQUANT_WORKING_BYTES, compressible, stored_row_bytes
 from .placed import split_rows
 from .unwidened import kernel_for
@@ -219,23 +219,26 @@ def load_transient(layers, dtype_bytes: int, policy) -> int:
     """Host memory loading takes beyond the placed weights, at its peak: one layer's tensors as read
     (in the run's width, weights.py, or as stored where kept so: gguf_blocks.applies), the
     concatenations prepare() makes of them, with compress_weight the layer's groups and a block's
-    float32 temporaries, and the tensors not in the run's width of the two layers before, which may
-    still be being written (weight_io.py)."""
+    float32 temporaries, in a 16-bit run the float32 copy a GGUF file's low-bit matrix is dequantized
+    into before it is narrowed (one at a time), and the tensors not in the run's width of the two
+    layers before, which may still be being written (weight_io.py)."""
     def nbytes(shape, fmt):  # as stored
         return shape[0] * stored_row_bytes(shape, dtype_bytes, fmt is not None, fmt or "groups")
 
     def layer(layer):
-        sixteen_bit, read = sixteen_bit_at_rest(policy, dtype_bytes), 0
+        sixteen_bit, read, widened = sixteen_bit_at_rest(policy, dtype_bytes), 0, 0
         for (_, shape), fmt in zip(layer.weight_specs(), layer.stored_formats()):
             as_stored = dtype_bytes == 4 and applies(fmt, policy.compress_weight and compressible(shape), sixteen_bit)
             read += nbytes(shape, fmt if as_stored else None)
+            if dtype_bytes < 4 and fmt in BLOCK_BYTES and fmt not in SIXTEEN_BIT:
+                widened = max(widened, math.prod(shape) * 4)
         shapes = [tuple(shape) for _, shape in layer.weight_specs()]
         stored = stored_formats(layer, dtype_bytes, policy)
         # A concatenation of kept blocks is made as stored; one to quantize, in the run's width.
         made = sum(nbytes(shape, None if fmt == "groups" else fmt) for shape, fmt in stored if shape not in shapes)
         quantized = sum(nbytes(shape, fmt) for shape, fmt in stored if fmt == "groups")
         not_run_width = sum(nbytes(shape, fmt) for shape, fmt in stored if fmt is not None)
-        return read + made + (quantized + 8 * BLOCK_VALUES if quantized else 0), not_run_width
+        return read + made + widened + (quantized + 8 * BLOCK_VALUES if quantized else 0), not_run_width
     held = per_layer(layers, layer)
     return max(h + sum(g for _, g in held[max(i - 2, 0): i]) for i, (h, _) in enumerate(held))
 

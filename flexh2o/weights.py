@@ -234,6 +234,8 @@ class GGUFWeights:
                                  f"expected {list(want)}")
 
     def get(self, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
+        if dtype.itemsize == 2 and self.model.block_format(name) in SIXTEEN_BIT:
+            return self.model.sixteen_bit(name, dtype)  # no float32 copy of it on the way
         return self.model.tensor(name).to(dtype)
 
     def get_packed(self, name: str, shape, dtype: torch.dtype) -> Packed | None:

@@ -288,3 +288,61 @@ def test_block_types_dequantize_as_the_gguf_package_does(kind):
     values = np.random.default_rng(0).normal(size=(6, 128)).astype(np.float32)
     packed = gguf.quants.quantize(values, qtype)
     assert np.array_equal(_dequantize_blocks(packed, kind), gguf.quants.dequantize(packed, qtype))
+
+
+def mapped_rss(path: str) -> int:
+    """Bytes of this process's mappings of `path` that are resident (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+                inside = fields[-1] == path
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1]) * 1024
+    return total
+
+
+@needs_smol
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="no /proc/self/smaps")
+def test_tensors_read_through_the_map_leave_no_pages_mapped(tmp_path):
+    """A tensor read through the file's map is copied; its pages are then dropped from the map, so
+    reading a whole model does not hold the file in the process's RSS beside the copies."""
+    path = str(tmp_path / "smol.gguf")
+    with open(SMOL, "rb") as src, open(path, "wb") as dst:
+        dst.write(src.read())
+    model = read_gguf(path)
+    for name in model.names():
+        model.tensor(name)
+    assert mapped_rss(path) < os.path.getsize(path) // 10
+
+
+@pytest.mark.parametrize("stored", ["F16", "BF16"])
+def test_16_bit_matrices_read_for_a_16_bit_run_equal_the_float32_path(tmp_path, monkeypatch, stored):
+    """Read a slice of rows at a time straight into the run's 16-bit width (no float32 copy while a
+    matrix loads): the same values as dequantizing to float32 and narrowing, q/k rows unpermuted."""
+    from flexh2o.weights import GGUFWeights
+    write_tiny(tmp_path / "m.gguf", untied=True, matrix_type=lambda name: stored)
+    monkeypatch.setattr(flexh2o.gguf_reader, "SLICE_BYTES", 200)  # several slices per matrix
+    weights = GGUFWeights(str(tmp_path / "m.gguf"))
+    read_as_stored = 0
+    for name in weights.model.names():
+        read_as_stored += weights.model.block_format(name) == stored
+        for dtype in (torch.bfloat16, torch.float16):
+            got = weights.get(name, weights.model.shape(name), dtype)
+            assert got.dtype == dtype and torch.equal(got, weights.model.tensor(name).to(dtype)), name
+    assert read_as_stored >= 7
+
+
+@needs_smol
+def test_loading_a_low_bit_file_in_16_bits_counts_the_float32_copy_of_a_matrix():
+    """SmolLM2's Q4_1 embedding is dequantized to float32 before it is narrowed to a 16-bit run's
+    width: the pre-flight's loading transient holds that copy (113 MB), not just the result."""
+    from flexh2o.memory import load_transient
+    from flexh2o.models import resolve_model
+    from flexh2o.policy import Policy
+    spec, _ = resolve_model(SMOL, None)
+    layers = spec.build_layers()
+    embedding = spec.vocab_size * spec.hidden_size
+    assert load_transient(layers, 2, Policy()) >= embedding * (4 + 2)
+    assert load_transient(layers, 4, Policy()) < embedding * (4 + 2)  # float32: read in its own width
