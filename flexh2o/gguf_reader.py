@@ -110,12 +110,12 @@ class GGUFModel:
         with open(self.path, "rb", buffering=0) as f:
             f.seek(self._gguf_tensor(name).offset)
             for start in range(0, len(out), step):
-                target = rows[start: start + step] if rows is not None else slice_buf[: len(out[start: start + step])]
-                want = target.numel() * 2
-                if f.readinto(memoryview(target.view(torch.uint8).numpy()).cast("B")) != want:
+                n = min(step, len(out) - start)
+                target = rows[start: start + n] if rows is not None else slice_buf[:n]
+                if f.readinto(memoryview(target.view(torch.uint8).numpy()).cast("B")) != target.numel() * 2:
                     raise UsageError(FLAG, f"{self.path} ended inside tensor {self._gguf_tensor(name).name}")
                 if rows is None:
-                    out[start: start + len(target)].copy_(target)
+                    out[start: start + n].copy_(target)
         return out
 
     def blocks(self, name) -> torch.Tensor:
