@@ -76,6 +76,18 @@ def _handle(signum, frame):
     raise Stopped(signum)
 
 
+def _unraisable(hook_args, default=sys.unraisablehook):
+    """A Stopped raised while a finalizer ran (a progress bar's __del__, collected at that moment)
+    is swallowed there, with a traceback on stderr: the same signal is sent again a moment later,
+    from another thread (here, its handler would run inside this hook and be swallowed too), so the
+    run still stops, with its one line."""
+    if isinstance(hook_args.exc_value, Stopped) and not _state.closing:
+        _state.raised = False
+        threading.Timer(0.01, os.kill, (os.getpid(), hook_args.exc_value.signum)).start()
+        return
+    default(hook_args)
+
+
 @contextmanager
 def deferred():
     """Signals that arrive inside are noted, not raised; the first of them is raised on leaving.
@@ -154,6 +166,7 @@ def run_stoppable(main) -> int:
     (SIGHUP under nohup) stays ignored; one that comes after main() returned changes nothing."""
     if threading.current_thread() is threading.main_thread():
         _install(_handle)
+        sys.unraisablehook = _unraisable
     code = None
     # Only one Stopped is ever raised: it is caught here wherever it lands, also after main()
     # returned and before `closing` is set, so it never escapes as a traceback.

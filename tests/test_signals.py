@@ -249,3 +249,28 @@ def test_a_signal_while_the_command_starts_is_one_line(module, sig, after):
     assert p.returncode == 128 + sig, err
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith(f"stopped by {signal.Signals(sig).name}: ")
+
+
+def test_a_signal_inside_a_finalizer_still_stops_the_run(monkeypatch, capsys):
+    """A finalizer (a progress bar's __del__, collected when the signal comes) swallows what is
+    raised inside it: the run must stop all the same, with its one line and no traceback."""
+    monkeypatch.setattr(signals, "_state", signals._State())
+    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
+    old = {s: signal.getsignal(s) for s in signals.HANDLED}
+
+    class SignalledWhileCollected:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # the handler runs here, inside the finalizer
+
+    def main():
+        SignalledWhileCollected()  # collected at once
+        time.sleep(2)
+        return 0
+    try:
+        assert signals.run_stoppable(main) == 128 + INT
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "stopped by SIGINT" in err
