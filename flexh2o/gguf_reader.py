@@ -100,23 +100,26 @@ class GGUFModel:
         file a slice of rows at a time into the result, so that no wider copy of it exists while it
         loads (an untied head of 49152 x 2048 took 0.4 GB in float32 on its way to 0.2 in bfloat16)."""
         from .gguf_blocks import SIXTEEN_BIT
-        stored = SIXTEEN_BIT[self._gguf_tensor(name).tensor_type.name]
-        if self._permute_qk and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
-            return self.blocks(name).view(stored).to(dtype)  # rows reordered whole (a small matrix)
+        gguf_tensor = self._gguf_tensor(name)
+        stored = SIXTEEN_BIT[gguf_tensor.tensor_type.name]
+        permuted = self._permute_qk and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight"))
+        if dtype == stored or permuted:  # as stored, whole (permuted: rows reordered whole; a small matrix)
+            return self.blocks(name).view(stored).to(dtype)
         out = torch.empty(self.shape(name), dtype=dtype)
-        rows = out.view(stored) if dtype == stored else None  # read straight into the result
         step = max(1, SLICE_BYTES // (out.shape[1] * 2))
-        slice_buf = None if rows is not None else torch.empty(min(step, len(out)), out.shape[1], dtype=stored)
+        rows = torch.empty(min(step, len(out)), out.shape[1], dtype=stored)
         with open(self.path, "rb", buffering=0) as f:
-            f.seek(self._gguf_tensor(name).offset)
+            f.seek(gguf_tensor.offset)
             for start in range(0, len(out), step):
                 n = min(step, len(out) - start)
-                target = rows[start: start + n] if rows is not None else slice_buf[:n]
-                if f.readinto(memoryview(target.view(torch.uint8).numpy()).cast("B")) != target.numel() * 2:
-                    raise UsageError(FLAG, f"{self.path} ended inside tensor {self._gguf_tensor(name).name}")
-                if rows is None:
-                    out[start: start + n].copy_(target)
+                self._read_into(f, rows[:n].view(torch.uint8), gguf_tensor)
+                out[start: start + n].copy_(rows[:n])
         return out
+
+    def _read_into(self, f, target: torch.Tensor, gguf_tensor):
+        """Fills the contiguous uint8 tensor `target` from the open file, where it stands."""
+        if f.readinto(memoryview(target.numpy()).cast("B")) != target.numel():
+            raise UsageError(FLAG, f"{self.path} ended inside tensor {gguf_tensor.name}")
 
     def blocks(self, name) -> torch.Tensor:
         """A block_format() matrix's bytes as stored, uint8 [rows, row bytes] in Hugging Face row
@@ -127,8 +130,7 @@ class GGUFModel:
         rows = groups_buffer((self.shape(name)[0], gguf_tensor.data.nbytes // self.shape(name)[0]))
         with open(self.path, "rb", buffering=0) as f:
             f.seek(gguf_tensor.offset)
-            if f.readinto(memoryview(rows.numpy()).cast("B")) != rows.numel():
-                raise UsageError(FLAG, f"{self.path} ended inside tensor {gguf_tensor.name}")
+            self._read_into(f, rows, gguf_tensor)
         if self._permute_qk and name.endswith("self_attn.q_proj.weight"):
             rows = torch.from_numpy(unpermute_rotary_rows(rows.numpy(), self.config["num_attention_heads"]).copy())
         elif self._permute_qk and name.endswith("self_attn.k_proj.weight"):

@@ -14,7 +14,6 @@ import numpy as np
 import psutil
 import torch
 
-from . import native
 from .offload_dir import existing_ancestor
 from .errors import UsageError
 from .kv import POLICIES, budget, cache_bytes, slot_bytes
@@ -27,7 +26,7 @@ from .models.attention import PROBS_CHUNK_BYTES, observed_chunk_bytes
 from .gguf_blocks import BLOCK_BYTES, SIXTEEN_BIT, applies, sixteen_bit_at_rest
 from .quant import BLOCK_VALUES, DEQUANT_WORKING_BYTES, compressible, stored_row_bytes
 from .placed import split_rows
-from .unwidened import kernel_for
+from .unwidened import never_widened
 from .schedule import most_held
 
 GB = 1 << 30
@@ -184,16 +183,16 @@ def buffered(layer, dtype_bytes: int, policy, device) -> Counter:
     """The pooled compute buffers a layer's weight loads take, as (kind, bytes) -> count: every
     weight the layer cannot use in place, and every compressed one (dequantized into a buffer,
     its groups first moved into one unless they are on the compute device), but the LM head's
-    where the kernel multiplies it at every row count (WeightIO.never_widened)."""
+    where the kernel multiplies it at every row count (unwidened.never_widened)."""
     out = Counter()
     placed = split_as_placed(layer, dtype_bytes, policy)
     formats = stored_formats(layer, dtype_bytes, policy)
     for (shape, compressed, rb, rows), (_, fmt) in list(zip(placed, formats))[layer.gathered:]:
         whole = [tier for tier, n in rows.items() if n == shape[0]]
         in_place = bool(whole) and (whole[0] == "gpu" or (whole[0] == "cpu" and device.type == "cpu"))
-        never_widened = compressed and layer.one_of_a_kind and kernel_for(
-            shape, DTYPE_OF[dtype_bytes], device.type == "cpu", native.library() is not None, fmt) == "groups"
-        if (compressed or not in_place) and not never_widened:
+        unwidened = compressed and layer.one_of_a_kind and never_widened(shape, DTYPE_OF[dtype_bytes],
+                                                                         device.type == "cpu", fmt)
+        if (compressed or not in_place) and not unwidened:
             out[("values", shape), math.prod(shape) * dtype_bytes] += 1
         if compressed and not in_place:
             out[("groups", shape), shape[0] * rb] += 1

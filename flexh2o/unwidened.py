@@ -11,6 +11,7 @@ width, which is faster there (models/linear.py). On CUDA every compressed matrix
 
 import torch
 
+from . import native
 from .int4_tiles import tileable
 from .quant import GROUP
 
@@ -30,3 +31,9 @@ def kernel_for(shape, dtype: torch.dtype, on_cpu: bool, groups_built: bool, fmt:
     if dtype == torch.float32 and shape[-1] % GROUP == 0 and groups_built:
         return "groups"
     return None
+
+
+def never_widened(shape, dtype: torch.dtype, on_cpu: bool, fmt: str) -> bool:
+    """Whether a compressed matrix multiplied at every row count (an LM head: Placed.any_rows) is
+    taken as stored by flexh2o's own kernel, so that no buffer of its values is made."""
+    return kernel_for(shape, dtype, on_cpu, native.library() is not None, fmt) == "groups"

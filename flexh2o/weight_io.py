@@ -25,7 +25,7 @@ from .io_tasks import IOTaskError, Pending
 from .placed import Placed, Segment
 from .quant import Packed, dequantize_as, quantize
 from .schedule import most_held
-from .unwidened import kernel_for
+from .unwidened import kernel_for, never_widened
 
 
 class WeightIO:
@@ -36,8 +36,8 @@ class WeightIO:
     def never_widened(self, placed: Placed) -> bool:
         """Whether a compressed matrix is multiplied as stored at every row count: no compute
         buffer of its values is made (Placed.any_rows, where flexh2o's kernel takes it)."""
-        kernel = self.unwidened_kernel(placed.decoded_shape, placed.fmt)
-        return placed.any_rows and not placed.tiled and kernel == "groups"
+        return placed.any_rows and not placed.tiled and \
+            never_widened(placed.decoded_shape, self.dtype, not self.on_cuda, placed.fmt)
 
     def tiles_for(self, shape) -> bool:
         """Whether a compressed matrix of this shape is placed in the int4 kernel's layout."""
