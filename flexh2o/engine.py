@@ -299,6 +299,7 @@ class Engine:
                 layer.init_cache(batch_sizes, make_policy(policy, prompt_len, max_new_tokens, layer_seed), policy)
             if self.stage is None:
                 schedule = Schedule(self.layers, seqs, policy.num_gpu_batches, self.tiers, act_tier(policy))
+                schedule.use_graphs()
             else:
                 schedule = StageSchedule(self.layers, seqs, policy.num_gpu_batches, self.tiers, act_tier(policy),
                                          self.stage, policy.gpu_batch_size, spec.hidden_size, prompt_len)

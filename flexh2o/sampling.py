@@ -75,6 +75,6 @@ class Sampler:
             mass_before = probs.cumsum(dim=-1) - probs
             probs = probs.masked_fill(mass_before >= self.top_p, 0)  # the first token always stays
         cdf = probs.cumsum(dim=-1)
-        target = (uniforms.to(cdf.device) * cdf[:, -1]).unsqueeze(1)
+        target = (uniforms * cdf[:, -1]).unsqueeze(1)
         choice = torch.searchsorted(cdf, target).clamp_(max=cdf.shape[-1] - 1)
         return index.gather(1, choice).squeeze(1)

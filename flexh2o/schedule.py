@@ -12,6 +12,8 @@ from collections import Counter
 
 from tqdm import tqdm
 
+from .decode_graphs import DecodeGraphs, why_not
+
 
 def loaded_with(layers, j: int) -> list[int]:
     """The layers whose weights load together with layer j's, ahead of their turn: the two after a
@@ -74,12 +76,19 @@ class Schedule:
         self.step_h2d_bytes = []  # bytes copied to the compute device during each token step
         self.per_step = (self.step_io_tasks, self.step_handoffs, self.step_allocations, self.step_dequant_seconds,
                          self.step_h2d_bytes)
+        self.graphs = None  # the decode steps' CUDA graphs, where they can be (use_graphs)
         self.finish_seconds = 0.0  # after the last token step, until its cache stores are done
         self.compute_seconds = 0.0  # forward passes only, without waiting for their inputs
 
+    def use_graphs(self):
+        """Decode steps as CUDA graphs from the second on, where every weight and cache slot stays on
+        the GPU (decode_graphs.why_not)."""
+        if why_not(self) is None:
+            self.graphs = DecodeGraphs(self.layers, self.seqs)
+
     def run(self, gen_len: int, progress: bool = False) -> int:
         """Generates up to gen_len tokens; returns how many token steps ran (fewer when all hit EOS)."""
-        num_layers, per_token = len(self.layers), len(self.units)
+        per_token = len(self.units)
         self.gen_len = gen_len
         self.load_weight(0)
         self.load_cache(0)
@@ -88,34 +97,10 @@ class Schedule:
         for i in bar:
             start, counts = time.perf_counter(), self.counts()
             self.begin_token(i)
-            for u, (j, k) in enumerate(self.units):
-                t = i * per_token + u
-                group = self.groups[self.group_of[k]]
-                if j == 0 and k == group[0]:
-                    self.enter_group(i, self.group_of[k])
-                if i == 0 and k == group[0]:  # the prompt step can take minutes: it moves per layer
-                    bar.set_postfix_str(f"prompt: layer {j + 1}/{num_layers}")
-                # A layer that only looks rows up (an input embedding) computes before the next
-                # loads are queued: its reads are a few kilobytes, and queued behind the next layer's
-                # megabytes (the device serves them in order) each took ~10 ms instead of ~0.2.
-                lookup_first = self.layers[j].looks_up_only
-                if lookup_first:
-                    self.compute(t)
-                # No synchronize per (layer, gpu-batch): on CUDA every copy waits for an event of
-                # the compute queued before it (cuda_io.py). A store goes first: the load after it
-                # takes the KV buffer set that the store queued one step earlier gives back, and
-                # the I/O threads take tasks oldest first.
-                with self.tiers.io_group():  # one hand-off to the I/O threads at most
-                    self.store_cache(t - 1)
-                    if k == group[0]:  # the next visit's weights load while this visit's first gpu-batch computes
-                        self.load_weight(t + len(group))
-                    self.load_cache(t + 1)
-                    self.store_hidden(t - 1, i)
-                    self.load_hidden(t + 1, i)
-                if not lookup_first:
-                    self.compute(t)
-                if j == num_layers - 1 and k == group[-1]:
-                    self.leave_group(i, self.group_of[k])
+            if self.graphs is not None and self.graphs.takes(i):
+                self.graph_token(i)
+            else:
+                self.token(i, bar)
             if i == 0:
                 bar.set_postfix_str("", refresh=False)
             stop = self.end_token(i)
@@ -137,9 +122,66 @@ class Schedule:
         self.finish_seconds = time.perf_counter() - start
         return steps_done
 
+    def token(self, i: int, bar):
+        """Token step i, unit by unit."""
+        num_layers, per_token = len(self.layers), len(self.units)
+        for u, (j, k) in enumerate(self.units):
+            t = i * per_token + u
+            group = self.groups[self.group_of[k]]
+            if j == 0 and k == group[0]:
+                self.enter_group(i, self.group_of[k])
+            if i == 0 and k == group[0]:  # the prompt step can take minutes: it moves per layer
+                bar.set_postfix_str(f"prompt: layer {j + 1}/{num_layers}")
+            # A layer that only looks rows up (an input embedding) computes before the next
+            # loads are queued: its reads are a few kilobytes, and queued behind the next layer's
+            # megabytes (the device serves them in order) each took ~10 ms instead of ~0.2.
+            lookup_first = self.layers[j].looks_up_only
+            if lookup_first:
+                self.compute(t)
+            # No synchronize per (layer, gpu-batch): on CUDA every copy waits for an event of
+            # the compute queued before it (cuda_io.py). A store goes first: the load after it
+            # takes the KV buffer set that the store queued one step earlier gives back, and
+            # the I/O threads take tasks oldest first.
+            with self.tiers.io_group():  # one hand-off to the I/O threads at most
+                self.store_cache(t - 1)
+                if k == group[0]:  # the next visit's weights load while this visit's first gpu-batch computes
+                    self.load_weight(t + len(group))
+                self.load_cache(t + 1)
+                self.store_hidden(t - 1, i)
+                self.load_hidden(t + 1, i)
+            if not lookup_first:
+                self.compute(t)
+            if j == num_layers - 1 and k == group[-1]:
+                self.leave_group(i, self.group_of[k])
+
+    def graph_token(self, i: int):
+        """Token step i as one CUDA graph per gpu-batch (decode_graphs.py), every layer at once.
+        Weights and cache are all in place: the loads and stores around the graphs only hand the
+        same tensors over, in the order `token` leaves them (the next token's first weights and
+        cache loaded, this token's last cache not yet stored)."""
+        per_token, n = len(self.units), self.num_gpu_batches
+        first = i * per_token
+        self.store_cache(first - 1)
+        for u in range(1, per_token):
+            self.load_cache(first + u)
+        for j in range(1, len(self.layers)):
+            self.load_weight(first + j * n)
+        for k in range(n):
+            for layer in self.layers:
+                layer.wait_inputs(k)
+            start = time.perf_counter()
+            self.hidden[k] = self.graphs.run(i, k, self.steps[k], self.hidden[k])
+            self.compute_seconds += time.perf_counter() - start
+        for layer in self.layers:
+            layer.release_weight()
+        for u in range(per_token - 1):
+            self.store_cache(first + u)
+        self.load_cache(first + per_token)
+        self.load_weight(first + per_token)
+
     # What a pipeline stage adds (pipeline.py); here, one process runs every layer.
     def begin_token(self, i: int):
-        self.steps = self.seqs.steps(i, self.num_gpu_batches)
+        self.steps = self.seqs.steps(i, self.num_gpu_batches, device_counters=self.tiers.on_cuda)
 
     def enter_group(self, i: int, g: int):
         """Before group g of token step i reaches the first layer."""

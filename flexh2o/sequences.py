@@ -26,6 +26,17 @@ class Step:
     memo: dict = field(default_factory=dict)  # what layers compute once per step and share (rotary phases)
     host_token_ids: torch.Tensor | None = None  # token_ids and positions in CPU memory (embedding lookups)
     host_positions: torch.Tensor | None = None
+    # On CUDA, what a decode step's kernels read from device memory rather than from Python ints,
+    # so that every step runs the same kernels with the same arguments (decode_graphs.py): the full
+    # cache's slot for the new token ([1], and as an int, slot_index) and i - 1 ([1]).
+    slot: torch.Tensor | None = None
+    slot_index: int = -1
+    before: torch.Tensor | None = None
+
+    def generated_before(self, device):
+        """i - 1, the tokens generated before this decode step: the step's device tensor where it
+        is on `device`, else an int."""
+        return self.before if self.before is not None and self.before.device == torch.device(device) else self.i - 1
 
 
 class Sequences:
@@ -53,9 +64,17 @@ class Sequences:
     def rows(self, k: int) -> slice:
         return slice(k * self.gpu_batch_size, (k + 1) * self.gpu_batch_size)
 
-    def steps(self, i: int, num_gpu_batches: int) -> list[Step]:
+    def steps(self, i: int, num_gpu_batches: int, device_counters: bool = False) -> list[Step]:
+        """Token step i of every gpu-batch; device_counters: with the decode step's slot and count
+        as device tensors (Step.slot, Step.before)."""
         self.begin(i)
-        return [self.step(i, k) for k in range(num_gpu_batches)]
+        steps = [self.step(i, k) for k in range(num_gpu_batches)]
+        if device_counters and i > 0:
+            slot_index = self.prompt_len + i - 1
+            slot, before = torch.tensor([slot_index, i - 1]).to(self.device).split(1)
+            for step in steps:
+                step.slot, step.slot_index, step.before = slot, slot_index, before
+        return steps
 
     def begin(self, i: int):
         """Token step i starts: the sampler's draws for it (made once per step, whatever the order
@@ -85,6 +104,21 @@ class Sequences:
                     host_token_ids=ids, host_positions=positions)
 
     def _choose_next(self, i, k, logits):
+        uniforms = self.uniforms_of(k)
+        return self.chosen(i, k, logits, self.pick(logits, None if uniforms is None else uniforms.to(logits.device)))
+
+    def uniforms_of(self, k: int) -> torch.Tensor | None:
+        """Gpu-batch k's random numbers of the current token step (None when greedy)."""
+        return None if self._uniforms is None else self._uniforms[self.rows(k)]
+
+    def pick(self, logits, uniforms):
+        """The device-side choice of the next tokens [b] from logits [b, vocab] and the random
+        numbers on their device (None when teacher-forced)."""
+        return None if self.forced is not None else self.sampler.pick(logits, uniforms)
+
+    def chosen(self, i, k, logits, picked):
+        """The host's side of choosing: scores kept, a teacher-forced step scored, the tokens (picked
+        on the device, or forced) recorded; returns them as the next step's input [b, 1]."""
         rows = self.rows(k)
         if self.scores is not None:
             self.scores[i][k] = logits.cpu()
@@ -94,8 +128,7 @@ class Sequences:
             self.forced_logprobs[rows, i] = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
             self.greedy[rows, i] = logits.argmax(dim=-1).cpu()
         else:
-            u = None if self._uniforms is None else self._uniforms[rows]
-            tokens = self.sampler.pick(logits, u).cpu()
+            tokens = picked.cpu()
         return self.accept(i, k, tokens).unsqueeze(1).to(self.device)
 
     def accept(self, i, k, tokens) -> torch.Tensor:

@@ -177,13 +177,14 @@ class WeightIO:
                                "loading weights")
         return [Pending(buffers[i], then=together.wait) if i in buffers else self.load(p) for i, p in enumerate(placed)]
 
-    def gather_rows(self, placed: Placed, ids: torch.Tensor) -> torch.Tensor:
+    def gather_rows(self, placed: Placed, ids: torch.Tensor, on_device: torch.Tensor | None = None) -> torch.Tensor:
         """Rows `ids` (a CPU tensor of row indices, any shape) of a placed matrix, as a compute-device
         tensor [*ids.shape, columns]: an embedding's lookup, where only the rows looked up move,
         each once, on the compute thread (a few rows: no I/O task, no pooled buffer). A matrix
-        used in place is simply indexed."""
+        used in place is simply indexed, by on_device (ids on the compute device) where given: no
+        copy from the host, which a CUDA graph could not replay."""
         if self.used_in_place(placed):
-            return placed.resident()[ids.to(self.compute)]
+            return placed.resident()[on_device if on_device is not None else ids.to(self.compute)]
         rows, inverse = torch.unique(ids.flatten(), return_inverse=True)  # sorted
         picked = torch.empty(len(rows), placed.shape[1], dtype=placed.dtype)
         on_device = []  # (positions in `rows`, the rows themselves) of a segment on the compute device

@@ -12,7 +12,12 @@ peaks, and the allocations live at the allocated peak, grouped by the flexh2o fr
 untimed one: trace_RUN.json.gz, for scripts/analyze_trace.py (on any machine): how busy the copy
 engine and the compute stream were, the gaps, and what the I/O threads waited in.
 
-Output goes to $OUT (the device tool's folder) or --out. OPT-1.3B dummy weights, float16.
+`decode CHOICE`: OPT-6.7B all on the GPU, 32 x 1, 512+32 (issue 48's row), with and without CUDA
+graphs and with each fused attention backend for decode (FLEXH2O_CUDA_GRAPHS, FLEXH2O_DECODE_ATTENTION):
+decode tok/s and the kernel launches per decode step the profiler saw (a graph's replay is one);
+decode.json. CHOICE: all, or one of DECODE_CHOICES.
+
+Output goes to $OUT (the device tool's folder) or --out. OPT-1.3B dummy weights, float16, but for `decode`.
 """
 
 import argparse
@@ -125,20 +130,60 @@ def trace(runs: list[str], out: str, offload: str):
               f"finish {stats.finish_seconds:.4f} s -> {path}.gz", flush=True)
 
 
+# name -> (FLEXH2O_CUDA_GRAPHS, FLEXH2O_DECODE_ATTENTION)
+DECODE_CHOICES = {"graphs": ("1", "efficient,math"), "no graphs": ("0", "efficient,math"),
+                  "graphs, cudnn": ("1", "cudnn,efficient,math"), "no graphs, cudnn": ("0", "cudnn,efficient,math"),
+                  "graphs, math": ("1", "math")}
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+
+
+def launches(engine, ids, new: int) -> int:
+    """CUDA launches (kernels, and graphs) the host made in one generate of `new` tokens."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.generate(ids, max_new_tokens=new, eos_token_id=None)
+    return sum(e.count for e in prof.key_averages() if e.key in LAUNCHES)
+
+
+def decode(choices: list[str], out: str, offload: str):
+    import torch
+    from flexh2o import Engine, Policy
+    from flexh2o.prompts import synthetic_prompts
+    names = list(DECODE_CHOICES) if choices == ["all"] else choices
+    result = {}
+    with Engine.from_pretrained("opt-6.7b", policy=Policy(32), device="cuda", dtype=torch.float16, dummy=True,
+                                offload_dir=offload, prompt_len=512, gen_len=32) as engine:
+        ids, _ = synthetic_prompts(32, 512, engine.spec.vocab_size, seed=0)
+        for name in names:
+            os.environ["FLEXH2O_CUDA_GRAPHS"], os.environ["FLEXH2O_DECODE_ATTENTION"] = DECODE_CHOICES[name]
+            try:
+                engine.generate(ids[:, :32], max_new_tokens=4, eos_token_id=None)  # warm-up
+                engine.generate(ids, max_new_tokens=32, eos_token_id=None)
+                stats = engine.last_stats
+                per_step = (launches(engine, ids, 9) - launches(engine, ids, 5)) / 4
+                result[name] = {"decode_tok_s": 32 * 31 / stats.decode_seconds, "launches_per_decode_step": per_step}
+            except Exception as e:  # noqa: BLE001 - a backend that cannot run is a row of its own
+                result[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+            print(name, json.dumps(result[name]), flush=True)
+            with open(os.path.join(out, "decode.json"), "w") as f:
+                json.dump(result, f, indent=1)
+    return result
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["memory", "trace"])
-    ap.add_argument("names", nargs="+", help="allocator rows of gpu_check.py (memory), or runs (trace): "
-                    + ", ".join(RUNS))
+    ap.add_argument("what", choices=["memory", "trace", "decode"])
+    ap.add_argument("names", nargs="+", help="allocator rows of gpu_check.py (memory), runs (trace): "
+                    + ", ".join(RUNS) + "; or decode choices: all, " + ", ".join(DECODE_CHOICES))
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
-    known = [name for name, *_ in MATRIX] if args.what == "memory" else list(RUNS)
-    unknown = [n for n in args.names if n not in known]
+    known = {"memory": [name for name, *_ in MATRIX], "trace": list(RUNS), "decode": ["all", *DECODE_CHOICES]}
+    unknown = [n for n in args.names if n not in known[args.what]]
     if unknown:
-        ap.error(f"unknown {'row' if args.what == 'memory' else 'run'} {unknown[0]!r}; accepted: " + "; ".join(known))
+        ap.error(f"unknown {args.what} choice {unknown[0]!r}; accepted: " + "; ".join(known[args.what]))
     offload = tempfile.mkdtemp(prefix="flexh2o-diagnose-")
     try:
-        (memory if args.what == "memory" else trace)(args.names, args.out, offload)
+        {"memory": memory, "trace": trace, "decode": decode}[args.what](args.names, args.out, offload)
     finally:
         shutil.rmtree(offload, ignore_errors=True)
 

@@ -19,7 +19,7 @@ torch.cuda's streams, events, non-blocking copies and host registration. Its mod
   `registered` must be empty when the run is closed. Synchronizing an event made without
   blocking=True is recorded: its waiting thread would spin on a core.
 
-Storages are the unit of memory (a view touches its whole storage); metadata and views are not
+CUDA graphs are simulated too (simulated_graphs.py). Storages are the unit of memory (a view touches its whole storage); metadata and views are not
 uses. Host work of I/O threads outside a stream context (disk reads and writes) is not watched.
 Tests assert that `violations` stays empty (check()) and that the tokens and scores equal the CPU
 run's: a missing wait shows as a violation, or as a sentinel reaching the output.
@@ -36,6 +36,8 @@ from contextlib import contextmanager
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+import simulated_graphs
 from torch.utils._pytree import tree_flatten
 
 ORIGINAL_COPY = torch.Tensor.copy_
@@ -164,8 +166,11 @@ class _Mode(TorchFunctionMode):
             not any(sim.is_device(t) for t in inputs)
         sim.before_op(stream, inputs, name, host)
         out = func(*args, **kwargs)
-        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         to_host = not host and waits_for_the_host(name, args, kwargs, inputs, sim)
+        if to_host and out is args[0]:  # a copy to the host is a copy, not the device tensor itself
+            with sim.internal():
+                out = out.clone()
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         sim.after_op(stream, inputs, outputs, host=host or to_host, fresh=name in EMPTY)
         if to_host:
             stream.synchronize()
@@ -218,6 +223,7 @@ class SimulatedCuda:
         monkeypatch.setattr(cuda, "cudart", lambda: self.cudart)
         monkeypatch.setattr(cuda, "max_memory_allocated", lambda device=None: 0)
         monkeypatch.setattr(torch, "empty", self.empty)
+        simulated_graphs.install(self, monkeypatch)
 
         def copy_(dst, src, non_blocking=False):  # a function: a bound method set on the class would not bind
             return self.copy_(dst, src, non_blocking)

@@ -53,7 +53,8 @@ def reference(directory, policy, tmp_path, monkeypatch):
             fill, put, append = KVCache.fill_prompt, KVCache.put, KVCache.append
             m.setattr(KVCache, "fill_prompt", lambda self, k, v, *a, **kw: fill(self, round_trip(k), round_trip(v), *a, **kw))
             m.setattr(KVCache, "put", lambda self, slots, k, v, *a, **kw: put(self, slots, round_trip(k), round_trip(v), *a, **kw))
-            m.setattr(KVCache, "append", lambda self, k, v, pos: append(self, round_trip(k), round_trip(v), pos))
+            m.setattr(KVCache, "append",
+                      lambda self, k, v, pos, slot=None: append(self, round_trip(k), round_trip(v), pos, slot))
             # A new token is attended as computed, and stored compressed: so it must be stored after
             # the step attends, not first, as the full cache does when it stores exactly.
             m.setattr(FullCache, "appends", False)

@@ -20,6 +20,11 @@ PAD_MARK = -999.0
 REAL = [PROMPT - n for n in PADS]
 
 
+def step_at(i: int):
+    """What a policy reads of token step i (sequences.Step) on a CPU."""
+    return SimpleNamespace(i=i, slot=None, generated_before=lambda device: i - 1)
+
+
 def budgets(policy):
     """Each sequence's (slots, window, first tokens kept): its own, from its real prompt length."""
     capacity, window, first = policy.budgets(torch.tensor(REAL))
@@ -54,9 +59,9 @@ def run(kv_policy, ratio=0.25, recent=None, seed=0, observe=None):
     logits = torch.randn(B, HEADS, PROMPT, PROMPT, generator=g)
     logits.masked_fill_(~(real[:, None, None, :] & torch.ones(PROMPT, PROMPT, dtype=torch.bool).tril()), -1e9)
     probs = torch.softmax(logits, -1)
-    seen = policy.contribution(logits, probs, real[:, None, :, None].float(), SimpleNamespace(i=0)) \
+    seen = policy.contribution(logits, probs, real[:, None, :, None].float(), step_at(0)) \
         if policy.uses_attention else None
-    policy.prompt(cache, k, v, pos.to(torch.int32)[:, None].expand(B, HEADS, PROMPT), seen, SimpleNamespace(i=0))
+    policy.prompt(cache, k, v, pos.to(torch.int32)[:, None].expand(B, HEADS, PROMPT), seen, step_at(0))
     newest = pos.amax(1)
     check(policy, cache, newest, real.sum(1))
     for i in range(1, GEN):
@@ -64,7 +69,7 @@ def run(kv_policy, ratio=0.25, recent=None, seed=0, observe=None):
         k, v = token_kv(newest[:, None], torch.ones(B, 1, dtype=torch.bool))
         logits, probs = attention(cache, g)
         before = (cache.pos.clone(), None if cache.score is None else cache.score.clone())
-        policy.decode(cache, k, v, newest[:, None], logits, probs, SimpleNamespace(i=i))
+        policy.decode(cache, k, v, newest[:, None], logits, probs, step_at(i))
         check(policy, cache, newest, real.sum(1) + i)
         if observe:
             observe(policy, cache, newest, before, probs)
@@ -158,7 +163,7 @@ def test_of_equal_scores_the_older_token_is_evicted():
     cache = KVCache.allocate(Tiers("cpu", torch.float32), B, HEADS, D, policy.capacity, policy.accumulates)
     pos = torch.arange(PROMPT).expand(B, PROMPT)
     k, v = token_kv(pos, torch.ones(B, PROMPT, dtype=torch.bool))
-    step = SimpleNamespace(i=0)
+    step = step_at(0)
     policy.prompt(cache, k, v, pos.to(torch.int32)[:, None].expand(B, HEADS, PROMPT), torch.zeros(B, HEADS, PROMPT), step)
     for newest in range(PROMPT - 1, PROMPT + GEN):
         if newest >= PROMPT:
@@ -174,7 +179,7 @@ def test_keyformer_keeps_one_advancing_generator_per_device():
     """A split cache attends on two devices in turn; each device's noise must go on, not restart.
     (tests/test_cuda.py alternates real devices.)"""
     policy = make_policy(Policy(kv_policy="keyformer", hh_ratio=0.25), PROMPT, GEN, 0)
-    logits, step = torch.zeros(1, 1, 1, 64), SimpleNamespace(i=1)
+    logits, step = torch.zeros(1, 1, 1, 64), step_at(1)
     first, second = (policy.contribution(logits, None, None, step) for _ in range(2))
     assert not torch.equal(first, second)
     assert list(policy.generators) == [torch.device("cpu")]

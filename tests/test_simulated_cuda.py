@@ -28,11 +28,12 @@ def batch_for(policy):
     return padded_batch(batch, 9, pads=[0, 2, 1, 3, 0, 4][:batch], seed=3)
 
 
-def generate(directory, policy, offload_dir, **kwargs):
+def generate(directory, policy, offload_dir, generate_kwargs=None, **kwargs):
     ids, mask = batch_for(policy)
     with Engine.from_pretrained(directory, policy=policy, device="cpu", dtype=torch.float32,
                                 offload_dir=str(offload_dir), **kwargs) as engine:
-        out = engine.generate(ids, mask, max_new_tokens=NEW_TOKENS, output_scores=True, eos_token_id=None)
+        out = engine.generate(ids, mask, max_new_tokens=NEW_TOKENS, output_scores=True, eos_token_id=None,
+                              **(generate_kwargs or {}))
         return out, engine.last_stats
 
 
@@ -69,14 +70,14 @@ MATRIX = {
 }
 
 
-def simulated_run(directory, policy, tmp_path, monkeypatch, seed=0, before=None):
+def simulated_run(directory, policy, tmp_path, monkeypatch, seed=0, before=None, generate_kwargs=None):
     """The run on the simulated device, checked: no ordering violation, registrations paired."""
     simulated = SimulatedCuda(seed=seed)
     mode = simulated.install(monkeypatch)
     try:
         if before is not None:
             before(simulated)
-        out, stats = generate(directory, policy, tmp_path)
+        out, stats = generate(directory, policy, tmp_path, generate_kwargs)
     finally:
         mode.__exit__(None, None, None)
     simulated.check()

@@ -73,15 +73,28 @@ class KVCache:
             self.score[seq, head, slots] = score
         self.written = slots
 
-    def append(self, k, v, pos):
+    def append(self, k, v, pos, slot=None):
         """The full cache's new token, k, v [b, kv_heads, 1, d] at position pos [b, 1], into the next
-        free slot, the same one for every (sequence, KV head): plain slice writes, no index tensors."""
-        t = self.length
+        free slot, the same one for every (sequence, KV head): plain slice writes, no index tensors.
+        slot: (the slot as a device tensor [1], the same as an int), given on CUDA: written through
+        the tensor, every step runs the same kernels on the same memory (a CUDA graph replays them)."""
         b, kv_heads = k.shape[:2]
-        self.store_slot(t, k[:, :, 0], v[:, :, 0])
-        self.pos[:, :, t] = pos.to(torch.int32)
-        self.written = torch.full((b, kv_heads), t, dtype=torch.long, device=k.device)
+        if slot is None:
+            t = self.length
+            self.store_slot(t, k[:, :, 0], v[:, :, 0])
+            self.pos[:, :, t] = pos.to(torch.int32)
+            self.written = torch.full((b, kv_heads), t, dtype=torch.long, device=k.device)
+        else:
+            where, t = slot
+            self.store_through(where, k[:, :, 0], v[:, :, 0])
+            self.pos.index_copy_(2, where, pos.to(torch.int32).view(b, 1, 1).expand(b, kv_heads, 1))
+            self.written = where.expand(b, kv_heads).clone()  # its own: a store may read it on another stream
         self.length = t + 1
+
+    def store_through(self, slot, k, v):
+        """K and V [b, kv_heads, d] into the slot held by device tensor slot [1], of every (sequence, KV head)."""
+        self.k.index_copy_(2, slot, k.unsqueeze(2))
+        self.v.index_copy_(2, slot, v.unsqueeze(2))
 
     def store_slot(self, t: int, k, v):
         """K and V [b, kv_heads, d] into slot t of every (sequence, KV head)."""

@@ -47,6 +47,9 @@ def quantize_slot_major(src: torch.Tensor, dst: torch.Tensor):
 class CompressedKVCache(KVCache):
     clock = None
     lossless = False
+    # On CUDA attention dequantizes every slot, the empty ones too (zeros, masked): the same blocks
+    # at every step, where the filled ones would give a new last block shape per cache length.
+    every_slot = False
 
     def __init__(self, k, v, pos, score, head_dim: int, length: int = 0):
         super().__init__(k, v, pos, score, length)
@@ -61,6 +64,7 @@ class CompressedKVCache(KVCache):
         k, v = (tiers.alloc(tier, shape, torch.uint8, zero=True) for _ in "kv")
         cache = cls(k, v, pos, score, head_dim)
         cache.clock = tiers  # counts the time spent dequantizing
+        cache.every_slot = tiers.on_cuda and tier == "gpu"
         return cache
 
     def store_first(self, k, v):
@@ -71,17 +75,23 @@ class CompressedKVCache(KVCache):
         self.k[t] = quantize(k, check=False)
         self.v[t] = quantize(v, check=False)
 
+    def store_through(self, slot, k, v):
+        self.k.index_copy_(0, slot, quantize(k, check=False).unsqueeze(0))
+        self.v.index_copy_(0, slot, quantize(v, check=False).unsqueeze(0))
+
     def store_at(self, seq, head, slots, k, v):
         self.k[slots, seq, head] = quantize(k, check=False)
         self.v[slots, seq, head] = quantize(v, check=False)
 
     def blocks(self, which: str, dtype: torch.dtype):
-        """(start, stop, values [b, kv_heads, stop - start, head_dim]) over the filled slots of K or V."""
+        """(start, stop, values [b, kv_heads, stop - start, head_dim]) over the filled slots of K or V
+        (every slot where every_slot)."""
         groups = self.k if which == "k" else self.v
         _, b, kv_heads, _ = groups.shape
         step = slots_per_block(b, kv_heads, self.head_dim, groups.device)
-        for start in range(0, self.length, step):
-            stop = min(start + step, self.length)
+        filled = self.capacity if self.every_slot else self.length
+        for start in range(0, filled, step):
+            stop = min(start + step, filled)
             began = time.perf_counter()
             values = torch.empty(b, kv_heads, stop - start, self.head_dim, dtype=dtype, device=groups.device)
             dequantize(groups[start:stop], self.head_dim, values.permute(2, 0, 1, 3))

@@ -75,7 +75,7 @@ class FullCache:
         cache.fill_prompt(k, v, pos)
 
     def decode(self, cache, k, v, pos, logits, probs, step):
-        cache.append(k, v, pos)
+        cache.append(k, v, pos, None if step.slot is None or cache.cpu_attended else (step.slot, step.slot_index))
 
 
 class Evicting(FullCache):
@@ -148,7 +148,7 @@ class Evicting(FullCache):
             cache.score.add_(held)
         # Decode step i puts the new token at position L + i - 1, L the sequence's real prompt tokens
         # (without ratios every sequence has the same budget and the step is not needed).
-        real_len = pos[:, 0].long() - (0 if self.ratios is None else step.i - 1)
+        real_len = pos[:, 0].long() - (0 if self.ratios is None else step.generated_before(pos.device))
         _, window, first = self.budgets(real_len)
         pri = self.ranked(self.priority(cache.pos, cache.score, held), cache.pos, pos[:, :, None], window, first)
         cache.put(lowest(pri, cache.pos), k, v, pos, new if self.accumulates else None)

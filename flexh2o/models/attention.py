@@ -6,11 +6,18 @@ memory. A decode step attends over every slot of the preallocated cache (masking
 the slots are one contiguous block, which on a CPU is several times faster than a strided view
 of the filled part) plus the new token itself, whose K/V the policy then stores. The full
 cache, which needs no probabilities and never evicts, stores the new token first and attends
-over its filled slots in one fused kernel (`attend_filled`).
+over its filled slots in one fused kernel (`attend_filled`) on a CPU, and over all its slots, the
+empty ones masked, on CUDA (`attend_slots`): there every decode step must run the same kernels on
+the same shapes, or a fused attention backend plans anew for each cache length (cuDNN's took 63%
+of an H200's CPU time at OPT-6.7B's decode) and no CUDA graph can replay the step.
 """
+
+import os
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 PROBS_CHUNK_BYTES = 64 << 20  # bound on the prompt's logits + probabilities held at once
 
@@ -101,3 +108,36 @@ def attend_filled(q, cache, scale: float, padded: bool) -> torch.Tensor:
     grouped = {"enable_gqa": True} if cache.k.shape[1] != q.shape[1] else {}
     return F.scaled_dot_product_attention(q, cache.k[:, :, :n], cache.v[:, :, :n], attn_mask=mask, scale=scale,
                                           **grouped)
+
+
+# The fused backends a CUDA decode step may use, in PyTorch's order of preference, unless
+# FLEXH2O_DECODE_ATTENTION names one (cudnn, efficient, flash or math: for measuring them,
+# scripts/gpu_diagnose.py). cuDNN's is left out by default: it builds an execution plan per shape,
+# and the first plan of each shape cost 1.4 ms of CPU on an H200.
+DECODE_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                   "flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}
+DEFAULT_DECODE_BACKENDS = ("efficient", "math")
+
+
+def decode_backends() -> list:
+    """The SDPA backends of a CUDA decode step's attention (FLEXH2O_DECODE_ATTENTION, or the default)."""
+    chosen = os.environ.get("FLEXH2O_DECODE_ATTENTION", "")
+    names = [n.strip() for n in chosen.split(",") if n.strip()] or list(DEFAULT_DECODE_BACKENDS)
+    unknown = [n for n in names if n not in DECODE_BACKENDS]
+    if unknown:
+        raise ValueError(f"FLEXH2O_DECODE_ATTENTION: unknown backend {unknown[0]!r}; accepted: "
+                         f"{', '.join(DECODE_BACKENDS)}")
+    return [DECODE_BACKENDS[n] for n in names]
+
+
+def attend_slots(q, cache, scale: float, on_cuda: bool = True) -> torch.Tensor:
+    """q [b, heads, 1, d] against every slot of a full cache that already holds the new token, the
+    empty ones (position < 0) masked: the same shapes at every step. The query heads sharing a KV
+    head are that head's query rows, so grouped heads need no copy of K and V."""
+    b, heads, _, d = q.shape
+    kv_heads = cache.k.shape[1]
+    rows = q.reshape(b, kv_heads, heads // kv_heads, d)
+    mask = (cache.pos >= 0).unsqueeze(2)  # [b, kv_heads, 1, capacity], the same for each query row
+    with sdpa_kernel(decode_backends()) if on_cuda else nullcontext():
+        out = F.scaled_dot_product_attention(rows, cache.k, cache.v, attn_mask=mask, scale=scale)
+    return out.reshape(b, heads, 1, d)

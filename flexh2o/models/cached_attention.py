@@ -15,7 +15,7 @@ import torch
 
 from ..kv.eviction import per_kv_head
 from ..kv.home import CacheHome, batch_split
-from .attention import attend_filled, decode_attention, prompt_attention, prompt_attention_observed
+from .attention import attend_filled, attend_slots, decode_attention, prompt_attention, prompt_attention_observed
 from .layer import Layer
 
 
@@ -89,6 +89,8 @@ class CachedAttention(Layer):
         full cache, first: the token is then attended over from its slot)."""
         if self.kv.appends and cache.lossless:
             self.kv.decode(cache, k_new, v_new, positions, None, None, step)
+            if self.tiers.on_cuda and not cache.cpu_attended:
+                return attend_slots(q, cache, scale)
             return attend_filled(q, cache, scale, step.padded)
         o, logits, probs = decode_attention(q, cache, k_new, v_new, scale)
         self.kv.decode(cache, k_new, v_new, positions, logits, probs, step)

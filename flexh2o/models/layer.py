@@ -133,9 +133,10 @@ class Layer:
         """The loaded weights (all but the gathered tables)."""
         return [p.wait() for p in self._loading]
 
-    def rows(self, index: int, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` (a CPU tensor) of gathered table `index`, on the compute device: [*ids.shape, columns]."""
-        return self.tiers.gather_rows(self.home[index], ids)
+    def rows(self, index: int, ids: torch.Tensor, on_device: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows `ids` (a CPU tensor; on_device: the same on the compute device, if it is there) of
+        gathered table `index`, on the compute device: [*ids.shape, columns]."""
+        return self.tiers.gather_rows(self.home[index], ids, on_device)
 
     def wait_inputs(self, k: int):
         """Blocks until this layer's weights (and cache of gpu-batch k) are on the compute device."""

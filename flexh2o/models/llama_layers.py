@@ -87,7 +87,7 @@ class InputEmbed(Layer):
         return [("embed_tokens.weight", (self.spec.vocab_size, self.spec.hidden_size))]
 
     def forward(self, hidden, step):
-        return self.rows(0, step.host_token_ids)
+        return self.rows(0, step.host_token_ids, step.token_ids)
 
 
 class SelfAttention(CachedAttention):

@@ -35,10 +35,10 @@ class InputEmbed(Layer):
         return specs
 
     def forward(self, hidden, step):
-        x = self.rows(0, step.host_token_ids)
+        x = self.rows(0, step.host_token_ids, step.token_ids)
         if self.weights:  # project_in
             x = linear(x, self.weights[0])
-        return x + self.rows(1, step.host_positions + POSITION_OFFSET)
+        return x + self.rows(1, step.host_positions + POSITION_OFFSET, step.positions + POSITION_OFFSET)
 
 
 class SelfAttention(CachedAttention):

@@ -263,13 +263,16 @@ class CostModel:
         attended = self.cache_length(policy, step.length) + 1
         on_cpu = rows["cpu"] if self.on_cuda and policy.cpu_cache_compute else 0
         evicting = not kv.appends
+        # decode_attention, and on CUDA every decode attention (the same shapes at every step),
+        # reads every slot, filled or not
+        every_slot = budget(policy, self.prompt_len, self.gen_len)[0] + 1
+        device_attended = every_slot if self.on_cuda or (evicting and not policy.compress_cache) else attended
         if calls is not None and (evicting or not policy.compress_cache):
-            if evicting and not policy.compress_cache:  # decode_attention reads every slot, filled or not
-                attended = budget(policy, self.prompt_len, self.gen_len)[0] + 1
             line = calls["decode_evicting" if evicting else "decode_fused"]
-            on_device = attention_seconds(line, decode_units(b - on_cpu, spec.num_heads, attended, spec.head_dim))
+            on_device = attention_seconds(line, decode_units(b - on_cpu, spec.num_heads, device_attended,
+                                                             spec.head_dim))
         else:  # separate kernels over the slots, as the profile's decode_bandwidth measured them
-            on_device = (b - on_cpu) * self._decode_bytes(kv, attended, self.dtype_bytes) / hw.device_bandwidth
+            on_device = (b - on_cpu) * self._decode_bytes(kv, device_attended, self.dtype_bytes) / hw.device_bandwidth
         wide = cpu_attention_dtype(DTYPE_OF[self.dtype_bytes]).itemsize
         seconds = on_device + on_cpu * self._decode_bytes(kv, attended, wide) / hw.cpu_attention_bandwidth
         return Channels().add("compute", "compute", nb * seconds)
