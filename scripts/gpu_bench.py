@@ -1,6 +1,6 @@
-"""Measures flexh2o on a CUDA machine: `make gpu-bench`. Results in results/gpu_bench.{json,md} (and
-in $GPU_CHECK_OUT/gpu_bench.{json,md} when set), written after every row; FlexGen's comparison also in
-results/vs_flexgen.{json,md}. Exit status 1 if a section failed or a target was missed. Sections,
+"""Measures flexh2o on a CUDA machine: `make gpu-bench`. Results in results/gpu_bench.{json,md},
+written after every row; FlexGen's comparison also in results/vs_flexgen.{json,md}; a copy of each
+in $GPU_CHECK_OUT when set. Exit status 1 if a section failed or a target was missed. Sections,
 each within its budget (check_sections.py says what happens past one), 8 minutes in all:
 
 1. profile: this machine's hardware profile for the cost model (`python -m flexh2o.profile --device
@@ -16,7 +16,6 @@ each within its budget (check_sections.py says what happens past one), 8 minutes
    model's prediction for this machine within +-25% of the measured total throughput.
 """
 
-import argparse
 import json
 import os
 import queue
@@ -31,7 +30,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(__file__))
 import bench_vs_flexgen as vs  # noqa: E402
 from check_sections import Check, machine_line  # noqa: E402
-from flexh2o.errors import UsageError  # noqa: E402
+from flexh2o.errors import OneLineErrorParser, UsageError  # noqa: E402
 
 BUDGETS = {"profile": 90, "vs-flexgen": 210, "t4 opt-6.7b": 50, "t4 opt-30b": 120}
 TOTAL_BUDGET_S = 8 * 60
@@ -49,14 +48,15 @@ def profile_section(section, python=sys.executable):
 
 
 # -- 2. FlexGen beside flexh2o -----------------------------------------------------------------------
-def vs_flexgen_section(section, wheels: list, out: str, header: dict, python=sys.executable):
+def vs_flexgen_section(section, wheels: list, outs: list, header: dict, python=sys.executable):
     """Runs bench_vs_flexgen's settings within the section's budget; every engine's run is written to
     vs_flexgen.{md,json} and each finished setting is a row here, with its target."""
     result = {**header, "rows": []}
 
     def on_row(rows):
         result["rows"] = rows
-        vs.write(out, result)
+        for out in outs:
+            vs.write(out, result)
         section.rows[:] = rows
         section.write()
     rows = vs.run_settings(vs.SETTINGS, wheels, section.deadline, on_row, python)
@@ -169,13 +169,15 @@ def t4_table(rows: list) -> list:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="Measures flexh2o on a CUDA machine (make gpu-bench).")
+    ap = OneLineErrorParser(description="Measures flexh2o on a CUDA machine (make gpu-bench).")
     ap.add_argument("--out", default=os.path.join(REPO, "results", "gpu_bench"))
     ap.add_argument("--vs-flexgen-out", default=os.path.join(REPO, "results", "vs_flexgen"))
     ap.add_argument("--flexgen-wheel-dir", default=os.path.join(REPO, "wheels"), metavar="DIR",
                     help=f"flexgen 0.1.8's and attrs' wheels (`{vs.PREPARE}`)")
     ap.add_argument("--budget", type=float, default=TOTAL_BUDGET_S, help="seconds for the whole benchmark")
     args = ap.parse_args(argv)
+    if args.budget <= 0:
+        ap.error(f"--budget: must be positive, got {args.budget:g}")
     import torch
     if not torch.cuda.is_available():
         print(f"gpu-bench: no CUDA device (torch {torch.__version__}): nothing measured")
@@ -188,11 +190,12 @@ def main(argv=None) -> int:
         notes.append(f"FlexGen cannot run: {e}")
         print(f"gpu-bench: {notes[-1]}", flush=True)
     header = {**vs.header("make gpu-bench", wheels), "notes": notes}
-    outs = [args.out] + ([os.path.join(os.environ["GPU_CHECK_OUT"], "gpu_bench")] if os.environ.get("GPU_CHECK_OUT")
-                         else [])
+    copies = [os.environ["GPU_CHECK_OUT"]] if os.environ.get("GPU_CHECK_OUT") else []
+    outs = [args.out] + [os.path.join(d, "gpu_bench") for d in copies]
+    vs_outs = [args.vs_flexgen_out] + [os.path.join(d, "vs_flexgen") for d in copies]
     check = Check(outs, args.budget, header, describe)
     check.run("profile", BUDGETS["profile"], profile_section)
-    check.run("vs-flexgen", BUDGETS["vs-flexgen"], lambda s: vs_flexgen_section(s, wheels, args.vs_flexgen_out, header))
+    check.run("vs-flexgen", BUDGETS["vs-flexgen"], lambda s: vs_flexgen_section(s, wheels, vs_outs, header))
     for model in ("opt-6.7b", "opt-30b"):
         check.run(f"t4 {model}", BUDGETS[f"t4 {model}"], lambda s: t4_section(s, model))
     print(check.markdown())

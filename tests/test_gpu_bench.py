@@ -134,7 +134,7 @@ def test_the_vs_flexgen_section_writes_both_results_and_targets(tmp_path):
     check = Check([str(tmp_path / "bench")], 120, HEADER, gpu_bench.describe)
     out = str(tmp_path / "vs_flexgen")
     engines = fake_engines(tmp_path)
-    check.run("vs-flexgen", 100, lambda s: gpu_bench.vs_flexgen_section(s, [], out, HEADER, python=engines))
+    check.run("vs-flexgen", 100, lambda s: gpu_bench.vs_flexgen_section(s, [], [out], HEADER, python=engines))
     assert check.result["sections"]["vs-flexgen"]["status"] == "ok"
     assert len(json.load(open(out + ".json"))["rows"]) == 3
     # flexh2o 2.5x FlexGen in every figure here: the 6.7B decode and 30B total targets hold, H2O's 3x does not
