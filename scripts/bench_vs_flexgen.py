@@ -218,7 +218,7 @@ def cell(figures: dict | None) -> str:
     if not figures:
         return "not run (time)"
     if "error" in figures:
-        return f"**{figures['error']}**"
+        return f"**{figures['error'].replace('|', '/')}**"  # a bar would end the table's cell
     projected = " (projected)" if figures.get("projected") else ""
     return f"{figures['total_throughput']:.1f} / {figures['decode_throughput']:.1f}{projected}"
 

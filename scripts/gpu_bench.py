@@ -157,7 +157,7 @@ def t4_table(rows: list) -> list:
     for x in rows:
         shape = f"{x['batch']} ({x['gpu_batch_size']} x {x['num_gpu_batches']})" + \
             (f"; {x['batch_note']}" if x["batch_note"] else "")
-        measured = f"**{x['error']}**" if "error" in x else \
+        measured = f"**{x['error'].replace('|', '/')}**" if "error" in x else \
             f"{x['total_throughput']:.2f} / {x['decode_throughput']:.2f}"
         p = x.get("predicted")
         predicted = f"{p['total_throughput']:.2f} / {p['decode_throughput']:.2f}" if p else "no profile"
