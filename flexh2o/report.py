@@ -2,7 +2,8 @@
 
 prefill throughput = batch * prompt_len / prefill time; decode throughput = batch * (steps - 1) /
 decode time; total throughput = batch * steps / (prefill + decode time), steps being the token
-steps run (gen_len unless every sequence stopped at EOS earlier).
+steps run (gen_len unless every sequence stopped at EOS earlier). A run cut short on purpose
+(--cut-gen-len) reports gen_len steps, its decode time projected from the steps it ran.
 """
 
 import resource
@@ -44,12 +45,29 @@ def peak_memory(engine) -> dict:
     }
 
 
-def build_report(engine, stats, policy, sample_text=None, predicted=None, generated=None) -> dict:
+def projected_decode_seconds(step_seconds: list, gen_len: int) -> float:
+    """The decode time of gen_len tokens from the token steps that ran (the prompt step first), as
+    FlexGen's --cut-gen-len projects it: the first two decode steps as they ran, then the mean of
+    the later ones for every step not run. Needs at least three decode steps."""
+    decode = step_seconds[1:]
+    if len(decode) >= gen_len - 1:
+        return sum(decode)
+    if len(decode) < 3:
+        raise ValueError(f"projecting decode needs 3 decode steps, got {len(decode)}")
+    later = decode[2:]
+    return sum(decode[:2]) + sum(later) / len(later) * (gen_len - 3)
+
+
+def build_report(engine, stats, policy, sample_text=None, predicted=None, generated=None,
+                 cut_gen_len: int | None = None) -> dict:
     """Every figure of a run; peaks are tracked allocations per tier (the gpu tier is the compute
-    device, which is the CPU itself on a machine without CUDA)."""
+    device, which is the CPU itself on a machine without CUDA). cut_gen_len: the run stopped after
+    that many steps on purpose; its figures are projected to stats.gen_len."""
     spec, dtype_bytes = engine.spec, torch.empty(0, dtype=engine.tiers.dtype).element_size()
-    batch, steps = stats.batch_size, stats.steps_done
-    total = stats.prefill_seconds + stats.decode_seconds
+    batch, steps, decode_seconds = stats.batch_size, stats.steps_done, stats.decode_seconds
+    if cut_gen_len is not None:
+        steps, decode_seconds = stats.gen_len, projected_decode_seconds(stats.step_seconds, stats.gen_len)
+    total = stats.prefill_seconds + decode_seconds
     disk = engine.tiers.disk
     return {
         "model": spec.name,
@@ -60,7 +78,8 @@ def build_report(engine, stats, policy, sample_text=None, predicted=None, genera
         "batch_size": batch,
         "prompt_len": stats.prompt_len,
         "gen_len": stats.gen_len,
-        "steps_done": steps,
+        "steps_done": stats.steps_done,
+        "projected_from_steps": cut_gen_len,
         "model_size_bytes": sum(layer_bytes(engine.layers, dtype_bytes, policy)),
         "kv_policy": kv_description(policy, stats.prompt_len, stats.gen_len),
         "cache_size_bytes": cache_bytes(spec, policy, batch, stats.prompt_len, stats.gen_len, dtype_bytes),
@@ -70,8 +89,8 @@ def build_report(engine, stats, policy, sample_text=None, predicted=None, genera
             "page_cache": disk.page_cache, "bytes_read": disk.bytes_read, "bytes_written": disk.bytes_written},
         "prefill_latency_s": stats.prefill_seconds,
         "prefill_throughput": batch * stats.prompt_len / stats.prefill_seconds,
-        "decode_latency_s": stats.decode_seconds,
-        "decode_throughput": batch * (steps - 1) / max(stats.decode_seconds, 1e-10),
+        "decode_latency_s": decode_seconds,
+        "decode_throughput": batch * (steps - 1) / max(decode_seconds, 1e-10),
         "total_latency_s": total,
         "total_throughput": batch * steps / total,
         "dequant_seconds": sum(stats.step_dequant_seconds or []),  # summed over I/O threads
@@ -121,7 +140,9 @@ def format_report(r: dict) -> str:
         f"model: {r['model']}\tweights: {r['weights']}\tdevice: {r['device']}\tdtype: {r['dtype']}",
         f"batch: {r['batch_size']} ({p['gpu_batch_size']} x {p['num_gpu_batches']} gpu-batches)\t"
         f"prompt_len: {r['prompt_len']}\tgen_len: {r['gen_len']}"
-        + (f"\t(all sequences hit EOS after {r['steps_done']})" if r["steps_done"] < r["gen_len"] else ""),
+        + (f"\t(ran {r['steps_done']} token steps; decode projected to gen_len from them, as FlexGen's "
+           "--cut-gen-len does)" if r.get("projected_from_steps") else
+           f"\t(all sequences hit EOS after {r['steps_done']})" if r["steps_done"] < r["gen_len"] else ""),
         f"kv cache: {r['kv_policy']}",
         f"model size: {r['model_size_bytes'] / GB:.3f} GB\tcache size: {r['cache_size_bytes'] / GB:.3f} GB\t"
         f"hidden size (p): {r['hidden_size_bytes'] / GB:.3f} GB",

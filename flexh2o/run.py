@@ -72,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --do-sample: sample among the likeliest tokens whose probabilities sum to P, 0 < P <= 1")
     p.add_argument("--no-stop-at-eos", dest="stop_at_eos", action="store_false",
                    help="keep generating after EOS (benchmarks)")
+    bench = p.add_argument_group("benchmarks measured as FlexGen measures itself (with synthetic prompts)")
+    bench.add_argument("--warmup", action="store_true",
+                       help="first an untimed generate of 32-token prompts and 1 new token, as FlexGen's "
+                            "benchmark does")
+    bench.add_argument("--cut-gen-len", type=int, metavar="N",
+                       help="run N (>= 4) of --gen-len's token steps, the cache sized for all of them, and project "
+                            "decode to --gen-len from them as FlexGen's --cut-gen-len does; never stops at EOS")
     p.add_argument("--offload-dir", default=None, metavar="DIR",
                    help="directory for tensors placed on disk (default: $TMPDIR/flexh2o_offload)")
     p.add_argument("--json-out", metavar="FILE", help="write the report's figures, the policy and the machine as JSON here")

@@ -28,6 +28,8 @@ from .optimizer.cost_model import predict
 from .planning import DEFAULT_GPU_BATCH_SIZE, check_planning_flags
 
 
+WARMUP_PROMPT_LEN = 32  # FlexGen's warm-up prompts
+
 STRING_FLAGS = ("model", "path", "weights", "cache", "act", "gpu_mem", "cpu_mem", "disk_mem", "max_memory", "device", "dtype",
                 "offload_dir", "json_out", "prompts_file", "input", "output")
 
@@ -43,6 +45,21 @@ def check_positive(args):
     for flag in ("prompt_len", "gen_len"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')}", f"must be a positive integer, got {getattr(args, flag)}")
+
+
+def check_benchmark_flags(args, distributed: bool):
+    """--warmup and --cut-gen-len time the one-block run of one process."""
+    for flag in ("warmup", "cut_gen_len"):
+        if getattr(args, flag) in (None, False):
+            continue
+        name = f"--{flag.replace('_', '-')}"
+        if args.input or distributed or (flag == "cut_gen_len" and args.prompts_file):
+            raise UsageError(name, "times a benchmark run of one process and synthetic prompts: "
+                             "leave out --input, --prompts-file and torchrun")
+    cut = args.cut_gen_len
+    if cut is not None and not 4 <= cut <= args.gen_len:
+        raise UsageError("--cut-gen-len", f"must be from 4 (two decode steps run as they come, one to project "
+                         f"from) to --gen-len ({args.gen_len}), got {cut}")
 
 
 def run_parsed(args) -> int:
@@ -91,6 +108,7 @@ def run(args) -> int:
     if args.offload_dir is not None:
         check_offload_dir(args.offload_dir)
     world = world_from_env(args.pipeline_stages)
+    check_benchmark_flags(args, world.distributed)
     if world.distributed:
         return run_in_world(args, world, policy, spec, weights_dir, device, dtype, caps, planning, run_block)
     if args.input:
@@ -131,18 +149,28 @@ def generate_and_report(args, engine, policy, tokens, tokenizer, dummy, predicte
     input_ids, mask = batch_prompts(args, engine.spec, policy.batch_size, tokens)
     if dummy and not args.dummy and report:
         print(f"note: no --path given for {engine.spec.name}: using dummy weights", file=sys.stderr)
+    if args.warmup:
+        warm_up(engine, policy.batch_size, min(WARMUP_PROMPT_LEN, args.prompt_len), args.seed)
+    cut = args.cut_gen_len
     ids = engine.generate(input_ids, mask, max_new_tokens=args.gen_len, do_sample=args.do_sample,
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                          eos_token_id=-1 if args.stop_at_eos else None, progress=report)
+                          eos_token_id=-1 if args.stop_at_eos and cut is None else None, progress=report,
+                          row_max_new_tokens=None if cut is None else [cut] * policy.batch_size)
     if not report:
         return 0
     sample, generated = None, None
     if tokenizer is not None and not dummy:
         texts = [tokenizer.decode(row[args.prompt_len:], skip_special_tokens=True) for row in ids]
         sample, generated = texts[0], texts if tokens is not None else None
-    built = build_report(engine, engine.last_stats, policy, sample, predicted, generated)
+    built = build_report(engine, engine.last_stats, policy, sample, predicted, generated, cut)
     print(format_report(built), flush=True)
     return save_json(args.json_out, built) if args.json_out else 0
+
+
+def warm_up(engine, batch: int, prompt_len: int, seed: int):
+    """FlexGen's warm-up before the timed run: one untimed generate of short prompts and one new token."""
+    ids, mask = synthetic_prompts(batch, prompt_len, engine.spec.vocab_size, seed)
+    engine.generate(ids, mask, max_new_tokens=1, eos_token_id=None)
 
 
 def save_json(path: str, report: dict) -> int:

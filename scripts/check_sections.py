@@ -97,6 +97,13 @@ class Check:
         return "\n".join(lines)
 
 
+def machine_line(r: dict) -> str:
+    """The header's sentence on where and how a check ran, from the result's header fields."""
+    m = r.get("machine") or {}
+    return (f"Machine: {m.get('cpu', '?')}, {m.get('logical_cores', '?')} cores, torch {r['torch']}, CUDA {r['cuda']}. "
+            f"Command: `{r['command']}`, started {r['started']}.")
+
+
 class Section:
     def __init__(self, name: str, budget_s: float, rows: list, write):
         self.name, self.rows, self.write = name, rows, write

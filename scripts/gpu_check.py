@@ -272,13 +272,11 @@ def cpu_attention_section(section):
 
 def describe(r, header: bool) -> str:
     if header:
-        m = r.get("machine") or {}
+        from check_sections import machine_line
+        notes = " Notes: " + "; ".join(r["notes"]) if r["notes"] else ""
         return "\n".join([f"# GPU check on {r['device']}", "",
-                          f"Machine: {m.get('cpu', '?')}, {m.get('logical_cores', '?')} cores, torch {r['torch']}, "
-                          f"CUDA {r['cuda']}. Command: `{r['command']}`, started {r['started']}. Model: {MODEL} dummy "
-                          f"weights, float16. Pinned host-to-device bandwidth measured here: "
-                          f"{r.get('pinned_h2d_Bps', 0) / 1e9:.1f} GB/s." + (" Notes: " + "; ".join(r["notes"])
-                                                                               if r["notes"] else "")])
+                          f"{machine_line(r)} Model: {MODEL} dummy weights, float16. Pinned host-to-device "
+                          f"bandwidth measured here: {r.get('pinned_h2d_Bps', 0) / 1e9:.1f} GB/s.{notes}"])
     s = r["sections"]
     lines = []
     rows = s.get("allocator", {}).get("rows", [])
