@@ -56,7 +56,6 @@ class DecodeGraphs:
         self.graphs = {}  # k -> (graph, its step, its random numbers, its outputs)
         self.pool = None  # the memory pool the graphs share (they never run at once)
         self.broken = False
-        self.replays = 0
 
     def takes(self, i: int) -> bool:
         """Whether token step i runs as graphs (schedule.graph_token)."""
@@ -74,7 +73,6 @@ class DecodeGraphs:
         graph, static, uniforms, out = self.graphs[k]
         self._set_inputs(static, uniforms, step, k)
         graph.replay()
-        self.replays += 1
         return self.seqs.chosen(i, k, out["logits"], out["picked"])
 
     def _set_inputs(self, static, uniforms, step, k: int):

@@ -44,6 +44,7 @@ def attention_calls_per_step(directory, policy, tmp_path, monkeypatch):
     decode attention over a device-attended part}."""
     per_step = {}
     decode = CachedAttention._decode
+    monkeypatch.setenv("FLEXH2O_CUDA_GRAPHS", "0")  # every step runs its Python code (test_decode_graphs.py replays)
 
     def recorded(layer, q, k_new, v_new, positions, cache, scale, step):
         if cache.cpu_attended:

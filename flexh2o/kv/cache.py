@@ -76,8 +76,8 @@ class KVCache:
     def append(self, k, v, pos, slot=None):
         """The full cache's new token, k, v [b, kv_heads, 1, d] at position pos [b, 1], into the next
         free slot, the same one for every (sequence, KV head): plain slice writes, no index tensors.
-        slot: (the slot as a device tensor [1], the same as an int), given on CUDA: written through
-        the tensor, every step runs the same kernels on the same memory (a CUDA graph replays them)."""
+        slot: on CUDA, (the slot as a device tensor [1], and as an int): written through the tensor,
+        every step runs the same kernels on the same memory (a CUDA graph replays them)."""
         b, kv_heads = k.shape[:2]
         if slot is None:
             t = self.length

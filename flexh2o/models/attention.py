@@ -13,11 +13,12 @@ of an H200's CPU time at OPT-6.7B's decode) and no CUDA graph can replay the ste
 """
 
 import os
-from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from ..errors import UsageError
 
 PROBS_CHUNK_BYTES = 64 << 20  # bound on the prompt's logits + probabilities held at once
 
@@ -125,12 +126,12 @@ def decode_backends() -> list:
     names = [n.strip() for n in chosen.split(",") if n.strip()] or list(DEFAULT_DECODE_BACKENDS)
     unknown = [n for n in names if n not in DECODE_BACKENDS]
     if unknown:
-        raise ValueError(f"FLEXH2O_DECODE_ATTENTION: unknown backend {unknown[0]!r}; accepted: "
-                         f"{', '.join(DECODE_BACKENDS)}")
+        raise UsageError("FLEXH2O_DECODE_ATTENTION", f"unknown backend {unknown[0]!r}; accepted, in order of "
+                         f"preference: {', '.join(DECODE_BACKENDS)}")
     return [DECODE_BACKENDS[n] for n in names]
 
 
-def attend_slots(q, cache, scale: float, on_cuda: bool = True) -> torch.Tensor:
+def attend_slots(q, cache, scale: float) -> torch.Tensor:
     """q [b, heads, 1, d] against every slot of a full cache that already holds the new token, the
     empty ones (position < 0) masked: the same shapes at every step. The query heads sharing a KV
     head are that head's query rows, so grouped heads need no copy of K and V."""
@@ -138,6 +139,6 @@ def attend_slots(q, cache, scale: float, on_cuda: bool = True) -> torch.Tensor:
     kv_heads = cache.k.shape[1]
     rows = q.reshape(b, kv_heads, heads // kv_heads, d)
     mask = (cache.pos >= 0).unsqueeze(2)  # [b, kv_heads, 1, capacity], the same for each query row
-    with sdpa_kernel(decode_backends()) if on_cuda else nullcontext():
+    with sdpa_kernel(decode_backends()):
         out = F.scaled_dot_product_attention(rows, cache.k, cache.v, attn_mask=mask, scale=scale)
     return out.reshape(b, heads, 1, d)
