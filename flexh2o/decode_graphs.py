@@ -93,7 +93,8 @@ class DecodeGraphs:
                                      slot=step.slot.clone(), before=step.before.clone(), choose_next=choose, memo={})
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
+            # thread_local: a CUDA call of another thread (an I/O thread) does not end the capture.
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 hidden = None
                 for layer in self.layers:
                     hidden = layer.forward(hidden, static)
