@@ -25,7 +25,6 @@ GROUP_BYTES = GROUP // 2 + 4  # the codes, then the float16 scale and minimum
 FLOAT16_MAX = 65504.0
 BLOCK_VALUES = 1 << 22  # values quantized, or dequantized into an `out`, at once: bounds the temporaries
 ALIGNED_BYTES = 1 << 20  # groups of at least this many bytes are made at a disk block boundary
-DEQUANT_WORKING_BYTES = 8 * BLOCK_VALUES  # a block's float32 values, its codes unpacked, scales and minima
 
 
 def groups(n: int) -> int:

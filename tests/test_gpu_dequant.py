@@ -1,9 +1,12 @@
 """The GPU's dequantizer (gpu_dequant.py): the torch path and the Triton kernel (in Triton's interpreter,
-where Triton is installed) give quant.py's and gguf_blocks.py's values."""
+where Triton is installed) give quant.py's and gguf_blocks.py's values, and on the simulated CUDA
+device a compressed weight homed in CPU memory moves as its pinned groups, one copy and one call
+of the dequantizer per matrix, nothing dequantized on the host, the CPU run's tokens."""
 
 import importlib
 import math
 import sys
+import threading
 
 import pytest
 import torch
@@ -11,6 +14,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from flexh2o import gguf_blocks, gpu_dequant, quant
+from flexh2o.tiers import Tiers
+import simulated_cuda
+from test_simulated_cuda import assert_same, cpu_reference, policy, simulated_run
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -166,3 +172,61 @@ def test_the_triton_kernel_writes_a_strided_cache_window(interpreted):
     launch(interpreted, packed, "groups", window)
     assert torch.equal(window, quant.dequantize_torch(packed, 64))
     assert (cache[:, :, 5:] == 0).all()
+
+
+def test_compressed_weights_in_cpu_memory_move_as_pinned_groups_and_dequantize_on_the_device(
+        tiny_models, tmp_path, monkeypatch):
+    """On the simulated CUDA device: each load of a compressed matrix is one host-to-device copy, of its
+    uint8 groups from pinned memory, and one call of the dequantizer, from the I/O thread, into device
+    memory, left in flight (no I/O thread waits for the device); nothing is dequantized on the host; no
+    allocation after the first steps; the CPU run's tokens."""
+    directory, _ = tiny_models["wide"]
+    run_policy = policy((0, 100), batches=2, compress_weight=True)
+    reference = cpu_reference(directory, run_policy, tmp_path)
+    seen = {"loads": 0, "moved": 0, "fused": [], "host": 0, "copies": [], "tiers": None, "io_waits": 0}
+
+    def watch(simulated):
+        load, to_device, fused = Tiers._load_compressed, Tiers.to_device, gpu_dequant.dequantize
+
+        def counted_load(tiers, placed, whole):
+            seen["loads"] += 1
+            seen["moved"] += whole is None  # not held whole on the device (the LM head is)
+            seen["tiers"] = tiers
+            return load(tiers, placed, whole)
+
+        def watched_copy(tiers, dst, src):
+            seen["copies"].append((dst.dtype, dst.dim(), tiers.is_pinned(src)))
+            return to_device(tiers, dst, src)
+
+        def watched_fused(packed, fmt, out, workspace=None):
+            io_thread = threading.current_thread() is not threading.main_thread()
+            seen["fused"].append((io_thread, packed.dtype, simulated.is_device(packed), simulated.is_device(out)))
+            return fused(packed, fmt, out, workspace)
+
+        def watched_wait(event, _original=simulated_cuda.Event.synchronize):
+            seen["io_waits"] += threading.current_thread() is not threading.main_thread()
+            return _original(event)
+
+        def on_the_host(*args, **kwargs):
+            seen["host"] += 1
+            raise AssertionError("dequantized outside gpu_dequant")
+        monkeypatch.setattr(Tiers, "_load_compressed", counted_load)
+        monkeypatch.setattr(Tiers, "to_device", watched_copy)
+        monkeypatch.setattr(gpu_dequant, "dequantize", watched_fused)
+        monkeypatch.setattr(simulated_cuda.Event, "synchronize", watched_wait)
+        monkeypatch.setattr(quant, "dequantize", on_the_host)
+        monkeypatch.setattr(gguf_blocks, "dequantize", on_the_host)
+    out, stats, _ = simulated_run(directory, run_policy, tmp_path, monkeypatch, before=watch)
+    assert_same(reference, out)
+    assert stats.step_allocations[2:] == [0] * (len(stats.step_allocations) - 2)
+    loads = seen["loads"]
+    assert loads > 0 and seen["host"] == 0
+    from_loads = [call[1:] for call in seen["fused"] if call[0]]
+    assert from_loads == [(torch.uint8, True, True)] * loads
+    # The rest: the embedding's rows looked up, on the compute thread, into device memory (they are
+    # moved with .to(the compute device), which on the simulated device is the CPU: no copy).
+    assert all(call[3] for call in seen["fused"])
+    matrices = [copy for copy in seen["copies"] if copy[1] >= 2]
+    assert seen["moved"] > 0 and matrices == [(torch.uint8, 2, True)] * seen["moved"]
+    assert seen["tiers"].dequant_space.made == 1
+    assert seen["io_waits"] == 0  # the I/O threads queue copies and kernels and never wait for the device
