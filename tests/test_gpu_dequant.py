@@ -5,6 +5,8 @@ of the dequantizer per matrix, nothing dequantized on the host, the CPU run's to
 
 import importlib
 import math
+import os
+import subprocess
 import sys
 import threading
 
@@ -230,3 +232,11 @@ def test_compressed_weights_in_cpu_memory_move_as_pinned_groups_and_dequantize_o
     assert seen["moved"] > 0 and matrices == [(torch.uint8, 2, True)] * seen["moved"]
     assert seen["tiers"].dequant_space.made == 1
     assert seen["io_waits"] == 0  # the I/O threads queue copies and kernels and never wait for the device
+
+
+def test_the_benchmark_says_in_one_line_that_it_needs_cuda():
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_gpu_dequant.py")
+    done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 0
+    assert done.stdout.splitlines() == ["bench_gpu_dequant: no CUDA device here; nothing measured"]
