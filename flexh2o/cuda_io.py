@@ -10,9 +10,10 @@ straight from pinned memory are only queued: the task ends with an event after t
 waits for the load (Pending.wait) makes its own stream wait for that event, on the device. The I/O
 thread is then free at once to queue the next load, with no hand-off between threads between two
 loads' copies (blocking until each load landed left the copy engine busy 45% of a decode step
-streaming weights on an H200: 0.50 of the pinned-copy bound, now 0.63). Everything else (copies
-through staging, stores, device-side work on the load stream) the I/O thread waits for before the
-task ends, so a finished task means "the data is there, or queued ahead of anything that waits".
+streaming weights on an H200: 0.50 of the pinned-copy bound, now 0.63). So is device-side work on
+the load stream (a copy between buffers, a weight's dequantizing). Everything else (copies through
+staging, stores) the I/O thread waits for before the task ends, so a finished task means "the data
+is there, or queued ahead of anything that waits".
 """
 
 import ctypes
@@ -181,20 +182,14 @@ class CudaCopies:
         return rows is not None and cuda_runtime() is not None and \
             copy_rows_to_host(dst, src.contiguous(), rows, self.store_stream)
 
-    def on_device(self, dst: torch.Tensor, src: torch.Tensor):
-        """A device-side copy on the load stream, after the loads queued there before it, left in
-        flight like a load from pinned memory: src must not change before the task's copies land
-        (a resident tensor, or a pooled buffer whose every user queues on the load stream)."""
-        with self._start(self.load_stream):
-            dst.copy_(src)
-            self._finish(self.load_stream, wait_now=False)
-
-    def on_device_run(self, fn):
-        """Device-side work (a copy, a dequantization) on the load stream, after the loads queued
-        there before it; returns once it is done."""
+    def on_device(self, fn):
+        """Device-side work (a copy, a dequantization) queued on the load stream, after the loads
+        queued there before it, and left in flight like a load from pinned memory: what it reads
+        must not change before the task's copies land (a resident tensor, or a pooled buffer whose
+        every user queues on the load stream)."""
         with self._start(self.load_stream):
             fn()
-            self._finish(self.load_stream, wait_now=True)
+            self._finish(self.load_stream, wait_now=False)
 
     def gather_to_host(self, src: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
         """src, or src at one slot per (sequence, KV head), as a new CPU tensor: small, so gathered

@@ -60,6 +60,10 @@ def dequantize(blocks: torch.Tensor, fmt: str, n: int, out: torch.Tensor | None 
     (or `dtype`), on the blocks' device."""
     if out is None:
         out = torch.empty(*blocks.shape[:-1], n, dtype=dtype, device=blocks.device)
+    if blocks.is_cuda:
+        from . import gpu_dequant
+        if gpu_dequant.takes(out):  # one fused kernel
+            return gpu_dequant.dequantize(blocks, fmt, out)
     lib = native.library() if blocks.device.type == "cpu" else None
     rows = out.view(-1, n)
     if lib is None or out.dtype not in NATIVE_DTYPES or not out.is_contiguous():

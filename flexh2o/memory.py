@@ -24,7 +24,8 @@ from .names import tier_label
 from .overhead import DEFAULT_GROWTH, Growth, process_growth
 from .models.attention import PROBS_CHUNK_BYTES, observed_chunk_bytes
 from .gguf_blocks import BLOCK_BYTES, SIXTEEN_BIT, applies, sixteen_bit_at_rest
-from .quant import BLOCK_VALUES, DEQUANT_WORKING_BYTES, compressible, stored_row_bytes
+from .gpu_dequant import WORKSPACE_BYTES
+from .quant import BLOCK_VALUES, compressible, stored_row_bytes
 from .placed import split_rows
 from .unwidened import never_widened
 from .schedule import most_held
@@ -203,7 +204,7 @@ def compute_copy_bytes(layers, dtype_bytes: int, policy, device) -> int:
     """Bytes of the pooled compute buffers. The pool keeps buffers per shape, and at any time the
     layer computing, the next one loading and any loaded ahead (schedule.held_together) hold one
     each, so a shape needs as many buffers as such a group ever holds. On CUDA a buffer
-    of groups goes back as soon as it is dequantized, on its I/O thread: one per thread is made;
+    of groups goes back as soon as its dequantizing is queued, on its I/O thread: one per thread is made;
     where the CPU computes, the compute thread dequantizes when it waits, so they count as values
     do (weight_io.py)."""
     counts = per_layer(layers, lambda layer: buffered(layer, dtype_bytes, policy, device))
@@ -310,10 +311,10 @@ def run_need(spec, policy, dtype_bytes: int, prompt_len: int, gen_len: int, devi
         need["cpu"] += gen_len * nb * b * spec.vocab_size * 4
     if on_cuda:
         need["gpu"] += CUBLAS_WORKSPACE_BYTES
-        # The load stream's dequantize temporaries (float32 working copies), which the allocator
-        # keeps cached for that stream: one set per I/O thread.
-        if (policy.compress_weight and policy.w_gpu_percent < 100) or (policy.compress_cache and loaded):
-            need["gpu"] += io_threads * DEQUANT_WORKING_BYTES
+        # Weights (wherever they are) and loaded cache parts are dequantized on the load stream, in one
+        # workspace where Triton is missing (gpu_dequant.py; with it, nothing: counted all the same).
+        if policy.compress_weight or (policy.compress_cache and loaded):
+            need["gpu"] += WORKSPACE_BYTES
         if spec.num_kv_heads != spec.num_heads:  # a padded prompt's attention expands K and V (attention.py)
             need["gpu"] += 2 * b * spec.num_heads * prompt_len * spec.head_dim * dtype_bytes
     return need

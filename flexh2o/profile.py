@@ -46,7 +46,7 @@ def default_offload_dir() -> str:
 
 # -- the cache ---------------------------------------------------------------------------------
 
-KERNEL_NAMES = {"native": "flexh2o's C kernels", "torch": "torch's operations"}
+KERNEL_NAMES = {"native": "flexh2o's C kernels", "triton": "flexh2o's Triton kernel", "torch": "torch's operations"}
 
 
 def cached_profile(device: "torch.device", log) -> HardwareProfile | None:
@@ -62,7 +62,7 @@ def cached_profile(device: "torch.device", log) -> HardwareProfile | None:
     if profile is not None and profile.attention_costs is None:
         log("note: the cached profile was measured by an older flexh2o (no attention calls): measuring again")
         return None
-    if profile is not None and device.type == "cpu":
+    if profile is not None and device.type in ("cpu", "cuda"):
         from .optimizer.measure import dequant_kernel
         now = dequant_kernel(device)
         if profile.dequant_kernel != now:

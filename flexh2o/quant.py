@@ -25,7 +25,6 @@ GROUP_BYTES = GROUP // 2 + 4  # the codes, then the float16 scale and minimum
 FLOAT16_MAX = 65504.0
 BLOCK_VALUES = 1 << 22  # values quantized, or dequantized into an `out`, at once: bounds the temporaries
 ALIGNED_BYTES = 1 << 20  # groups of at least this many bytes are made at a disk block boundary
-DEQUANT_WORKING_BYTES = 8 * BLOCK_VALUES  # a block's float32 values, its codes unpacked, scales and minima
 
 
 def groups(n: int) -> int:
@@ -121,9 +120,22 @@ def dequantize(packed: torch.Tensor, n: int, out: torch.Tensor | None = None,
     lib = _native_for(packed)
     if lib is not None and _native_takes(packed, out, dtype):
         return _dequantize_native(lib, packed, n, out, dtype)
+    if packed.is_cuda and packed.numel():
+        from . import gpu_dequant
+        if out is None:
+            out = torch.empty(*packed.shape[:-1], n, dtype=dtype, device=packed.device)
+        if gpu_dequant.takes(out):  # one fused kernel
+            return gpu_dequant.dequantize(packed, "groups", out)
+    return dequantize_torch(packed, n, out, dtype)
+
+
+def dequantize_torch(packed: torch.Tensor, n: int, out: torch.Tensor | None = None,
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """dequantize() by torch operations, on any device, BLOCK_VALUES values at a time."""
+    g = groups(n)
     per_row = packed[0].numel() // GROUP_BYTES * GROUP if packed.dim() > 1 else 0  # values
     if out is not None and _over_a_block(packed, per_row):
-        _by_row_blocks(packed, out, per_row, lambda block, dst: dequantize(block, n, dst))
+        _by_row_blocks(packed, out, per_row, lambda block, dst: dequantize_torch(block, n, dst))
         return out
     record = packed.contiguous().view(*packed.shape[:-1], g, GROUP_BYTES)
     pairs = record[..., :GROUP // 2]

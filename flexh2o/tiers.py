@@ -16,6 +16,7 @@ import torch
 
 from .buffers import Buffers
 from .disk import OffloadError
+from .gpu_dequant import Workspace
 from .io_tasks import IOTaskError, IOThreads, Pending
 from .kv.cache import slot_grid
 from .signals import deferred
@@ -44,6 +45,7 @@ class Tiers(WeightIO, Buffers):
         self.parked_slots = 1  # hidden states parked in CPU memory at once: one per gpu-batch (set by the schedule)
         self.io_seconds = 0.0  # summed over I/O tasks (with overlap off: time the schedule waits for I/O)
         self.dequant_seconds = 0.0  # spent dequantizing, on any thread (on CUDA: queueing the kernels)
+        self.dequant_space = Workspace()  # on CUDA without Triton, the load stream's (gpu_dequant.py)
         self.h2d_bytes = 0  # copied to the compute device (disk reads included), on any thread
         self._placer, self._placing = None, []  # the writer of placed 4-bit groups (weight_io.py)
         self.placed_by_name = {}  # (checkpoint name, rows, compressed, tiled) -> Placed (models/layer.py's place_once)
@@ -155,7 +157,7 @@ class Tiers(WeightIO, Buffers):
         CUDA it lands with the task's loads (cuda_io.py): src is a resident tensor, or a pooled
         buffer of a kind only the load stream uses."""
         if self.on_cuda:
-            self.cuda.on_device(dst, src)
+            self.cuda.on_device(lambda: dst.copy_(src))
         else:
             copy_in_memory(dst, src)
 

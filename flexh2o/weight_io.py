@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
-from . import int4_tiles, native
+from . import gpu_dequant, int4_tiles, native
 from .buffers import TIERS
 from .grouped_weight import GroupedWeight
 from .io_tasks import IOTaskError, Pending
@@ -135,7 +135,7 @@ class WeightIO:
     def pooled(self, placed: Placed) -> list[tuple]:
         """(shape, dtype, per I/O thread) of each pooled buffer that load(placed) takes: the values
         of a weight not used in place, and the groups of a compressed one moved (on CUDA an I/O
-        thread gives its groups' buffer back once dequantized, so one per thread is made)."""
+        thread gives its groups' buffer back once their dequantizing is queued, so one per thread is made)."""
         in_place = self._in_place(placed)
         if placed.decoded_shape is None:
             return [] if in_place else [(placed.shape, placed.dtype, False)]
@@ -211,7 +211,10 @@ class WeightIO:
             picked[inside.to(self.compute)] = data
         if placed.decoded_shape is not None:
             values = torch.empty(len(rows), placed.decoded_shape[1], dtype=self.dtype, device=self.compute)
-            picked = dequantize_as(picked, placed.fmt, values.shape[-1], values)
+            if self.on_cuda:  # the compute stream's: a workspace of its own, made for this call (a few rows)
+                picked = gpu_dequant.dequantize(picked, placed.fmt, values)
+            else:
+                picked = dequantize_as(picked, placed.fmt, values.shape[-1], values)
         return picked[inverse.to(self.compute)].view(*ids.shape, -1)
 
     def _load_compressed(self, placed: Placed, whole) -> Pending:
@@ -222,8 +225,10 @@ class WeightIO:
             return self._load_compressed_for_cpu(placed, whole, out)
         fmt = placed.fmt
         if whole is None:
-            # Its groups go through a buffer that the I/O task gives back once dequantized: at most
-            # one per thread is out at once, all made up front (later, timing would decide).
+            # Its groups go through a buffer that the I/O task gives back once their dequantizing is
+            # queued: at most one per thread is out at once, all made up front (later, timing would
+            # decide). Given back with the kernel still to run is safe: only weight loads take 2-D
+            # uint8 buffers, and they fill them on the load stream, which runs that kernel first.
             self.reserve(placed.shape, placed.dtype, count=self.io_threads)
 
         def task():
@@ -286,12 +291,12 @@ class WeightIO:
             self.release(value)
 
     def dequantize(self, packed: torch.Tensor, out: torch.Tensor, fmt: str = "groups"):
-        """out <- the values of `packed` (in format `fmt`, quant.Packed), on the device both are on;
-        on CUDA after the loads queued before it, and done when this returns (packed may be a
-        buffer going back to the pool)."""
+        """out <- the values of `packed` (in format `fmt`, quant.Packed), on the device both are on.
+        On CUDA one fused kernel (gpu_dequant.py), queued on the load stream after the loads queued
+        there before it and left in flight with them: the I/O thread goes on to the next load."""
         start = time.perf_counter()
         if self.on_cuda:  # where both always are on CUDA: only compute buffers are dequantized into
-            self.cuda.on_device_run(lambda: dequantize_as(packed, fmt, out.shape[-1], out))
+            self.cuda.on_device(lambda: gpu_dequant.dequantize(packed, fmt, out, self.dequant_space))
         else:
             dequantize_as(packed, fmt, out.shape[-1], out)
         self.count_dequant(time.perf_counter() - start)

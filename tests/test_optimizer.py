@@ -164,6 +164,23 @@ def test_compression_shrinks_disk_time_and_adds_dequantization_once_per_load():
         assert extra == pytest.approx(matrices / hw.dequant)
 
 
+@pytest.mark.parametrize("weights", [(0, 100), (100, 0)])
+def test_on_cuda_dequantizing_is_on_the_load_stream_behind_the_copies(weights):
+    """On CUDA a compressed matrix is widened on the load stream at every load, wherever its groups
+    are (weight_io.py): h2d time, once per layer per step, none of it compute."""
+    hw = gpu_profile()
+    plain = Policy(gpu_batch_size=4, num_gpu_batches=2, w_gpu_percent=weights[0], w_cpu_percent=weights[1])
+    packed = dataclasses.replace(plain, compress_weight=True)
+    model = CostModel(SMALL, 32, 4, hw)
+    h = SMALL.hidden_size
+    matrices = 3 * h * h + h * h
+    copies = matrices * 36 / 64 / hw.h2d if weights[1] else 0.0
+    assert model.weight_io(packed)[1].busy("h2d") == pytest.approx(copies + matrices / hw.dequant)
+    for step in model.steps():
+        compute = model.compute(packed, step, 1).busy("compute")
+        assert compute == pytest.approx(model.compute(plain, step, 1).busy("compute"))
+
+
 def test_a_timed_unwidened_kernel_replaces_dequantizing_for_steps_of_few_rows():
     rate = {"1": 1e9, "8": 8e9, "32": 3.2e10}
     hw = cpu_profile(int4_matmul_flops={"float32": rate})

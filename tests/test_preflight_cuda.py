@@ -1,10 +1,12 @@
 """The pre-flight's CUDA terms, each pinned on a CPU: CUDA's own memory outside torch's allocator
 counted once (after the context exists on a device, with it on a profile), cuBLAS's workspaces
-inside the projection, the load stream's dequantize temporaries, a padded grouped-query prompt's
+inside the projection, the load stream's dequantizing workspace, a padded grouped-query prompt's
 expanded K and V, and the wider staging of a CPU-attended cache."""
 
+import pytest
 import torch
 
+from flexh2o.gpu_dequant import WORKSPACE_BYTES
 from flexh2o.kv.home import batch_split, cpu_attention_dtype
 from flexh2o.memory import (CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, CUDA_LAZY_KERNELS_BYTES, GB, IO_THREADS,
                             capacities, prompt_copy_home_bytes, run_need)
@@ -13,7 +15,6 @@ from flexh2o.models.llama import PRESETS as LLAMA
 from flexh2o.models.opt import PRESETS as OPT
 from flexh2o.optimizer.search import caps_of
 from flexh2o.policy import Policy
-from flexh2o.quant import DEQUANT_WORKING_BYTES
 from test_optimizer import gpu_profile
 
 CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
@@ -38,12 +39,15 @@ def test_cublas_workspaces_are_in_the_projection():
     assert need(spec, policy, CUDA)["gpu"] - need(spec, policy, CPU)["gpu"] == CUBLAS_WORKSPACE_BYTES
 
 
-def test_dequantize_temporaries_of_each_io_thread_are_counted():
+@pytest.mark.parametrize("weights", [(100, 0), (50, 50)])
+def test_the_dequantizing_workspace_is_counted_once(weights):
+    """Compressed weights are dequantized on the load stream at every load, resident or streamed: the
+    torch path's one workspace (gpu_dequant.py); nothing on the CPU, which dequantizes on its own."""
     spec = OPT["opt-1.3b"]
-    resident = Policy(gpu_batch_size=8, compress_weight=True)
-    streamed = Policy(gpu_batch_size=8, w_gpu_percent=50, w_cpu_percent=50, compress_weight=True)
-    assert need(spec, streamed, CUDA)["gpu"] - need(spec, resident, CUDA)["gpu"] == IO_THREADS * DEQUANT_WORKING_BYTES
-    assert need(spec, streamed, CPU)["gpu"] == need(spec, resident, CPU)["gpu"]  # the CPU dequantizes on its own thread
+    plain = Policy(gpu_batch_size=8, w_gpu_percent=weights[0], w_cpu_percent=weights[1])
+    compressed = Policy(gpu_batch_size=8, w_gpu_percent=weights[0], w_cpu_percent=weights[1], compress_weight=True)
+    assert need(spec, compressed, CUDA)["gpu"] - need(spec, plain, CUDA)["gpu"] == WORKSPACE_BYTES
+    assert need(spec, compressed, CPU)["gpu"] == need(spec, plain, CPU)["gpu"]
 
 
 def test_a_padded_grouped_query_prompt_expands_k_and_v():

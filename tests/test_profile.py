@@ -14,7 +14,7 @@ import flexh2o.machine
 import flexh2o.optimizer.measure
 import flexh2o.profile
 from flexh2o.engine import default_dtype
-from flexh2o.optimizer.hardware import HardwareProfile, from_dict, load_profile, local_cache_path, save_local
+from flexh2o.optimizer.hardware import COPIES, HardwareProfile, from_dict, load_profile, local_cache_path, save_local
 from flexh2o.optimizer.attention_costs import CALLS, seconds
 from flexh2o.optimizer.measure import measure
 from flexh2o.overhead import DEFAULT_GROWTH
@@ -166,17 +166,19 @@ def test_a_profile_measured_on_a_busy_machine_is_measured_again_once_it_is_quiet
         assert load_profile("local") == fresh
 
 
-@pytest.mark.parametrize("then,now", [("torch", "native"), (None, "native"), ("native", "torch")])
-def test_a_cpu_profile_is_measured_again_when_the_dequantizing_kernel_changed(cache_home, quick_profile,
-                                                                              monkeypatch, then, now):
-    save_local(replace(quick_profile[0], dequant_kernel=then))
-    fresh = replace(quick_profile[0], dequant_kernel=now, source="measured again")
+@pytest.mark.parametrize("device,then,now", [("cpu", "torch", "native"), ("cpu", None, "native"),
+                                             ("cpu", "native", "torch"), ("cuda", "torch", "triton")])
+def test_a_profile_is_measured_again_when_the_dequantizing_kernel_changed(cache_home, quick_profile,
+                                                                          monkeypatch, device, then, now):
+    copies = {field: 1e10 for field in COPIES} if device == "cuda" else {}  # none measured on a CPU; a GPU has them
+    save_local(replace(quick_profile[0], device=device, dequant_kernel=then, **copies))
+    fresh = replace(quick_profile[0], device=device, dequant_kernel=now, source="measured again", **copies)
     calls, notes = [], []
     monkeypatch.setattr(flexh2o.optimizer.measure, "measure", lambda *a, **k: calls.append(a) or fresh)
     monkeypatch.setattr(flexh2o.optimizer.measure, "dequant_kernel", lambda device: now)
-    assert flexh2o.profile.ensure_local_profile("cpu", str(cache_home / "offload"), log=notes.append) == fresh
+    assert flexh2o.profile.ensure_local_profile(device, str(cache_home / "offload"), log=notes.append) == fresh
     assert len(calls) == 1 and any("dequantizes with" in n for n in notes)
-    assert flexh2o.profile.ensure_local_profile("cpu", str(cache_home / "offload"), log=notes.append) == fresh
+    assert flexh2o.profile.ensure_local_profile(device, str(cache_home / "offload"), log=notes.append) == fresh
     assert len(calls) == 1  # the same kernel now: the cache serves
 
 

@@ -10,7 +10,8 @@ longest of its compute and of each I/O channel's busy time, and without overlap 
   prompt's products at attention_flops, decode reading K and V at the device's bandwidth), 4-bit
   weights multiplied unwidened at the rate the profile timed its kernel, or dequantized once per
   load, a 16-bit checkpoint's matrices kept 16-bit (gguf_blocks.sixteen_bit_at_rest) widened per
-  load where the kernel does not take the step's rows, a fixed cost per (layer, gpu-batch) call,
+  load where the kernel does not take the step's rows (on CUDA both are widened on the load stream,
+  behind their copies, and count as h2d), a fixed cost per (layer, gpu-batch) call,
   and, where the CPU computes, the memory copies the I/O threads make: a thread copying takes a
   core from the compute's two-thread team, whose work waits on its slower thread, so a copy adds
   its whole time;
@@ -26,6 +27,7 @@ Every term is written with + and maximum only, so the search (search.py) evaluat
 placements at once by passing numpy arrays where a single prediction passes numbers.
 """
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,7 +36,7 @@ from ..engine import DTYPES
 from ..kv import POLICIES, budget, slot_bytes
 from ..kv.home import batch_split, cpu_attention_dtype
 from ..gguf_blocks import SIXTEEN_BIT, sixteen_bit_at_rest
-from ..memory import DTYPE_OF, split_as_placed
+from ..memory import DTYPE_OF, split_as_placed, stored_formats
 from ..unwidened import MAX_ROWS, kernel_for
 from .attention_costs import decode_units, prompt_units
 from .attention_costs import seconds as attention_seconds
@@ -195,6 +197,12 @@ class CostModel:
 
     def _layer_weight_io(self, layer, policy) -> Channels:
         hw, ch = self.hw, Channels()
+        if self.on_cuda:  # widened at every load on the load stream, where the next copy waits for it (weight_io.py)
+            for shape, fmt in stored_formats(layer, self.dtype_bytes, policy)[layer.gathered:]:
+                if fmt in SIXTEEN_BIT:  # read 2 bytes, write 4
+                    ch.add("h2d", "weight I/O", math.prod(shape) * 6 / hw.device_bandwidth)
+                elif fmt is not None:
+                    ch.add("h2d", "weight I/O", math.prod(shape) / hw.dequant)
         # A table looked up by rows (an input embedding) moves a few rows: left out.
         for shape, _, row_bytes, rows in split_as_placed(layer, self.dtype_bytes, policy)[layer.gathered:]:
             whole = [tier for tier, n in rows.items() if n == shape[0]]
@@ -298,7 +306,8 @@ class CostModel:
         """Layer j's matrix products for every gpu-batch of the step, and the fixed cost of each call.
         Compressed (weight_io moves the groups), a matrix is multiplied unwidened where a kernel takes
         it at this many rows (unwidened.py), else dequantized once per load, on the compute device,
-        wherever its groups are, and multiplied in full width."""
+        wherever its groups are (on CUDA on the load stream: _layer_weight_io), and multiplied in full
+        width."""
         b, spec, hw = policy.gpu_batch_size, self.spec, self.hw
         rows = b * (self.prompt_len if step.prefill else 1)
         matrices = self.matrices[j]
@@ -317,13 +326,15 @@ class CostModel:
                 seconds += flops / rate
                 continue
             full_width += flops  # 16-bit values multiplied as they are (native/blocks.c): about float32's rate
+            if self.on_cuda:  # widened on the load stream instead: see _layer_weight_io
+                continue
             widened += shape[0] * shape[1] if policy.compress_weight else 0
-            if stored_16_bit and (self.on_cuda or rows > MAX_ROWS["groups"] and not any_rows):
+            if stored_16_bit and rows > MAX_ROWS["groups"] and not any_rows:
                 widened_16_bit += shape[0] * shape[1]
         seconds += full_width / hw.matmul_rate(rows, self.dtype) if full_width else 0.0
         ch = Channels().add("compute", "compute", policy.num_gpu_batches * seconds)
         if widened_16_bit:  # read 2 bytes, write 4, once per load
-            ch.add("compute", "weight I/O", widened_16_bit * 6 / (hw.device_bandwidth if self.on_cuda else hw.memcpy))
+            ch.add("compute", "weight I/O", widened_16_bit * 6 / hw.memcpy)
         return ch.add("compute", "weight I/O", widened / hw.dequant) if widened else ch
 
     def unwidened_rate(self, shape, rows: int, any_rows: bool = False) -> float | None:

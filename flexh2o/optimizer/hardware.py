@@ -54,8 +54,9 @@ class HardwareProfile:
     # The share of all cores other processes kept busy while it was measured (machine.LoadMeter);
     # None where not recorded. A busy measurement is re-done once the machine is quiet (profile.py).
     others_cpu_share: float | None = None
-    # What measured `dequant`: "native" (flexh2o's C kernels, flexh2o/native) or "torch"; None in
-    # profiles older than the kernels. A CPU profile is measured again when a run would use the other.
+    # What measured `dequant`: "native" (flexh2o's C kernels, flexh2o/native), "triton" (its GPU kernel,
+    # gpu_dequant.py) or "torch"; None in profiles older than the kernels. A profile is measured again
+    # when a run would use another.
     dequant_kernel: str | None = None
     # Which build of those kernels it timed (native.build()); a CPU profile is measured again when
     # a run loads another (new kernels: other speeds). None in older profiles, or with torch's.
@@ -100,7 +101,7 @@ def interpolated(rates: dict, rows: float) -> float:
 DEVICES = ("cuda", "cpu")
 DTYPES = ("float16", "bfloat16", "float32")
 SPEEDS = ("device_bandwidth", "cpu_attention_bandwidth", "memcpy", "disk_read", "disk_write", "dequant")
-DEQUANT_KERNELS = ("native", "torch")
+DEQUANT_KERNELS = ("native", "triton", "torch")
 COPIES = ("h2d", "d2h", "h2d_pageable", "d2h_pageable")  # 0 where the CPU computes
 ATTENTION_CALLS = ("prompt_fused", "prompt_observed", "decode_fused", "decode_evicting")  # attention_costs.py
 

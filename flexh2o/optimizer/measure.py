@@ -149,7 +149,11 @@ def decode_bandwidth(device: torch.device, dtype: torch.dtype, sizes: Sizes, syn
 
 
 def dequant_kernel(device: torch.device) -> str:
-    """What dequantizes on `device`: flexh2o's C kernels where the CPU computes and has them, else torch."""
+    """What dequantizes on `device`: flexh2o's C kernels where the CPU computes and has them, its Triton
+    kernel on CUDA where Triton works (gpu_dequant.py), else torch."""
+    if device.type == "cuda":
+        from .. import gpu_dequant
+        return "triton" if gpu_dequant.kernel() is not None else "torch"
     return "native" if device.type == "cpu" and native.library() is not None else "torch"
 
 
