@@ -17,6 +17,7 @@ exact float16 scale and minimum, measure the layout against quant.py: it dequant
 and as fast (37 ms into bfloat16 for that fc1 either way, on this CPU; tests/test_int4_tiles.py).
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,22 @@ TILE = 64
 def tileable(n: int, k: int) -> bool:
     """Whether an [n, k] weight fits the kernel's layout: whole tiles of rows, whole groups."""
     return n % (TILE // 2) == 0 and k % GROUP == 0
+
+
+@functools.cache
+def torch_lays_codes_so() -> bool:
+    """Whether torch's kernel takes its codes in the layout above on this CPU. It is torch's build
+    for the CPU's vector width: on a CPU with AVX2 alone (no AVX-512) torch 2.13 lays them out
+    otherwise, and tiles made here would multiply as garbage; there compressed matrices are widened."""
+    codes = torch.randint(0, 16, (TILE + TILE // 2, 2 * GROUP), generator=torch.Generator().manual_seed(0),
+                          dtype=torch.int32)
+    try:
+        torch_codes = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    except (RuntimeError, AttributeError):
+        return False
+    ours = tile_codes(codes.to(torch.uint8))
+    return torch_codes.numel() * torch_codes.element_size() == ours.numel() and \
+        torch.equal(torch_codes.view(torch.uint8).view(-1), ours.view(-1))
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Which kernel multiplies a compressed matrix without widening it first, and up to how many rows.
 
 - "tiles": torch's CPU int4 kernel, bfloat16 activations, the matrix placed in its layout
-  (int4_tiles.py): rows a multiple of 32, columns of 64;
+  (int4_tiles.py): rows a multiple of 32, columns of 64, where torch lays its codes out so;
 - "groups": flexh2o's own C kernel on quant.py's groups as they are (grouped_weight.py), float32
   activations: columns a multiple of 64, where the kernels are built (native/); also a GGUF
   file's Q4_0/Q4_1/Q8_0 blocks (gguf_blocks.py).
@@ -12,7 +12,7 @@ width, which is faster there (models/linear.py). On CUDA every compressed matrix
 import torch
 
 from . import native
-from .int4_tiles import tileable
+from .int4_tiles import tileable, torch_lays_codes_so
 from .quant import GROUP
 
 MAX_ROWS = {"tiles": 256, "groups": 32}  # results/int4_kernels.md
@@ -26,7 +26,7 @@ def kernel_for(shape, dtype: torch.dtype, on_cpu: bool, groups_built: bool, fmt:
         return None
     if fmt != "groups":
         return "groups" if dtype == torch.float32 and groups_built else None
-    if dtype == torch.bfloat16 and tileable(*shape):
+    if dtype == torch.bfloat16 and tileable(*shape) and torch_lays_codes_so():
         return "tiles"
     if dtype == torch.float32 and shape[-1] % GROUP == 0 and groups_built:
         return "groups"

@@ -4,10 +4,14 @@ torch's own, nothing is lost on the way back, and the kernel multiplies them as 
 import pytest
 import torch
 
-from flexh2o import int4_tiles
+from flexh2o import int4_tiles, unwidened
 from flexh2o.quant import dequantize, quantize
 
+TORCH_LAYOUT = pytest.mark.skipif(not int4_tiles.torch_lays_codes_so(),
+                                  reason="torch's int4 kernel lays its codes out otherwise on this CPU (AVX2 alone)")
 
+
+@TORCH_LAYOUT
 @pytest.mark.parametrize("n,k", [(64, 128), (128, 64), (96, 192), (32, 128), (160, 64)])
 def test_the_codes_are_laid_out_as_torch_lays_them(n, k):
     codes = torch.randint(0, 16, (n, k), generator=torch.Generator().manual_seed(n + k), dtype=torch.int32)
@@ -17,6 +21,7 @@ def test_the_codes_are_laid_out_as_torch_lays_them(n, k):
     assert torch.equal(int4_tiles.untile_codes(tiled), codes.to(torch.uint8))
 
 
+@TORCH_LAYOUT
 @pytest.mark.parametrize("n,k", [(64, 128), (96, 192)])
 def test_tiles_dequantize_exactly_and_multiply_as_dequantized(n, k):
     weight = torch.randn(n, k, generator=torch.Generator().manual_seed(1)) * 0.05
@@ -62,3 +67,13 @@ def test_rows_that_are_a_slice_multiply_as_contiguous_ones():
     tiles = int4_tiles.to_tiles(quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(3))), k)
     hidden = torch.randn(4, 6, k, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     assert torch.equal(int4_tiles.matmul(hidden[:, -1], tiles), int4_tiles.matmul(hidden[:, -1].contiguous(), tiles))
+
+
+def test_tiles_are_used_only_where_torch_lays_codes_out_so(monkeypatch):
+    """On a CPU where torch's kernel takes another layout, a bfloat16 run widens compressed matrices."""
+    assert unwidened.kernel_for((64, 128), torch.bfloat16, True, True) == \
+        ("tiles" if int4_tiles.torch_lays_codes_so() else None)
+    monkeypatch.setattr(unwidened, "torch_lays_codes_so", lambda: False)
+    assert unwidened.kernel_for((64, 128), torch.bfloat16, True, True) is None
+    monkeypatch.setattr(unwidened, "torch_lays_codes_so", lambda: True)
+    assert unwidened.kernel_for((64, 128), torch.bfloat16, True, True) == "tiles"
