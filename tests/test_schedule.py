@@ -1,6 +1,8 @@
 """The zig-zag order: per token, per layer, every gpu-batch; weights loaded once per (token, layer);
 the cache of the next (layer, gpu-batch) loaded before the current one computes."""
 
+from types import SimpleNamespace
+
 import torch
 
 from flexh2o import Engine, Policy, UsageError
@@ -38,7 +40,7 @@ class RecordingLayer:
 
 
 class FakeSequences:
-    def steps(self, i, nb):
+    def steps(self, i, nb, device_counters=False):
         return [type("Step", (), {"i": i, "k": k})() for k in range(nb)]
 
     def all_finished(self):
@@ -95,7 +97,7 @@ def test_full_cache_writes_slots_in_place():
     full = FullCache(6, 6, 2, 0)
     full.prompt(cache, prompt, prompt + 1, pos, None, None)
     new = torch.randn(2, 3, 1, 4)
-    full.decode(cache, new, new, torch.tensor([[3], [4]]), None, None, None)
+    full.decode(cache, new, new, torch.tensor([[3], [4]]), None, None, SimpleNamespace(slot=None))
     assert (cache.k.data_ptr(), cache.v.data_ptr()) == (k_ptr, v_ptr)
     assert cache.length == 5 and torch.equal(cache.k[:, :, 4], new[:, :, 0])
     assert cache.pos[:, 0].tolist() == [[-1, 0, 1, 2, 3, -1], [0, 1, 2, 3, 4, -1]]
