@@ -22,7 +22,9 @@ import math
 import os
 from dataclasses import dataclass
 
+from ..chat_template import ChatTemplateError, render_chat
 from ..errors import UsageError, check_regular_file
+from ..prompts import template_source
 from ..sampling import MAX_SEED
 
 FORMATS = ("text", "jsonl", "openai")
@@ -201,7 +203,10 @@ def prompt_ids(tokenizer, request: Request, chat: bool) -> list[int]:
         messages = request.messages or [{"role": "user", "content": request.prompt}]
         if not getattr(tokenizer, "chat_template", None):
             raise BadRecord("chat messages need a tokenizer with a chat template; this model's has none")
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:
+            text = render_chat(tokenizer, messages, template_source(tokenizer))
+        except ChatTemplateError as e:
+            raise BadRecord(str(e)) from None
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     return tokenizer(request.prompt)["input_ids"]
 
