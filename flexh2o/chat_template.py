@@ -66,13 +66,16 @@ def limited_time(seconds: float):
             running[0] = False
             raise TemplateTimeout()
     previous = signal.signal(signal.SIGALRM, alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    began = time.monotonic()
+    theirs, _ = signal.setitimer(signal.ITIMER_REAL, seconds)  # a timer the caller had set: put back after
     try:
         yield
     finally:
         running[0] = False
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+        if theirs > 0:
+            signal.setitimer(signal.ITIMER_REAL, max(theirs - (time.monotonic() - began), 1e-3))
 
 
 @contextmanager

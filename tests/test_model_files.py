@@ -196,3 +196,35 @@ def test_a_tokenizer_config_that_is_not_json_is_named(model_with_tokenizer):
         load_tokenizer(str(model_with_tokenizer))
     assert e.value.message.startswith(f"{path} is not JSON")
     os.remove(path)
+
+
+def test_a_looping_template_is_stopped_off_the_main_thread_too(with_template):
+    import threading
+    from flexh2o.chat_template import ChatTemplateError, render_chat
+    tokenizer = load_tokenizer(str(with_template(LOOP)))
+    caught = []
+
+    def render():
+        try:
+            render_chat(tokenizer, [{"role": "user", "content": "x"}], "m")
+        except ChatTemplateError as e:
+            caught.append(str(e))
+    thread = threading.Thread(target=render)
+    thread.start()
+    thread.join(120)
+    assert not thread.is_alive() and caught and "ran for over 0.5 s" in caught[0]
+
+
+def test_the_callers_own_alarm_and_handler_are_kept(with_template):
+    import signal
+    from flexh2o.chat_template import render_chat
+    tokenizer = load_tokenizer(str(with_template("{{ messages[0].content }}")))
+    mine = lambda *a: None  # noqa: E731
+    before = signal.signal(signal.SIGALRM, mine)
+    signal.setitimer(signal.ITIMER_REAL, 1000)
+    try:
+        assert render_chat(tokenizer, [{"role": "user", "content": "the cat"}], "m") == "the cat"
+        assert signal.getsignal(signal.SIGALRM) is mine and 0 < signal.getitimer(signal.ITIMER_REAL)[0] <= 1000
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
