@@ -80,5 +80,8 @@ def token_ids(name: str, value, vocab_size: int, special=()):
 
 
 def shown(value) -> str:
+    """A value as an error message quotes it: at most 80 characters."""
+    if isinstance(value, int) and abs(value) >= 10 ** 30:
+        return f"an integer of {len(str(value))} digits"
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."

@@ -279,8 +279,8 @@ class Engine:
         True ends it (as EOS does).
         """
         policy, spec = self.policy, self.spec
-        check_generate_arguments(spec.vocab_size, do_sample, temperature, top_k, top_p, seed, eos_token_id, pad_token_id,
-                                 output_scores, progress, stop_check)
+        check_generate_arguments(spec.vocab_size, do_sample, temperature, top_k, top_p, seed, eos_token_id,
+                                 pad_token_id, output_scores, progress, stop_check)
         check_token_ids("input_ids", input_ids, spec.vocab_size)
         if input_ids.dim() != 2 or input_ids.shape[0] != policy.batch_size or input_ids.shape[1] == 0:
             raise UsageError("input_ids", f"must be [gpu_batch_size * num_gpu_batches = {policy.batch_size}, "

@@ -151,8 +151,9 @@ def llm(tiny_models, tmp_path_factory):
     vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3, **{w: 4 + i for i, w in enumerate(["the", "cat", "sat"])}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    template = "{% for m in messages %}{{ m.content }} {% endfor %}"
     PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
-                            chat_template="{% for m in messages %}{{ m.content }} {% endfor %}").save_pretrained(directory)
+                            chat_template=template).save_pretrained(directory)
     with LLM(str(directory), gpu_batch_size=2, dtype=torch.float32) as model:
         yield model
 

@@ -22,6 +22,7 @@ import math
 import os
 from dataclasses import dataclass
 
+from ..api_checks import shown
 from ..chat_template import ChatTemplateError, render_chat
 from ..errors import UsageError, check_regular_file
 from ..prompts import template_source
@@ -107,11 +108,6 @@ def _number(record: dict, key: str, kind, default, low, high, low_open=False):
     if not math.isfinite(value) or value > high or value < low or (low_open and value == low):
         raise BadRecord(f"{key} must be within {'(' if low_open else '['}{low}, {high}], got {value!r}")
     return kind(value)
-
-
-def shown(value) -> str:
-    text = repr(value) if not isinstance(value, int) or abs(value) < 10 ** 30 else f"an integer of {len(str(value))} digits"
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def check_text(name: str, text: str):
