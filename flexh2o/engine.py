@@ -2,12 +2,15 @@
 
 import dataclasses
 import functools
+import math
 import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
+from .api_checks import number, shown, switch, text, token_ids, whole
 from .disk import DiskStore
 from .offload_dir import check_offload_dir
 from .errors import UsageError
@@ -18,7 +21,7 @@ from .models import eos_ids, is_gguf, resolve_model, with_stored_formats
 from .models.cached_attention import CachedAttention
 from .pipeline import StageSchedule, model_slices
 from .policy import Policy
-from .sampling import Sampler, check_seed
+from .sampling import MAX_SEED, Sampler, check_seed
 from .schedule import Schedule
 from .sequences import Sequences
 from .tiers import Tiers
@@ -92,6 +95,20 @@ def check_token_ids(name: str, ids, vocab_size: int):
         raise UsageError(name, f"holds token ids outside the vocabulary [0, {vocab_size}): {outside[:3].tolist()}")
 
 
+def check_generate_arguments(vocab_size: int, do_sample, temperature, top_k, top_p, seed, eos_token_id, pad_token_id,
+                             output_scores, progress, stop_check):
+    for name, value in (("do_sample", do_sample), ("output_scores", output_scores), ("progress", progress)):
+        switch(name, value)
+    number("temperature", temperature, 0, math.inf, low_open=True)
+    whole("top_k", top_k, 0)
+    number("top_p", top_p, 0, 1, low_open=True)
+    whole("seed", seed, 0, MAX_SEED, none=True)
+    token_ids("eos_token_id", eos_token_id, vocab_size, special=(-1,))
+    whole("pad_token_id", pad_token_id, 0, vocab_size - 1, none=True)
+    if stop_check is not None and not callable(stop_check):
+        raise UsageError("stop_check", f"must be a function (row, tokens) -> bool, or None, got {shown(stop_check)}")
+
+
 def one_call_at_a_time(method):
     """An engine method run under the engine's lock, refused once the engine is closed: one run at a
     time owns the caches, the pool and the I/O threads."""
@@ -123,6 +140,9 @@ class Engine:
         self.last_stats: GenerationStats | None = None
         self._calls = threading.Lock()
         self.closed = False
+        # An engine dropped without close() closes its tiers (I/O threads, offload files) when it is
+        # collected, or at exit; the finalizer holds the tiers, never the engine.
+        self._finalizer = weakref.finalize(self, tiers.close)
         self.projected: dict | None = None  # the pre-flight projection per tier of the last generate call
         self.stage = None  # a pipeline stage's (pipeline.py): this process runs a slice of the layers
         self.cache_spec = spec  # the spec whose layer count the cache's pre-flight counts (a stage's slice)
@@ -143,7 +163,13 @@ class Engine:
         A policy that does not fit is blamed on `placement_flag` (the CLI's placement flags).
         before_loading(), if given, runs once the pre-flight passed (the CLI's note of what goes where).
         stage: a pipeline.Stage: only that stage's slice of the layers is loaded (pipeline.py)."""
+        if policy is not None and not isinstance(policy, Policy):
+            raise UsageError("policy", f"must be a flexh2o.Policy (or None: the default one), got {shown(policy)}")
         policy = policy or Policy()
+        whole("seed", seed, 0, MAX_SEED)
+        text("offload_dir", offload_dir, none=True)
+        for name, value in (("dummy", dummy), ("progress", progress), ("bypass_page_cache", bypass_page_cache)):
+            switch(name, value)
         device = parse_device(device or default_device())
         dtype = parse_dtype(dtype) if dtype is not None else default_dtype(device)
         act_tier(policy)
@@ -224,7 +250,7 @@ class Engine:
         call another thread is running)."""
         with self._calls:
             self.closed = True
-            self.tiers.close()
+            self._finalizer()
 
     def __enter__(self):
         return self
@@ -254,6 +280,8 @@ class Engine:
         True ends it (as EOS does).
         """
         policy, spec = self.policy, self.spec
+        check_generate_arguments(spec.vocab_size, do_sample, temperature, top_k, top_p, seed, eos_token_id,
+                                 pad_token_id, output_scores, progress, stop_check)
         check_token_ids("input_ids", input_ids, spec.vocab_size)
         if input_ids.dim() != 2 or input_ids.shape[0] != policy.batch_size or input_ids.shape[1] == 0:
             raise UsageError("input_ids", f"must be [gpu_batch_size * num_gpu_batches = {policy.batch_size}, "

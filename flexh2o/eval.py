@@ -108,7 +108,7 @@ def evaluate(args) -> dict:
     if tokenizer is None:
         raise UsageError("--model", f"{args.model} has no tokenizer files: the text cannot be tokenized")
     if args.json_out:
-        check_output_file("--json-out", args.json_out)
+        check_output_file("--json-out", args.json_out, inputs=(args.text,))
     tokens = tokenizer(read_text(args.text), add_special_tokens=False)["input_ids"]
     windows = text_windows(tokens, args.windows, args.prompt_len, args.eval_len, args.offset)
     device = args.device or default_device()

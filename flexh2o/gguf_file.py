@@ -21,6 +21,8 @@ NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np
 PLAIN = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16, "I32": np.int32,
          "I64": np.int64}
 DEFAULT_ALIGNMENT = 32
+MAX_ALIGNMENT = 1 << 20
+MAX_DIMS = 8  # ggml's tensors have at most 4; a larger count is a corrupt header
 
 
 class GGUFFormatError(ValueError):
@@ -61,6 +63,10 @@ def read_layout(path: str) -> Layout:
     if version not in (2, 3):
         raise GGUFFormatError(f"GGUF version {version} (versions 2 and 3 are read)")
     tensor_count, kv_count = reader.scalar(10), reader.scalar(10)
+    left = len(blob) - reader.pos
+    for what, count, least in (("tensors", tensor_count, 8 + 4 + 4 + 8), ("metadata items", kv_count, 8 + 4)):
+        if count * least > left:  # each takes at least `least` bytes
+            raise GGUFFormatError(f"its header counts {count} {what}, more than its {len(blob)} bytes can hold")
     metadata = {}
     for _ in range(kv_count):
         key = reader.string()
@@ -68,9 +74,16 @@ def read_layout(path: str) -> Layout:
     table = []
     for _ in range(tensor_count):
         name = reader.string()
-        dims = tuple(reader.scalar(10) for _ in range(reader.scalar(4)))
+        n_dims = reader.scalar(4)
+        if n_dims > MAX_DIMS:
+            raise GGUFFormatError(f"tensor {name!r} has {n_dims} dimensions (at most {MAX_DIMS})")
+        dims = tuple(reader.scalar(10) for _ in range(n_dims))
         table.append((name, dims, reader.scalar(4), reader.scalar(10)))
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if isinstance(alignment, (bool, np.bool_)) or not isinstance(alignment, (int, np.integer)) or \
+            not 0 < alignment <= MAX_ALIGNMENT or alignment & (alignment - 1):
+        raise GGUFFormatError(f"general.alignment is {alignment!r}: a power of two up to {MAX_ALIGNMENT} is accepted")
+    alignment = int(alignment)
     start = -(-reader.pos // alignment) * alignment
     tensors = []
     for name, dims, type_id, offset in table:
@@ -80,6 +93,8 @@ def read_layout(path: str) -> Layout:
             raise GGUFFormatError(f"tensor {name!r} has an unknown type {type_id}") from None
         block, block_bytes = GGML_QUANT_SIZES[kind]
         count = math.prod(dims)
+        if dims and dims[0] % block:
+            raise GGUFFormatError(f"tensor {name!r} has rows of {dims[0]} values, not whole blocks of {block}")
         nbytes = count * block_bytes // block
         first = start + offset
         if first + nbytes > len(blob):

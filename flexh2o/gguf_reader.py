@@ -212,7 +212,7 @@ def _open_reader(path) -> Layout:
         raise UsageError(FLAG, "reading GGUF files needs the gguf package: pip install 'flexh2o[models]'") from None
     try:
         return read_layout(path)
-    except (ValueError, IndexError, KeyError, TypeError, OSError, struct.error) as err:
+    except (ValueError, IndexError, KeyError, TypeError, ArithmeticError, OSError, struct.error) as err:
         reason = " ".join(str(err).split()) or type(err).__name__
         raise UsageError(FLAG, f"{path} is not a readable GGUF file ({reason})") from None
 

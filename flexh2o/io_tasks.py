@@ -71,11 +71,12 @@ class IOThreads:
         self._group = None    # [(fn, future, lane)] queued inside group(), not yet handed off
         self._queues = {LOAD: deque(), STORE: deque()}  # handed off, not yet taken by a thread
         self._ready = threading.Condition()
-        self._running = 0     # tasks taken by a thread and not yet finished
-        # An engine never closed (or one whose close was cut short) still stops its threads before
-        # the interpreter shuts down: a thread running then could end the process in a fatal-error dump.
-        weakref.finalize(self, self.close, EXIT_JOIN_SECONDS)
-        self._closed = False
+        self._state = _State()
+        # An engine never closed (or one whose close was cut short) still stops its threads: when it
+        # is collected, or before the interpreter shuts down (a thread running then could end the
+        # process in a fatal-error dump). The threads and the finalizer hold the queues and the
+        # state, never this object, so that dropping it is what collects it.
+        weakref.finalize(self, _stop, self._ready, self._queues, self._state, self.workers, EXIT_JOIN_SECONDS)
 
     def submit(self, fn, store: bool = False) -> Future:
         """Queues fn, a load or a store (inside group(): with the group's other tasks), and returns
@@ -107,7 +108,8 @@ class IOThreads:
         # leave close() joining a thread never started (a RuntimeError instead of a clean exit).
         lanes = [LOAD] * self.threads + [STORE] * self.threads
         for n in range(len(self.workers), len(lanes)):
-            worker = threading.Thread(target=self._work, args=(lanes[n],), name=f"flexh2o-io-{n}", daemon=True)
+            worker = threading.Thread(target=_work, args=(self._ready, self._queues[lanes[n]], self._state),
+                                      name=f"flexh2o-io-{n}", daemon=True)
             worker.start()
             self.workers.append(worker)
         with self._ready:
@@ -116,59 +118,71 @@ class IOThreads:
                 self._queues[lane].append((fn, future))
             self._ready.notify_all()
 
-    def _work(self, lane: str):
-        """A thread takes its lane's queued tasks one at a time, oldest first: the loads of one group
-        run on the load threads at once (two disk reads in flight read faster than one), and a task
-        only ever waits for one queued before it in its lane, which has been taken already, or (a
-        load) for a store, which the store threads run."""
-        queue = self._queues[lane]
-        while True:
-            with self._ready:
-                while not queue and not self._closed:
-                    self._ready.wait()
-                if not queue:
-                    return
-                fn, future = queue.popleft()
-                if not future.set_running_or_notify_cancel():
-                    continue
-                self._running += 1
-            try:
-                result = fn()
-            except BaseException as e:  # the waiter gets it, as from a task of its own
-                future.set_exception(e)
-            else:
-                future.set_result(result)
-            finally:
-                with self._ready:
-                    self._running -= 1
-                    self._ready.notify_all()
-
-    def _take_queued(self) -> list:
-        """Empties the queues (the caller holds the lock): the tasks not started."""
-        left = [task for queue in self._queues.values() for task in queue]
-        for queue in self._queues.values():
-            queue.clear()
-        return left
-
     def abandon(self):
         """Cancels the tasks not started (their wait() raises) and waits for the running ones;
         the threads stay for a later run."""
         with self._ready:
-            left = self._take_queued()
+            left = _take_queued(self._queues)
         for _, future in left:
             future.cancel()
         with self._ready:
-            while self._running:
+            while self._state.running:
                 self._ready.wait()
 
     def close(self, timeout: float | None = None):
         """Waits for the running tasks (at most `timeout` seconds per thread); those not started are
         cancelled (their wait() raises)."""
-        with self._ready:
-            left = self._take_queued()
-            self._closed = True
-            self._ready.notify_all()
-        for _, future in left:
-            future.cancel()
-        for worker in self.workers:
+        _stop(self._ready, self._queues, self._state, self.workers, timeout)
+
+
+class _State:
+    running = 0     # tasks taken by a thread and not yet finished
+    closed = False
+
+
+def _take_queued(queues: dict) -> list:
+    """Empties the queues (the caller holds the lock): the tasks not started."""
+    left = [task for queue in queues.values() for task in queue]
+    for queue in queues.values():
+        queue.clear()
+    return left
+
+
+def _stop(ready, queues: dict, state: _State, workers: list, timeout: float | None):
+    with ready:
+        left = _take_queued(queues)
+        state.closed = True
+        ready.notify_all()
+    for _, future in left:
+        future.cancel()
+    for worker in workers:
+        if worker is not threading.current_thread():  # (collected on a worker thread: it ends once this returns)
             worker.join(timeout)
+
+
+def _work(ready, queue, state: _State):
+    """A thread takes its lane's queued tasks one at a time, oldest first: the loads of one group
+    run on the load threads at once (two disk reads in flight read faster than one), and a task
+    only ever waits for one queued before it in its lane, which has been taken already, or (a
+    load) for a store, which the store threads run."""
+    while True:
+        with ready:
+            while not queue and not state.closed:
+                ready.wait()
+            if not queue:
+                return
+            fn, future = queue.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            state.running += 1
+        try:
+            result = fn()
+        except BaseException as e:  # the waiter gets it, as from a task of its own
+            future.set_exception(e)
+        else:
+            future.set_result(result)
+        finally:
+            with ready:
+                state.running -= 1
+                ready.notify_all()
+

@@ -3,8 +3,11 @@
 lm-evaluation-harness's own `lm_eval run`, with flexh2o as the model: every request goes through
 the engine's cache (evictions, compression, offloading included). Every lm_eval flag is taken as
 lm_eval takes it; this command adds `--model flexh2o`, `--batch_size auto` (flexh2o's default
-gpu-batch, 16) unless a batch size is given, and the project's offline tasks (configs/tasks) as
-`--include_path` unless one is given. Plain `lm_eval --model flexh2o` cannot work: lm-eval finds
+gpu-batch, 16) unless a batch size is given, `--device` as flexh2o chooses it (CUDA when available,
+else the CPU) unless a device is given (as --device or as model_args device, not two different
+ones), and the project's offline tasks (configs/tasks) as `--include_path` unless one is given.
+--tasks and --limit are checked first: a missing or unknown task or a limit that takes no example
+is one line. Plain `lm_eval --model flexh2o` cannot work: lm-eval finds
 models only among its own modules or ones imported before it runs, so this command imports
 flexh2o's first (flexh2o/harness/model.py registers it) and then runs lm-eval's command line.
 
@@ -46,12 +49,88 @@ def given(argv: list, *flags) -> bool:
     return any(a in flags or a.split("=", 1)[0] in flags for a in argv)
 
 
+def values(argv: list, *flags, many: bool = True) -> list | None:
+    """The values given to `flags` (`--flag V...` or `--flag=V`), each split at commas; None if not given.
+    many: a flag takes every word up to the next flag (else only the next word)."""
+    found = None
+    for n, a in enumerate(argv):
+        name, eq, value = a.partition("=")
+        if name not in flags:
+            continue
+        found = found if found is not None else []
+        words = [value] if eq else []
+        for word in ([] if eq else argv[n + 1:]):
+            if (word.startswith("-") and not is_number(word)) or (words and not many):
+                break
+            words.append(word)
+        found += [part.strip() for word in words for part in word.split(",")]
+    return found
+
+
+def is_number(word: str) -> bool:
+    try:
+        float(word)
+        return True
+    except ValueError:
+        return False
+
+
+def check_tasks_and_limit(argv: list):
+    tasks = values(argv, "--tasks", "-t")
+    if not tasks or not any(tasks):
+        raise UsageError("--tasks", "give one or more task names (`lm-eval ls tasks` lists them; this project's "
+                         "offline ones are in configs/tasks)")
+    limit = values(argv, "--limit", "-L", many=False)
+    if limit is not None:
+        text = limit[0] if limit else ""
+        try:
+            number = float(text)
+        except ValueError:
+            number = float("nan")
+        if not (number > 0 and number != float("inf")) or (number > 1 and number != int(number)):
+            raise UsageError("--limit", f"takes a number of examples (1 or more) or a fraction of them (above 0, "
+                             f"below 1), got {text!r}")
+
+
+def device_argv(argv: list) -> list:
+    """The arguments with one device: model_args device and --device agree (and --device then goes,
+    lm-eval would pass the model two), or flexh2o's default device is added where neither is given."""
+    model_args = values(argv, "--model_args", "-a") or []
+    in_model_args = [a.split("=", 1)[1].strip() for a in model_args if a.split("=", 1)[0].strip() == "device"]
+    flag = values(argv, "--device", many=False)
+    if flag is not None and (len(flag) != 1 or not flag[0]):
+        raise UsageError("--device", "give one device: cpu, cuda or cuda:N")
+    if in_model_args and flag is not None:
+        if in_model_args[-1] != flag[0]:
+            raise UsageError("--device", f"is {flag[0]}, model_args device is {in_model_args[-1]}: give one of "
+                             "them, or the same device in both")
+        return without(argv, "--device")
+    if not in_model_args and flag is None:
+        from .engine import default_device
+        return [*argv, "--device", default_device()]
+    return argv
+
+
+def without(argv: list, flag: str) -> list:
+    """argv less `flag` and its one value."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == flag:
+            skip = True
+        elif not a.startswith(flag + "="):
+            out.append(a)
+    return out
+
+
 def harness_argv(argv: list) -> list:
     """lm_eval's `run` arguments for this command's."""
     if given(argv, "--model"):
         raise UsageError("--model", "this command runs lm-eval with --model flexh2o; give the model as "
                          "--model_args model=PATH")
-    out = ["run", "--model", "flexh2o", *argv]
+    check_tasks_and_limit(argv)
+    out = ["run", "--model", "flexh2o", *device_argv(argv)]
     if not given(argv, "--batch_size", "-b"):
         out += ["--batch_size", "auto"]
     if not given(argv, "--include_path") and os.path.isdir(TASKS_DIR):
@@ -80,7 +159,13 @@ def main(argv=None) -> int:
     os.register_at_fork(after_in_child=default_signals)
     try:
         sys.argv = ["lm_eval", *harness_argv(argv)]
-        cli_evaluate()
+        try:
+            cli_evaluate()
+        except ValueError as e:  # lm-eval's word for tasks it cannot find (its other errors are its own)
+            if not isinstance(e, UsageError) and str(e).startswith("Tasks not found:"):
+                raise UsageError("--tasks", f"unknown task(s) {str(e).split(':', 1)[1].strip()}: `lm-eval ls tasks` "
+                                 "lists them; this project's offline ones are in configs/tasks") from None
+            raise
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

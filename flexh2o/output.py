@@ -39,8 +39,28 @@ def refusal(path: str) -> str | None:
     return f"is {kind}, which writing would replace: give a regular file or a new path"
 
 
-def check_output_file(flag: str, path: str, min_free: int = MIN_FREE):
-    """Before a run: `path` can be written atomically and its directory has room."""
+def identity(path: str):
+    """(device, inode) of the file at `path` (links followed), or None where there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def check_not_input(flag: str, path: str, inputs):
+    """Refuses an output that is one of the run's input files under any spelling (`..`, a link)."""
+    written = identity(path)
+    for source in inputs:
+        if source and written is not None and identity(source) == written:
+            raise UsageError(flag, f"{path} is the input file {source} (the same file under another name): "
+                             "writing it would destroy the input; give another path")
+
+
+def check_output_file(flag: str, path: str, min_free: int = MIN_FREE, inputs=()):
+    """Before a run: `path` can be written atomically, is none of the run's `inputs`, and its
+    directory has room."""
+    check_not_input(flag, path, inputs)
     reason = refusal(path)
     if reason:
         raise UsageError(flag, f"{path} {reason}")

@@ -23,13 +23,22 @@ def load_tokenizer(directory: str | None):
     """The tokenizer next to a model's weights: in its directory, or in its GGUF file; None if none."""
     if directory is not None and directory.lower().endswith(".gguf"):
         from .gguf_reader import tokenizer
-        return tokenizer(directory)
+        return with_source(tokenizer(directory), directory)
     if directory is None or not any(os.path.exists(os.path.join(directory, f)) for f in TOKENIZER_FILES):
         return None
     for f in TOKENIZER_FILES:
         check_regular_file(os.path.join(directory, f), "--model/--path")
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(directory)
+    from .tokenizer_files import load_directory_tokenizer
+    return with_source(load_directory_tokenizer(directory), directory)
+
+
+def with_source(tokenizer, source: str):
+    tokenizer.flexh2o_source = source  # what its chat template's errors name
+    return tokenizer
+
+
+def template_source(tokenizer) -> str:
+    return getattr(tokenizer, "flexh2o_source", None) or getattr(tokenizer, "name_or_path", None) or "the model"
 
 
 def read_utf8(path: str, flag: str, limit: int, what: str) -> str:
@@ -66,8 +75,11 @@ def read_lines(path: str) -> list[str]:
 
 def chat_turn(tokenizer, line: str) -> str:
     """A prompt as one user turn in the tokenizer's chat template, ready for the assistant's reply."""
-    return tokenizer.apply_chat_template([{"role": "user", "content": line}], tokenize=False,
-                                         add_generation_prompt=True)
+    from .chat_template import ChatTemplateError, render_chat
+    try:
+        return render_chat(tokenizer, [{"role": "user", "content": line}], template_source(tokenizer))
+    except ChatTemplateError as e:
+        raise UsageError("--chat", str(e)) from None
 
 
 def read_prompts(path: str, tokenizer, batch: int, prompt_len: int, chat: bool = False) -> list[list[int]]:

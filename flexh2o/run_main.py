@@ -21,7 +21,8 @@ from .report import build_report, format_report
 from .distributed import world_from_env
 from .stage_link import LinkError
 from .signals import kept_line
-from .jobs.cli import check_job_flags, run_job
+from .jobs.cli import check_job_flags, check_job_names, run_job
+from .jobs.files import WriteFailed
 from .run_world import run_in_world
 from .run_setup import choose_policy, dtype_name, load_engine
 from .optimizer.cost_model import predict
@@ -70,6 +71,10 @@ def run_parsed(args) -> int:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except WriteFailed as e:  # a dataset job's output: what it wrote before is whole, and resumable
+        print(f"error: {e}; the records written before it are kept: run the same command again once it can be "
+              "written to finish the job", file=sys.stderr)
+        return 1
     except LinkError as e:  # a pipeline stage lost the rank it sends to or receives from
         print(f"error: {e}; this rank stopped: {kept_line()} and its offload files removed", file=sys.stderr)
         return 1
@@ -104,7 +109,10 @@ def run(args) -> int:
     spec, weights_dir = resolve_model(args.model, args.path)
     for flag in ("json_out", "output"):
         if getattr(args, flag):
-            check_output_file(f"--{flag.replace('_', '-')}", getattr(args, flag))
+            check_output_file(f"--{flag.replace('_', '-')}", getattr(args, flag),
+                              inputs=(args.input, args.prompts_file))
+    if args.input:
+        check_job_names(args)
     if args.offload_dir is not None:
         check_offload_dir(args.offload_dir)
     world = world_from_env(args.pipeline_stages)

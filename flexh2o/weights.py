@@ -51,11 +51,56 @@ def is_norm(name: str) -> bool:
     return "layer_norm" in name or "layernorm" in name or name == "norm.weight"
 
 
-def safetensors_ranges(file: str) -> dict:
+MAX_HEADER = 100 << 20  # bytes of a safetensors JSON header (the safetensors package's own limit)
+
+
+class DuplicateKey(Exception):
+    pass
+
+
+def unique_keys(pairs):
+    keys = set()
+    for key, _ in pairs:
+        if key in keys:
+            raise DuplicateKey(key)
+        keys.add(key)
+    return dict(pairs)
+
+
+def safetensors_header(file: str, flag: str) -> tuple[dict, int]:
+    """(the JSON header of a safetensors file, its size in bytes), checked as data: a header that is
+    cut short, larger than the file or MAX_HEADER, not JSON, nested too deeply or giving one key twice
+    is a one-line UsageError naming the file."""
+    def bad(reason):
+        return UsageError(flag, f"weights file {file} is not a valid safetensors file: {reason}")
+    try:
+        with open(file, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise bad(f"it holds {len(prefix)} bytes, less than its header's 8-byte length")
+            size, room = struct.unpack("<Q", prefix)[0], os.fstat(f.fileno()).st_size - 8
+            if size > min(room, MAX_HEADER):
+                raise bad(f"its header's length is {size} bytes, more than the {room} bytes after it"
+                          if size > room else f"its header's length is {size} bytes, over {MAX_HEADER >> 20} MB")
+            text = f.read(size)
+    except OSError as e:
+        raise UsageError(flag, f"cannot read weights file {file}: {e.strerror}") from None
+    try:
+        header = json.loads(text, object_pairs_hook=unique_keys)
+    except DuplicateKey as e:
+        raise bad(f"its header gives the key {str(e)[:100]!r} twice") from None
+    except RecursionError:
+        raise bad("its header is JSON nested too deeply") from None
+    except ValueError as e:
+        raise bad(f"its header is not JSON ({' '.join(str(e).split())[:200]})") from None
+    if not isinstance(header, dict):
+        raise bad("its header is not a JSON object")
+    return header, size
+
+
+def safetensors_ranges(file: str, flag: str = "--path") -> dict:
     """name -> (offset, length) of each tensor's bytes in a safetensors file, from its JSON header."""
-    with open(file, "rb") as f:
-        size = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(size))
+    header, size = safetensors_header(file, flag)
     return {name: (8 + size + info["data_offsets"][0], info["data_offsets"][1] - info["data_offsets"][0])
             for name, info in header.items() if name != "__metadata__"}
 
@@ -63,18 +108,16 @@ def safetensors_ranges(file: str) -> dict:
 def checkpoint_formats(directory: str, flag: str = "--path") -> dict:
     """canonical name -> F16 or BF16 of each 16-bit matrix of a directory's safetensors files that
     gguf_blocks takes as stored, read from their JSON headers alone. A file that is not a regular
-    one is refused (naming `flag`); one whose header does not parse is left to CheckpointWeights
-    to report."""
+    one is refused (naming `flag`), and so is one whose header is not valid (safetensors_header);
+    entries of other shapes are left to CheckpointWeights to report."""
     out = {}
     for file in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):
         check_regular_file(file, flag)
+        header, _ = safetensors_header(file, flag)
         try:
-            with open(file, "rb") as f:
-                size = struct.unpack("<Q", f.read(8))[0]
-                header = json.loads(f.read(size)) if size <= os.fstat(f.fileno()).st_size else {}
             out.update({canonical_name(name): info["dtype"] for name, info in header.items()
                         if name != "__metadata__" and info["dtype"] in SIXTEEN_BIT and holds(info["dtype"], info["shape"])})
-        except (OSError, ValueError, struct.error, TypeError, KeyError, AttributeError):
+        except (ValueError, TypeError, KeyError, AttributeError):
             continue
     return out
 
@@ -108,9 +151,12 @@ class CheckpointWeights:
         check_regular_file(file, self.flag)
         try:
             if self.format == "safetensors":
+                safetensors_header(file, self.flag)  # checked here: the package's own parser takes duplicate keys
                 from safetensors import safe_open
                 return safe_open(file, framework="pt")
             return load_bin(file)
+        except UsageError:
+            raise
         except pickle.UnpicklingError as e:
             if "GLOBAL" in str(e):  # weights_only=True met a class or function to call: never run it
                 raise UsageError(self.flag, f"weights file {file} holds objects other than tensors and was "
@@ -175,7 +221,7 @@ class CheckpointWeights:
                 wanted.setdefault(file, []).append(stored)
         for file, stored in wanted.items():
             if file not in self._ranges:
-                self._ranges[file] = safetensors_ranges(file)
+                self._ranges[file] = safetensors_ranges(file, self.flag)
             fd = os.open(file, os.O_RDONLY)
             try:
                 for offset, length in (self._ranges[file][s] for s in stored):

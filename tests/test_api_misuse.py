@@ -1,13 +1,16 @@
-"""The Python API refuses bad arguments with a UsageError naming them, runs calls from several
-threads one at a time, and refuses a closed engine."""
+"""The Python API refuses bad arguments with a UsageError naming them (their type and their range), runs calls
+from several threads one at a time, refuses a closed engine, releases an engine dropped without close(), and shows
+a large generate call's progress."""
 
+import gc
 import os
 import threading
 
 import pytest
 import torch
 
-from flexh2o import Engine, Policy, UsageError
+from flexh2o import LLM, Engine, Policy, UsageError
+from flexh2o.llm import CHUNK_BATCHES
 from conftest import VOCAB, padded_batch
 
 
@@ -67,3 +70,165 @@ def test_a_closed_engine_is_refused(engine):
     engine.close()
     with pytest.raises(UsageError, match="the engine was closed"):
         engine.generate(torch.tensor([[5, 6, 7], [8, 9, 10]]), max_new_tokens=2)
+
+
+ENGINE_CALLS = {
+    "eos-a-string": (dict(eos_token_id="</s>"), "eos_token_id"),
+    "eos-outside-the-vocabulary": (dict(eos_token_id=[2, VOCAB]), "eos_token_id"),
+    "eos-a-bool": (dict(eos_token_id=True), "eos_token_id"),
+    "do-sample-a-string": (dict(do_sample="yes"), "do_sample"),
+    "temperature-zero": (dict(do_sample=True, temperature=0), "temperature"),
+    "temperature-a-string": (dict(temperature="hot"), "temperature"),
+    "top-k-fractional": (dict(top_k=1.5), "top_k"),
+    "top-p-above-one": (dict(top_p=1.5), "top_p"),
+    "seed-negative": (dict(seed=-3), "seed"),
+    "seed-a-string": (dict(seed="7"), "seed"),
+    "pad-negative": (dict(pad_token_id=-1), "pad_token_id"),
+    "stop-check-not-a-function": (dict(stop_check=5), "stop_check"),
+    "progress-a-string": (dict(progress="yes"), "progress"),
+}
+
+
+@pytest.mark.parametrize("case", list(ENGINE_CALLS))
+def test_a_bad_generate_setting_is_a_usage_error_naming_it(engine, case):
+    changes, name = ENGINE_CALLS[case]
+    with pytest.raises(UsageError) as e:
+        engine.generate(torch.tensor([[5, 6, 7], [8, 9, 10]]), max_new_tokens=2, **changes)
+    assert e.value.flag == name, e.value
+
+
+@pytest.mark.parametrize("changes, name", [
+    (dict(policy="h2o"), "policy"), (dict(policy={"gpu_batch_size": 2}), "policy"), (dict(seed="1"), "seed"),
+    (dict(seed=-1), "seed"), (dict(offload_dir=5), "offload_dir"), (dict(dummy="no"), "dummy"),
+], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={v[k]!r}" for k in v))
+def test_a_bad_engine_argument_is_a_usage_error_naming_it(tiny_models, changes, name):
+    with pytest.raises(UsageError) as e:
+        Engine.from_pretrained(tiny_models["tiny"][0], **changes)
+    assert e.value.flag == name
+
+
+LLM_ARGUMENTS = {
+    "weights-a-triple": (dict(weights=(100, 0, 0)), "weights"),
+    "weights-a-string": (dict(weights="gpu"), "weights"),
+    "cache-over-a-hundred": (dict(cache=(150, 0)), "cache"),
+    "weights-and-cache-sum": (dict(weights=(60, 60)), "weights/cache"),
+    "batch-a-string": (dict(gpu_batch_size="8"), "gpu_batch_size"),
+    "batch-a-bool": (dict(gpu_batch_size=True), "gpu_batch_size"),
+    "batch-zero": (dict(num_gpu_batches=0), "num_gpu_batches"),
+    "hh-ratio-a-string": (dict(kv_policy="h2o", hh_ratio="0.2"), "hh_ratio"),
+    "kv-policy-unknown": (dict(kv_policy="lru"), "kv_policy"),
+    "compress-a-string": (dict(compress_weight="yes"), "compress_weight"),
+    "chat-a-number": (dict(chat=1), "chat"),
+    "seed-negative": (dict(seed=-1), "seed"),
+    "seed-a-float": (dict(seed=1.5), "seed"),
+    "offload-dir-a-number": (dict(offload_dir=5), "offload_dir"),
+    "path-empty": (dict(path=""), "path"),
+}
+
+
+@pytest.mark.parametrize("case", list(LLM_ARGUMENTS))
+def test_a_bad_llm_argument_is_a_usage_error_naming_it(model_with_tokenizer, case):
+    changes, name = LLM_ARGUMENTS[case]
+    with pytest.raises(UsageError) as e:
+        LLM(str(model_with_tokenizer), **changes)
+    assert e.value.flag == name, e.value
+
+
+def test_a_model_that_is_not_a_string_is_named():
+    for model in (None, 123, ["m"]):
+        with pytest.raises(UsageError) as e:
+            LLM(model)
+        assert e.value.flag == "model"
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models, tmp_path_factory):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    directory = tmp_path_factory.mktemp("llm")
+    for f in os.listdir(tiny_models["tiny"][0]):
+        os.symlink(os.path.join(tiny_models["tiny"][0], f), directory / f)
+    vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3, **{w: 4 + i for i, w in enumerate(["the", "cat", "sat"])}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    template = "{% for m in messages %}{{ m.content }} {% endfor %}"
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
+                            chat_template=template).save_pretrained(directory)
+    with LLM(str(directory), gpu_batch_size=2, dtype=torch.float32) as model:
+        yield model
+
+
+GENERATE_ARGUMENTS = {
+    "prompts-one-string": (dict(prompts="the cat"), "prompts"),
+    "prompts-one-chat": (dict(prompts=[{"role": "user", "content": "the cat"}]), "prompts"),
+    "prompts-a-number": (dict(prompts=5), "prompts"),
+    "prompt-empty": (dict(prompts=["the", ""]), "prompts"),
+    "prompt-none": (dict(prompts=[None]), "prompts"),
+    "message-without-content": (dict(prompts=[[{"role": "user"}]]), "prompts"),
+    "message-not-a-dict": (dict(prompts=[["the cat"]]), "prompts"),
+    "prompt-lone-surrogate": (dict(prompts=["the \udc00 cat"]), "prompts"),
+    "max-tokens-a-string": (dict(max_tokens="4"), "max_tokens"),
+    "max-tokens-zero": (dict(max_tokens=0), "max_tokens"),
+    "max-tokens-fractional": (dict(max_tokens=2.5), "max_tokens"),
+    "max-tokens-a-bool": (dict(max_tokens=True), "max_tokens"),
+    "stop-a-dict": (dict(stop={"a": 1}), "stop"),
+    "stop-empty": (dict(stop=""), "stop"),
+    "stop-an-empty-one": (dict(stop=["cat", ""]), "stop"),
+    "stop-too-many": (dict(stop=["a"] * 5), "stop"),
+    "stop-a-number": (dict(stop=[1]), "stop"),
+    "seed-negative": (dict(seed=-1), "seed"),
+    "seed-a-string": (dict(seed="1"), "seed"),
+    "temperature-negative": (dict(temperature=-1), "temperature"),
+    "temperature-nan": (dict(temperature=float("nan")), "temperature"),
+    "top-p-zero": (dict(top_p=0), "top_p"),
+    "top-k-negative": (dict(top_k=-1), "top_k"),
+    "progress-a-string": (dict(progress="yes"), "progress"),
+}
+
+
+@pytest.mark.parametrize("case", list(GENERATE_ARGUMENTS))
+def test_a_bad_llm_generate_argument_is_a_usage_error_naming_it(llm, case):
+    changes, name = GENERATE_ARGUMENTS[case]
+    args = dict(prompts=["the cat"], max_tokens=2) | changes
+    with pytest.raises(UsageError) as e:
+        llm.generate(**args)
+    assert e.value.flag == name, e.value
+
+
+def io_threads() -> list:
+    return [t for t in threading.enumerate() if t.name.startswith("flexh2o-io")]
+
+
+@pytest.mark.parametrize("cycle", [False, True])
+def test_an_engine_dropped_without_close_releases_its_threads_and_files(tiny_models, tmp_path, cycle):
+    before = io_threads()
+    policy = Policy(gpu_batch_size=2, w_gpu_percent=50, w_cpu_percent=0, cache_gpu_percent=0, cache_cpu_percent=0)
+    engine = Engine.from_pretrained(tiny_models["tiny"][0], policy=policy, dtype=torch.float32,
+                                    offload_dir=str(tmp_path))
+    engine.generate(torch.tensor([[5, 6, 7], [8, 9, 10]]), max_new_tokens=2)
+    assert len(io_threads()) > len(before) and os.listdir(tmp_path)
+    if cycle:
+        engine.me = engine  # collected by the garbage collector, not by its count of references
+    del engine
+    gc.collect()
+    assert io_threads() == before and os.listdir(tmp_path) == []
+
+
+def test_a_large_generate_call_shows_progress_and_does_linear_work(llm, monkeypatch, capsys):
+    batch = 2  # the llm fixture's (its engine's policy follows each block's own size)
+    n = 3 * CHUNK_BATCHES * batch + 1  # more than three chunks
+    calls = {"tokenize": 0, "generate": 0}
+
+    def counted(owner, name, key):
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, **k: (calls.__setitem__(key, calls[key] + 1), real(*a, **k))[1])
+    counted(type(llm.tokenizer), "__call__", "tokenize")
+    counted(Engine, "generate", "generate")
+    got = llm.generate(["the cat sat"] * n, max_tokens=1)
+    assert [c.index for c in got] == list(range(n))
+    assert calls["tokenize"] == 2 * n  # each prompt tokenized when checked and when its block runs
+    assert calls["generate"] == -(-n // batch)  # one engine call per block of 2
+    calls["generate"] = 0  # a call after one whose last block was short still runs blocks of 2
+    assert len(llm.generate(["the cat"] * 4 * batch, max_tokens=1, progress=False)) == 4 * batch
+    assert calls["generate"] == 4
+    assert f"{n}/{n}" in capsys.readouterr().err

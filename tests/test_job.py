@@ -179,7 +179,7 @@ def test_jsonl_records_carry_their_ids_and_settings(model_with_tokenizer, tmp_pa
     out = tmp_path / "out.jsonl"
     assert run(model_with_tokenizer, path, out, "--gpu-batch-size", "2", "--gen-len", "3", "--ordered") == 0
     got = [json.loads(line) for line in open(out)]
-    assert [r["id"] for r in got] == ["q1", "7", "q3"]  # --ordered: input order
+    assert [r["id"] for r in got] == ["q1", 7, "q3"]  # --ordered: input order; an integer id stays one
     assert [r["completion_tokens"] <= m for r, m in zip(got, (2, 3, 5))] == [True] * 3
 
 
@@ -212,7 +212,7 @@ def test_a_bad_record_is_refused_before_loading_naming_its_line(model_with_token
     assert not out.exists()
     assert run(model_with_tokenizer, path, out, "--skip-bad", "--gpu-batch-size", "1", "--gen-len", "2") == 0
     got = records(out)
-    assert got["line-2"]["error"]["line"] == 2 and "text" in got["1"]
+    assert got["line-2"]["error"]["line"] == 2 and "text" in got[1]
 
 
 def test_a_killed_job_resumes_to_what_an_uninterrupted_one_writes(model_with_tokenizer, mixed_prompts, tmp_path):

@@ -187,3 +187,53 @@ def test_lm_evals_own_batch_size_and_device_are_taken_and_values_typed():
     assert read_settings({"model": "m", "batch_size": 8, "gpu_batch_size": 4}).gpu_batch_size == 4
     s = read_settings({"model": "m", "compress_cache": "true", "hh_ratio": "0.1", "streamed": 0, "device": "cpu"})
     assert s.compress_cache is True and s.hh_ratio == 0.1 and s.kv_policy is None and s.streamed == 0
+
+
+@pytest.mark.parametrize("argv, flag, says", [
+    ([], "--tasks", "give one or more task names"),
+    (["--tasks"], "--tasks", "give one or more task names"),
+    (["--tasks", ""], "--tasks", "give one or more task names"),
+    (["--tasks", ","], "--tasks", "give one or more task names"),
+    (["--tasks", "no_such_task_of_flexh2o"], "--tasks", "unknown task(s) no_such_task_of_flexh2o"),
+    (["--tasks", "flexh2o_lastword,no_such_task_of_flexh2o"], "--tasks", "unknown task(s) no_such_task_of_flexh2o"),
+    (["--tasks", "flexh2o_lastword", "--limit", "0"], "--limit", "got '0'"),
+    (["--tasks", "flexh2o_lastword", "--limit", "-3"], "--limit", "got '-3'"),
+    (["--tasks", "flexh2o_lastword", "--limit=-0.5"], "--limit", "got '-0.5'"),
+    (["--tasks", "flexh2o_lastword", "--limit", "2.5"], "--limit", "got '2.5'"),
+    (["--tasks", "flexh2o_lastword", "--limit", "nan"], "--limit", "got 'nan'"),
+    (["--tasks", "flexh2o_lastword", "--limit", "inf"], "--limit", "got 'inf'"),
+    (["--tasks", "flexh2o_lastword", "--device", "cuda"], "--device", "is cuda, model_args device is cpu"),
+    (["--tasks", "flexh2o_lastword", "--device=cuda:1"], "--device", "is cuda:1, model_args device is cpu"),
+], ids=lambda v: v if isinstance(v, str) else " ".join(v) or "no tasks")
+def test_tasks_limit_and_device_are_one_line_before_any_weight_loads(word_models, monkeypatch, capsys, argv, flag,
+                                                                     says):
+    monkeypatch.setattr(Engine, "from_pretrained", lambda *a, **k: pytest.fail("weights loaded"))
+    code = command.main(["--model_args", f"model={word_models['llama']},device=cpu", *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith(f"error: {flag}: ") and says in err[-1], err[-1]
+
+
+@pytest.mark.parametrize("argv, device", [
+    (["--model_args", "model=m"], "the default"),
+    (["--model_args", "model=m,device=cpu"], None),
+    (["--model_args", "model=m,device=cpu", "--device", "cpu"], None),
+    (["--model_args", "model=m", "--device", "cpu"], "cpu"),
+    (["--model_args=model=m,device=cpu", "--device=cpu"], None),
+])
+def test_one_device_reaches_lm_eval(monkeypatch, argv, device):
+    """lm-eval's own default device (cuda) never does: flexh2o's is given where no device is."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = command.harness_argv([*argv, "--tasks", "t"])
+    given = [a.split("=", 1)[1] if "=" in a else out[n + 1] for n, a in enumerate(out) if a.split("=")[0] == "--device"]
+    assert given == ([] if device is None else ["cpu"])
+
+
+def test_the_readme_command_runs_without_cuda_and_without_device(word_models, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    loaded = []
+    real = Engine.from_pretrained
+    monkeypatch.setattr(Engine, "from_pretrained", lambda *a, **k: (loaded.append(k.get("device")), real(*a, **k))[1])
+    code = command.main(["--model_args", f"model={word_models['llama']},dtype=float32,kv_policy=h2o,hh_ratio=0.2,"
+                         "recent_ratio=0.2", "--tasks", "flexh2o_lastword", "--limit", "2"])
+    assert code == 0, capsys.readouterr().err
+    assert loaded and all(d == "cpu" for d in loaded)

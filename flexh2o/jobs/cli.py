@@ -7,6 +7,7 @@ job's longest block; then the weights load once, placed by that plan, and the bl
 block finishes.
 """
 
+import os
 import shlex
 import sys
 import time
@@ -16,16 +17,17 @@ from tqdm import tqdm
 from ..errors import UsageError
 from ..models import eos_ids
 from ..optimizer.planner import plan_capacities
-from ..output import write_json_atomic
+from ..output import identity, write_json_atomic
 from ..policy import placement_flag
 from ..prompts import load_tokenizer
 from ..run_setup import choose_policy, default_offload_dir, dtype_name, load_engine
 from ..signals import set_stop_outcome
 from .blocks import ROUND_TO, round_up
+from .files import OutputLock, WriteFailed, check_written_names
 from .format import formatter_for
 from .input import JobInput
 from .job import Job
-from .output import JobOutput
+from .output import JobOutput, settings_path
 from .plans import FixedPlan, SearchedPlans
 from .replicas import merge, part_paths, start_over
 
@@ -45,6 +47,19 @@ def check_job_flags(args):
     if args.batch is not None:
         raise UsageError("--batch", "is the one-block mode's; a job plans its blocks from --input's records "
                          "(--max-batch caps them)")
+
+
+def check_job_names(args):
+    """Before anything is written: every file the job writes is neither its input nor a link, a
+    directory or a FIFO, and --json-out is none of the job's own files."""
+    written = [args.output, settings_path(args.output), args.output + ".lock"]
+    check_written_names("--output", written, args.input)
+    if args.json_out:
+        check_written_names("--json-out", [args.json_out], args.input)
+        if identity(args.json_out) in {identity(p) for p in written} - {None} or \
+                os.path.abspath(args.json_out) in map(os.path.abspath, written):
+            raise UsageError("--json-out", f"{args.json_out} is one of the job's own files (--output "
+                             f"{args.output}, its settings or its lock): give another path")
 
 
 def job_settings(args, spec) -> dict:
@@ -67,7 +82,7 @@ def run_job(args, policy, spec, weights_dir, device, dtype, caps, planning: bool
     defaults = {"max_tokens": args.gen_len, "temperature": args.temperature if args.do_sample else 0.0,
                 "top_p": args.top_p, "top_k": args.top_k, "seed": None}
     job_input = JobInput(args.input, tokenizer, defaults, spec.max_positions, args.chat, args.skip_bad)
-    settings = job_settings(args, spec)
+    settings = {**job_settings(args, spec), "input_records": job_input.fingerprint}
     output = open_output(args, settings, job_input, replica)
     if all(e.id in output.done for e in job_input.entries):  # a finished job run again: the model is not loaded
         if args.ordered and replica is None:
@@ -113,11 +128,16 @@ def open_output(args, settings, job_input, replica) -> JobOutput:
         output = replica.open_output(settings, args.overwrite, all_ids)
         job_input.entries = replica.own(job_input.entries)
         return output
-    if args.overwrite:
-        start_over(args.output)
-    elif part_paths(args.output):
-        merge(args.output, settings, all_ids)
-    return JobOutput(args.output, settings, args.overwrite)
+    lock = OutputLock(args.output)  # before anything is removed or merged
+    try:
+        if args.overwrite:
+            start_over(args.output)
+        elif part_paths(args.output):
+            merge(args.output, settings, all_ids)
+        return JobOutput(args.output, settings, args.overwrite, lock)
+    except BaseException:
+        lock.release()
+        raise
 
 
 def first_on_node(replica, name: str, work):
@@ -161,7 +181,10 @@ def generate_all(args, engine, job_input, output, tokenizer, spec, plans, read_s
     if output.writes:  # (a middle pipeline stage's records hold no tokens)
         print(format_summary(summary, output.path), flush=True)
     if args.json_out and output.writes:
-        write_json_atomic(args.json_out, {"job": summary, "policy": engine.policy.to_dict()})
+        try:
+            write_json_atomic(args.json_out, {"job": summary, "policy": engine.policy.to_dict()})
+        except OSError as e:
+            raise WriteFailed(args.json_out, e) from None
     return 0
 
 

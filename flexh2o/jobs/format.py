@@ -12,17 +12,22 @@ import hashlib
 import time
 
 
+def given(entry):
+    """The record's id as the input gave it: an integer stays an integer."""
+    return entry.id if entry.given_id is None else entry.given_id
+
+
 def short_hash(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
 class PlainFormat:
     def result(self, entry, request, text, finish_reason, prompt_tokens, completion_tokens) -> dict:
-        return {"id": entry.id, "text": text, "finish_reason": finish_reason, "prompt_tokens": prompt_tokens,
+        return {"id": given(entry), "text": text, "finish_reason": finish_reason, "prompt_tokens": prompt_tokens,
                 "completion_tokens": completion_tokens}
 
     def error(self, entry) -> dict:
-        return {"id": entry.id, "error": {"line": entry.line, "message": entry.error}}
+        return {"id": given(entry), "error": {"line": entry.line, "message": entry.error}}
 
 
 class OpenAIFormat:
@@ -38,12 +43,12 @@ class OpenAIFormat:
                 "model": self.model, "choices": [choice],
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                           "total_tokens": prompt_tokens + completion_tokens}}
-        return {"id": "batch_req_" + short_hash(entry.id), "custom_id": entry.id,
+        return {"id": "batch_req_" + short_hash(entry.id), "custom_id": given(entry),
                 "response": {"status_code": 200, "request_id": short_hash("request:" + entry.id), "body": body},
                 "error": None}
 
     def error(self, entry) -> dict:
-        return {"id": "batch_req_" + short_hash(entry.id), "custom_id": entry.id, "response": None,
+        return {"id": "batch_req_" + short_hash(entry.id), "custom_id": given(entry), "response": None,
                 "error": {"code": "invalid_request", "message": f"line {entry.line}: {entry.error}"}}
 
 

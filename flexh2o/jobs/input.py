@@ -12,19 +12,27 @@ Three formats, told apart by the file's first non-blank line:
 `index_records` reads the file once, line by line: every record is checked and tokenized then,
 before any weight loads, and only its id, where it lies in the file and its length are kept, so
 memory stays flat however many records there are. A block's prompts are read again when it runs
-(`read_prompt`).
+(`read_prompt`), after checking that the file has not changed since. The reading also takes the
+file's fingerprint (its size and a hash of its bytes), which a resumed job must match.
 """
 
+import hashlib
 import json
 import math
+import os
 from dataclasses import dataclass
 
+from ..api_checks import shown
+from ..chat_template import ChatTemplateError, render_chat
 from ..errors import UsageError, check_regular_file
+from ..prompts import template_source
 from ..sampling import MAX_SEED
 
 FORMATS = ("text", "jsonl", "openai")
 OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")
 MAX_STOPS = 4
+MAX_LINE = 16 << 20  # bytes in one record: far beyond any model's context, short of exhausting memory
+MAX_ID = 1 << 63     # integer ids within a signed 64-bit integer
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +55,7 @@ class Entry:
     sampling: Sampling
     seed: int | None
     error: str | None = None  # a bad record kept by --skip-bad: what is wrong with it
+    given_id: int | None = None  # an integer id as the record gave it (`id` is its text), written back as is
 
 
 @dataclass
@@ -59,6 +68,7 @@ class Request:
     sampling: Sampling
     stop: tuple
     seed: int | None
+    given_id: int | None = None  # an integer id as given
 
 
 class BadRecord(ValueError):
@@ -92,10 +102,21 @@ def _number(record: dict, key: str, kind, default, low, high, low_open=False):
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-        raise BadRecord(f"{key} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+        raise BadRecord(f"{key} must be {'an integer' if kind is int else 'a number'}, got {shown(value)}")
+    if isinstance(value, int) and not -high <= value <= high:  # (beyond a float's range, math.isfinite raises)
+        raise BadRecord(f"{key} must be within [{low}, {high}], got {shown(value)}")
     if not math.isfinite(value) or value > high or value < low or (low_open and value == low):
         raise BadRecord(f"{key} must be within {'(' if low_open else '['}{low}, {high}], got {value!r}")
     return kind(value)
+
+
+def check_text(name: str, text: str):
+    """Refuses a string that no UTF-8 file can hold (a lone UTF-16 surrogate, from a \\ud800 escape)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRecord(f"{name} holds a lone UTF-16 surrogate ({text[e.start]!a} at character {e.start}), "
+                        "not text") from None
 
 
 def _stops(value) -> tuple:
@@ -103,7 +124,10 @@ def _stops(value) -> tuple:
         return ()
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOPS:
-        raise BadRecord(f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them, got {value!r}")
+        raise BadRecord(f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them, "
+                        f"got {shown(value)}")
+    for s in stops:
+        check_text("stop", s)
     return tuple(stops)
 
 
@@ -113,6 +137,8 @@ def _messages(value) -> list:
     for m in value:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise BadRecord("each message needs a string role and a string content")
+        check_text("a message's role", m["role"])
+        check_text("a message's content", m["content"])
     return value
 
 
@@ -126,6 +152,8 @@ def parse_record(text: str, fmt: str, line: int, defaults: dict) -> Request:
         record = json.loads(text)
     except ValueError as e:
         raise BadRecord(f"not valid JSON ({e.msg})") from None
+    except RecursionError:
+        raise BadRecord("JSON nested too deeply to be a record") from None
     if not isinstance(record, dict):
         raise BadRecord("a record must be a JSON object")
     if fmt == "openai":
@@ -147,16 +175,22 @@ def parse_record(text: str, fmt: str, line: int, defaults: dict) -> Request:
             raise BadRecord("give exactly one of prompt and messages")
         if messages is not None:
             messages = _messages(messages)
-    if isinstance(rid, bool) or not isinstance(rid, (str, int)) or (isinstance(rid, str) and not rid):
-        raise BadRecord(f"id must be a non-empty string or an integer, got {rid!r}")
+    if isinstance(rid, bool) or not isinstance(rid, (str, int)) or (isinstance(rid, str) and not rid) or \
+            (isinstance(rid, int) and not -MAX_ID <= rid < MAX_ID):
+        raise BadRecord(f"id must be a non-empty string or an integer within a signed 64-bit integer, got {shown(rid)}")
+    if isinstance(rid, str):
+        check_text("id", rid)
     if messages is None and (not isinstance(prompt, str) or not prompt):
         raise BadRecord("prompt must be a non-empty string")
+    if messages is None:
+        check_text("prompt", prompt)
     max_tokens = _number(record, "max_tokens", int, defaults["max_tokens"], 1, 1 << 20)
     chosen = sampling(_number(record, "temperature", float, defaults["temperature"], 0.0, 100.0),
                       _number(record, "top_p", float, defaults["top_p"], 0.0, 1.0, low_open=True),
                       _number(record, "top_k", int, defaults["top_k"], 0, 1 << 31))
     seed = _number(record, "seed", int, defaults["seed"], 0, MAX_SEED)
-    return Request(str(rid), prompt, messages, max_tokens, chosen, _stops(record.get("stop")), seed)
+    return Request(str(rid), prompt, messages, max_tokens, chosen, _stops(record.get("stop")), seed,
+                   rid if isinstance(rid, int) else None)
 
 
 def prompt_ids(tokenizer, request: Request, chat: bool) -> list[int]:
@@ -165,21 +199,53 @@ def prompt_ids(tokenizer, request: Request, chat: bool) -> list[int]:
         messages = request.messages or [{"role": "user", "content": request.prompt}]
         if not getattr(tokenizer, "chat_template", None):
             raise BadRecord("chat messages need a tokenizer with a chat template; this model's has none")
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:
+            text = render_chat(tokenizer, messages, template_source(tokenizer))
+        except ChatTemplateError as e:
+            raise BadRecord(str(e)) from None
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     return tokenizer(request.prompt)["input_ids"]
 
 
-def lines_of(path: str):
-    """(line number, byte offset, text) of every non-blank line, read one at a time."""
+class Fingerprint:
+    """The input as read: its size, modification time and a hash of its bytes."""
+
+    def __init__(self, f):
+        st = os.fstat(f.fileno())
+        self.size, self.mtime_ns, self.hash = 0, st.st_mtime_ns, hashlib.sha256()
+
+    def add(self, raw: bytes):
+        self.size += len(raw)
+        self.hash.update(raw)
+
+    def to_dict(self) -> dict:
+        return {"size": self.size, "sha256": self.hash.hexdigest()}
+
+
+def lines_of(path: str, fingerprint: list | None = None):
+    """(line number, byte offset, text) of every non-blank line, read one at a time; the file's
+    Fingerprint is appended to `fingerprint`."""
     offset = 0
     with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
+        seen = Fingerprint(f)
+        if fingerprint is not None:
+            fingerprint.append(seen)
+        for number in range(1, 1 << 62):
+            raw = f.readline(MAX_LINE + 1)
+            if not raw:
+                break
+            if len(raw) > MAX_LINE:
+                raise UsageError("--input", f"{path}:{number}: a line longer than {MAX_LINE >> 20} MB: not a "
+                                 "record (one prompt per line)")
+            seen.add(raw)
             start, offset = offset, offset + len(raw)
             try:
                 text = raw.decode("utf-8-sig" if number == 1 else "utf-8").strip()
             except UnicodeDecodeError as e:
                 raise UsageError("--input", f"{path}:{number}: not UTF-8 text (byte {e.start})") from None
+            if "\0" in text:
+                raise UsageError("--input", f"{path}:{number}: not text (a NUL byte at character "
+                                 f"{text.index(chr(0))})")
             if text:
                 yield number, start, text
 
@@ -187,7 +253,7 @@ def lines_of(path: str):
 def read_line(path: str, offset: int) -> str:
     with open(path, "rb") as f:
         f.seek(offset)
-        return f.readline().decode("utf-8-sig" if offset == 0 else "utf-8").strip()
+        return f.readline(MAX_LINE + 1).decode("utf-8-sig" if offset == 0 else "utf-8").strip()
 
 
 class JobInput:
@@ -200,8 +266,8 @@ class JobInput:
             self.format = detect_format(path)
         except OSError as e:
             raise UsageError("--input", f"cannot read {path}: {e.strerror}") from None
-        self.entries, self.bad, seen = [], 0, set()
-        for line, offset, text in lines_of(path):
+        self.entries, self.bad, seen, read = [], 0, set(), []
+        for line, offset, text in lines_of(path, read):
             try:
                 request = parse_record(text, self.format, line, defaults)
                 if request.id in seen:
@@ -223,11 +289,29 @@ class JobInput:
                 continue
             seen.add(request.id)
             self.entries.append(Entry(len(self.entries), request.id, line, offset, n, request.max_tokens,
-                                      request.sampling, request.seed))
+                                      request.sampling, request.seed, given_id=request.given_id))
         if not self.entries:
             raise UsageError("--input", f"{path} holds no records")
+        self.read = read[0]
+        self.fingerprint = self.read.to_dict()
+        taken = next((e for e in self.entries if e.error is not None and e.id in seen), None)
+        if taken is not None:
+            raise UsageError("--input", f"{path}:{taken.line}: a bad record, whose error record takes the id "
+                             f"{taken.id!r}, and another record has that id: give that record another id")
+
+    def check_unchanged(self):
+        """Refuses to read prompts from an input that changed since it was read and checked."""
+        try:
+            st = os.stat(self.path)
+            changed = (st.st_size, st.st_mtime_ns) != (self.read.size, self.read.mtime_ns)
+        except OSError:
+            changed = True
+        if changed:
+            raise UsageError("--input", f"{self.path} changed while the job ran: the records written so far are "
+                             "kept; run again with the input as it was, or give --overwrite to start afresh")
 
     def request(self, entry: Entry) -> Request:
+        self.check_unchanged()
         return parse_record(read_line(self.path, entry.offset), self.format, entry.line, self.defaults)
 
     def tokens(self, entry: Entry) -> tuple[Request, list[int]]:

@@ -17,9 +17,9 @@ import os
 import shutil
 
 from ..errors import UsageError
-from ..output import write_json_atomic
 from ..signals import deferred
-from .output import JobOutput, check_settings, complete_records, record_id, settings_path, write_in_order
+from .output import JobOutput, check_settings, complete_records, record_id, settings_path, write_in_order, \
+    write_settings
 
 
 def parts_dir(output: str) -> str:
@@ -68,7 +68,7 @@ def merge(output: str, settings: dict, ids_in_order: list[str]) -> int:
     place; then the parts removed. Returns how many records it holds."""
     found = records_in([output] + part_paths(output), settings)
     with deferred():
-        write_json_atomic(settings_path(output), settings)
+        write_settings(output, settings)
         written = write_in_order(output, found, ids_in_order)
         shutil.rmtree(parts_dir(output), ignore_errors=True)
     return written

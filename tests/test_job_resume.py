@@ -1,0 +1,167 @@
+"""A resumed dataset job never mixes two inputs or two jobs, error records never take a real record's id, and a
+write that fails (a full disk, a file-size limit, an I/O error) is one line, keeps whole records only and resumes."""
+
+import errno
+import json
+import os
+import resource
+import subprocess
+import sys
+
+import pytest
+
+from flexh2o.errors import UsageError
+from flexh2o.jobs.input import JobInput
+from flexh2o.prompts import load_tokenizer
+from flexh2o.run import main
+from conftest import REPO, fail_from, last_line
+
+JOB = ["--dtype", "float32", "--quiet", "--gpu-batch-size", "2", "--gen-len", "3"]
+RECORDS = [{"id": f"r{n}", "prompt": p} for n, p in enumerate(
+    ["the cat sat", "on a mat", "the dog ran", "a cat ran on the mat", "dog", "the mat sat on a dog"])]
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def run_job(model, path, out, *flags) -> int:
+    return main(["--model", str(model), *JOB, "--input", str(path), "--output", str(out), *flags])
+
+
+def lines(out) -> list:
+    return [json.loads(line) for line in open(out, encoding="utf-8")]
+
+
+def cut_to(out, n: int):
+    """As if the job was killed after writing n records."""
+    kept = open(out, "rb").read().splitlines(keepends=True)[:n]
+    open(out, "wb").write(b"".join(kept))
+
+
+EDITS = {
+    "prompt-changed": lambda r: [dict(r[0], prompt="a dog sat")] + r[1:],
+    "line-inserted": lambda r: r[:2] + [{"id": "new", "prompt": "the cat"}] + r[2:],
+    "line-deleted": lambda r: r[:1] + r[2:],
+    "max-tokens-changed": lambda r: [dict(r[0], max_tokens=1)] + r[1:],
+    "ids-swapped": lambda r: [dict(r[0], id="r1"), dict(r[1], id="r0")] + r[2:],
+    "same-size-other-bytes": lambda r: [dict(r[0], prompt="the dog sat")] + r[1:],
+}
+
+
+@pytest.mark.parametrize("edit", EDITS)
+def test_a_resume_on_an_edited_input_is_refused_saying_how_to_start_afresh(model_with_tokenizer, tmp_path, capsys,
+                                                                            edit):
+    path, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_jsonl(path, RECORDS)
+    assert run_job(model_with_tokenizer, path, out) == 0
+    cut_to(out, 3)
+    kept = out.read_bytes()
+    write_jsonl(path, EDITS[edit](RECORDS))
+    capsys.readouterr()
+    assert run_job(model_with_tokenizer, path, out) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --input: {path} is not the input {out} was begun with")
+    assert "--overwrite" in err[0]
+    assert out.read_bytes() == kept
+    assert run_job(model_with_tokenizer, path, out, "--overwrite") == 0
+    assert len(lines(out)) == len(EDITS[edit](RECORDS))
+
+
+def test_the_input_changed_while_the_job_runs_is_refused_before_its_prompts_are_read(model_with_tokenizer, tmp_path):
+    path = tmp_path / "in.jsonl"
+    write_jsonl(path, RECORDS)
+    job_input = JobInput(str(path), load_tokenizer(str(model_with_tokenizer)),
+                         {"max_tokens": 2, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None}, 64)
+    job_input.tokens(job_input.entries[1])
+    write_jsonl(path, EDITS["line-inserted"](RECORDS))
+    with pytest.raises(UsageError) as e:
+        job_input.tokens(job_input.entries[1])
+    assert e.value.flag == "--input" and "changed while the job ran" in e.value.message
+
+
+def test_a_second_job_on_the_same_output_is_refused_while_the_first_runs(model_with_tokenizer, tmp_path, capsys):
+    from flexh2o.jobs.files import OutputLock  # (new: nothing stopped two jobs before)
+    path, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_jsonl(path, RECORDS)
+    first = OutputLock(str(out))  # what a running job holds
+    assert run_job(model_with_tokenizer, path, out) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --output: {out} is being written by another job"), err
+    assert not out.exists()
+    first.release()
+    assert run_job(model_with_tokenizer, path, out) == 0 and len(lines(out)) == len(RECORDS)
+
+
+@pytest.mark.parametrize("bad_first", [True, False])
+def test_an_error_record_never_takes_a_real_records_id(model_with_tokenizer, tmp_path, capsys, bad_first):
+    path, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    real = {"id": "line-1" if bad_first else "line-2", "prompt": "the cat"}
+    text = ['{"id": "x", "prompt": ""}', json.dumps(real)]
+    path.write_text("\n".join(text if bad_first else text[::-1]) + "\n")
+    assert run_job(model_with_tokenizer, path, out, "--skip-bad") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "error record takes the id" in err[0] and "give that record another id" in err[0]
+    assert not out.exists()
+
+
+def fail_writes(monkeypatch, out, call: int, code: int):
+    """os.write to the output fails with `code` from its `call`-th call on."""
+    def to_output(fd, data):
+        return os.readlink(f"/proc/self/fd/{fd}").startswith(str(out))
+    return fail_from(monkeypatch, os, "write", call, OSError(code, os.strerror(code)), when=to_output)
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EFBIG, errno.EIO])
+@pytest.mark.parametrize("call", [1, 2])
+def test_a_failed_write_is_one_line_keeps_whole_records_and_resumes(model_with_tokenizer, tmp_path, capsys,
+                                                                     monkeypatch, code, call):
+    path, out, whole = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "whole.jsonl"
+    write_jsonl(path, RECORDS)
+    assert run_job(model_with_tokenizer, path, whole) == 0
+    with monkeypatch.context() as m:
+        fail_writes(m, out, call, code)
+        capsys.readouterr()
+        assert run_job(model_with_tokenizer, path, out) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith(f"error: cannot write {out}: {os.strerror(code)}; the records written before it are kept")
+    assert len(lines(out)) == 2 * (call - 1)  # whole blocks of 2, no partial line
+    assert run_job(model_with_tokenizer, path, out) == 0
+    assert sorted(map(json.dumps, lines(out))) == sorted(map(json.dumps, lines(whole)))
+
+
+def test_a_failed_json_out_at_the_end_is_one_line(model_with_tokenizer, tmp_path, capsys, monkeypatch):
+    path, out, report = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "report.json"
+    write_jsonl(path, RECORDS)
+    import flexh2o.output
+    # the second atomic write: the first is the job's settings
+    fail_from(monkeypatch, flexh2o.output.os, "fsync", 2, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)),
+              when=lambda fd: os.readlink(f"/proc/self/fd/{fd}").startswith(str(tmp_path / ".tmp-")))
+    assert run_job(model_with_tokenizer, path, out, "--json-out", str(report)) == 1
+    line = last_line(capsys.readouterr().err)
+    assert line.startswith(f"error: cannot write {report}: No space left on device")
+    assert len(lines(out)) == len(RECORDS) and not report.exists()
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".tmp-")]
+
+
+def limited(size: int):
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+
+
+def test_a_file_size_limit_for_real_is_one_line_and_resumable(model_with_tokenizer, tmp_path):
+    """`ulimit -f`: the kernel refuses the write past the limit with EFBIG (python ignores SIGXFSZ)."""
+    path, out, whole = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "whole.jsonl"
+    write_jsonl(path, RECORDS)
+    assert run_job(model_with_tokenizer, path, whole) == 0
+    first_block = sum(map(len, whole.read_bytes().splitlines(keepends=True)[:2]))
+    limit = max(os.path.getsize(str(whole) + ".job.json"), first_block) + 1  # the settings and the first block fit
+    cmd = [sys.executable, "-m", "flexh2o.run", "--model", str(model_with_tokenizer), *JOB, "--input", str(path),
+           "--output", str(out)]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, preexec_fn=limited(limit))
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert last_line(r.stderr).startswith(f"error: cannot write {out}: File too large;")
+    assert 2 <= len(lines(out)) < len(RECORDS)
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert sorted(x["id"] for x in lines(out)) == sorted(x["id"] for x in RECORDS)
