@@ -84,11 +84,10 @@ import check_sections
 check_sections.WATCHDOG_GRACE_S = 1
 check = check_sections.Check([{str(tmp_path / 'gpu')!r}], 60, {{}}, lambda r, header: "")
 check.run("fine", 5, lambda s: s.add({{"ok": 1}}))
-check.run("hangs", 1, lambda s: time.sleep(60))
+check.run("hangs", 1, lambda s: time.sleep(3600))
 """
-    start = time.monotonic()
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=50)
-    assert time.monotonic() - start < 30
+    # Ended well before the hung call would return: by the watchdog, however busy the machine.
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert r.returncode != 0
     assert "Timeout" in r.stderr and "in <lambda>" in r.stderr  # every thread's stack, the hung call's included
     sections = json.load(open(tmp_path / "gpu.json"))["sections"]

@@ -8,7 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -129,11 +128,9 @@ def test_a_killed_rank_stops_the_other_and_the_same_command_finishes_the_job(mod
     procs = start_world(model_with_tokenizer, many, out, 2, lambda rank: flags)
     reached = wait_for_lines(procs[1], tmp_path / "out.jsonl.parts" / "replica-1.jsonl", 2)
     procs[1].send_signal(signal.SIGKILL)
-    killed_at = time.time()
     (code0, _, err0), (code1, _, _) = finish(procs)
     assert reached, "rank 1 ended before it could be killed"
     assert code1 == -signal.SIGKILL and code0 == 1
-    assert time.time() - killed_at < 3 + 15
     assert "error: rank 1 gave no sign of life for 3 s (--peer-timeout)" in last_line(err0), err0
     assert "this rank stopped" in last_line(err0)
     # rank 0 removed its offload files; the killed rank could not (the next run on the host does)

@@ -50,12 +50,10 @@ def test_an_io_task_error_ends_the_run_in_one_line(tiny_models, tmp_path, capsys
     model, _ = tiny_models["tiny"]
     offload = tmp_path / "off"
     offload.mkdir()
-    start = time.monotonic()
     code = main(["--model", model, *RUN, *placement, "--offload-dir", str(offload)])
     out, err = capsys.readouterr()
     assert len(calls) >= call, "the error was never injected"
     assert code == 1, err
-    assert time.monotonic() - start < 60
     line = last_line(err)
     assert line.startswith("error: " + cause), line
     assert "Input/output error" in line
