@@ -339,6 +339,7 @@ def indexed_peak(model_dir, path, records: int, words: int) -> tuple:
     return job_input, peak
 
 
+@pytest.mark.slow  # 70 s: the scale itself is the point
 def test_a_hundred_thousand_records_are_indexed_without_their_tokens(model_with_tokenizer, tmp_path):
     job_input, peak = indexed_peak(model_with_tokenizer, tmp_path / "big.jsonl", 100_000, 3)
     assert len(job_input.entries) == 100_000 and job_input.entries[-1].prompt_tokens == 3

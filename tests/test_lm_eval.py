@@ -140,15 +140,17 @@ def test_h2o_evicts_through_the_harness_and_the_weights_load_once(word_models, m
     assert max(abs(a - b) for (a, _), (b, _) in zip(full, h2o)) > 1e-3  # a 20% budget changes the scores
 
 
+# Each case runs lm-eval's command up to its task index (about 12 s): the default run keeps a few, `make
+# test-all` runs them all.
 @pytest.mark.parametrize("model_args, flag", [
     ("bogus=1", "model_args bogus"),
     ("kv_policy=h2o,hh_ratio=0.001", "model_args hh_ratio"),
-    ("kv_policy=h2o,hh_ratio=0.2,recent_ratio=0.001", "model_args recent_ratio"),
-    ("max_length=20", "--tasks"),
-    ("gpu_batch_size=zero", "model_args gpu_batch_size"),
-    ("kv_policy=lru", "model_args kv_policy"),
-    ("max_length=1000", "model_args max_length"),
-    ("kv_policy=h2o", "model_args hh_ratio"),
+    pytest.param("kv_policy=h2o,hh_ratio=0.2,recent_ratio=0.001", "model_args recent_ratio", marks=pytest.mark.slow),
+    pytest.param("max_length=20", "--tasks", marks=pytest.mark.slow),
+    pytest.param("gpu_batch_size=zero", "model_args gpu_batch_size", marks=pytest.mark.slow),
+    pytest.param("kv_policy=lru", "model_args kv_policy", marks=pytest.mark.slow),
+    pytest.param("max_length=1000", "model_args max_length", marks=pytest.mark.slow),
+    pytest.param("kv_policy=h2o", "model_args hh_ratio", marks=pytest.mark.slow),
 ])
 def test_bad_input_is_one_line_before_any_weight_loads(word_models, monkeypatch, capsys, model_args, flag):
     monkeypatch.setattr(Engine, "from_pretrained", lambda *a, **k: pytest.fail("weights loaded"))
@@ -191,19 +193,21 @@ def test_lm_evals_own_batch_size_and_device_are_taken_and_values_typed():
 
 @pytest.mark.parametrize("argv, flag, says", [
     ([], "--tasks", "give one or more task names"),
-    (["--tasks"], "--tasks", "give one or more task names"),
-    (["--tasks", ""], "--tasks", "give one or more task names"),
-    (["--tasks", ","], "--tasks", "give one or more task names"),
+    pytest.param(["--tasks"], "--tasks", "give one or more task names", marks=pytest.mark.slow),
+    pytest.param(["--tasks", ""], "--tasks", "give one or more task names", marks=pytest.mark.slow),
+    pytest.param(["--tasks", ","], "--tasks", "give one or more task names", marks=pytest.mark.slow),
     (["--tasks", "no_such_task_of_flexh2o"], "--tasks", "unknown task(s) no_such_task_of_flexh2o"),
-    (["--tasks", "flexh2o_lastword,no_such_task_of_flexh2o"], "--tasks", "unknown task(s) no_such_task_of_flexh2o"),
+    pytest.param(["--tasks", "flexh2o_lastword,no_such_task_of_flexh2o"], "--tasks",
+                 "unknown task(s) no_such_task_of_flexh2o", marks=pytest.mark.slow),
     (["--tasks", "flexh2o_lastword", "--limit", "0"], "--limit", "got '0'"),
-    (["--tasks", "flexh2o_lastword", "--limit", "-3"], "--limit", "got '-3'"),
-    (["--tasks", "flexh2o_lastword", "--limit=-0.5"], "--limit", "got '-0.5'"),
-    (["--tasks", "flexh2o_lastword", "--limit", "2.5"], "--limit", "got '2.5'"),
-    (["--tasks", "flexh2o_lastword", "--limit", "nan"], "--limit", "got 'nan'"),
-    (["--tasks", "flexh2o_lastword", "--limit", "inf"], "--limit", "got 'inf'"),
+    pytest.param(["--tasks", "flexh2o_lastword", "--limit", "-3"], "--limit", "got '-3'", marks=pytest.mark.slow),
+    pytest.param(["--tasks", "flexh2o_lastword", "--limit=-0.5"], "--limit", "got '-0.5'", marks=pytest.mark.slow),
+    pytest.param(["--tasks", "flexh2o_lastword", "--limit", "2.5"], "--limit", "got '2.5'", marks=pytest.mark.slow),
+    pytest.param(["--tasks", "flexh2o_lastword", "--limit", "nan"], "--limit", "got 'nan'", marks=pytest.mark.slow),
+    pytest.param(["--tasks", "flexh2o_lastword", "--limit", "inf"], "--limit", "got 'inf'", marks=pytest.mark.slow),
     (["--tasks", "flexh2o_lastword", "--device", "cuda"], "--device", "is cuda, model_args device is cpu"),
-    (["--tasks", "flexh2o_lastword", "--device=cuda:1"], "--device", "is cuda:1, model_args device is cpu"),
+    pytest.param(["--tasks", "flexh2o_lastword", "--device=cuda:1"], "--device", "is cuda:1, model_args device is cpu",
+                 marks=pytest.mark.slow),
 ], ids=lambda v: v if isinstance(v, str) else " ".join(v) or "no tasks")
 def test_tasks_limit_and_device_are_one_line_before_any_weight_loads(word_models, monkeypatch, capsys, argv, flag,
                                                                      says):
