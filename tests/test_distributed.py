@@ -119,6 +119,7 @@ def test_a_rank_that_fails_stops_the_other_naming_it(model_with_tokenizer, job_p
     assert not off.exists() or not os.listdir(off)
 
 
+@pytest.mark.slow  # out of make test's 10 minutes (make test-all runs it)
 def test_a_killed_rank_stops_the_other_and_the_same_command_finishes_the_job(model_with_tokenizer, tmp_path):
     many = tmp_path / "many.txt"
     many.write_text("\n".join(prompt(1 + (7 * i) % 25, i) for i in range(40)) + "\n")
@@ -179,7 +180,8 @@ def test_one_process_takes_over_the_parts_replicas_left(model_with_tokenizer, jo
 PIPELINE = ["--num-gpu-batches", "2", "--weights", "gpu=100,cpu=0,disk=0", "--pipeline-stages", "2"]
 
 
-@pytest.mark.parametrize("size", [2, 4])  # one pipeline of 2 stages; 2 replicas of 2 stages
+# one pipeline of 2 stages; 2 replicas of 2 stages (make test-all)
+@pytest.mark.parametrize("size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_pipeline_stages_write_what_one_process_writes(model_with_tokenizer, job_prompts, tmp_path, size):
     alone, merged = tmp_path / "alone.jsonl", tmp_path / "merged.jsonl"
     assert run(model_with_tokenizer, job_prompts, alone, *JOB[3:], *PIPELINE[:4]) == 0
@@ -214,6 +216,7 @@ def test_a_pipeline_given_no_batch_or_placement_is_planned_once_for_every_stage(
     assert records(merged) == records(alone)
 
 
+@pytest.mark.slow  # out of make test's 10 minutes (make test-all runs it)
 def test_a_planned_pipeline_replica_with_nothing_left_lets_the_others_plan_their_own(model_with_tokenizer,
                                                                                      job_prompts, tmp_path):
     """2 replicas of 2 stages, planned; replica 0's share already written (a resumed job): its stages

@@ -94,7 +94,7 @@ def loglikelihoods(task_samples: list) -> list:
     return [resp for s in task_samples for [resp] in s["resps"]]
 
 
-@pytest.mark.parametrize("kind", ["llama", "opt"])
+@pytest.mark.parametrize("kind", ["llama", pytest.param("opt", marks=pytest.mark.slow)])
 def test_offline_tasks_agree_with_lm_evals_hf_model(word_models, kind):
     ours, theirs = samples(flexh2o_model(word_models[kind])), samples(hf_model(word_models[kind]))
     for task in ("flexh2o_lastword", "flexh2o_cloze"):
@@ -121,6 +121,7 @@ def test_rolling_windows_agree_with_lm_evals_hf_model(word_models):
     assert ours == pytest.approx(theirs, abs=1e-4)
 
 
+@pytest.mark.slow  # out of make test's 10 minutes (make test-all runs it)
 def test_streamed_context_tokens_score_as_prefilled_ones_with_the_full_cache(word_models):
     plain = samples(flexh2o_model(word_models["llama"]), ["flexh2o_cloze"], 3)["flexh2o_cloze"]
     streamed = samples(flexh2o_model(word_models["llama"], streamed=12), ["flexh2o_cloze"], 3)["flexh2o_cloze"]
@@ -128,6 +129,7 @@ def test_streamed_context_tokens_score_as_prefilled_ones_with_the_full_cache(wor
         assert a == pytest.approx(b, abs=1e-4) and ga == gb
 
 
+@pytest.mark.slow  # out of make test's 10 minutes (make test-all runs it)
 def test_h2o_evicts_through_the_harness_and_the_weights_load_once(word_models, monkeypatch):
     loads = []
     real = Engine.from_pretrained.__func__
@@ -144,7 +146,7 @@ def test_h2o_evicts_through_the_harness_and_the_weights_load_once(word_models, m
 # test-all` runs them all.
 @pytest.mark.parametrize("model_args, flag", [
     ("bogus=1", "model_args bogus"),
-    ("kv_policy=h2o,hh_ratio=0.001", "model_args hh_ratio"),
+    pytest.param("kv_policy=h2o,hh_ratio=0.001", "model_args hh_ratio", marks=pytest.mark.slow),
     pytest.param("kv_policy=h2o,hh_ratio=0.2,recent_ratio=0.001", "model_args recent_ratio", marks=pytest.mark.slow),
     pytest.param("max_length=20", "--tasks", marks=pytest.mark.slow),
     pytest.param("gpu_batch_size=zero", "model_args gpu_batch_size", marks=pytest.mark.slow),
@@ -169,6 +171,7 @@ def test_the_command_runs_flexh2o_only_and_helps(capsys):
     assert "auto" not in command.harness_argv(["--tasks", "t", "--batch_size", "8"])
 
 
+@pytest.mark.slow  # out of make test's 10 minutes (make test-all runs it)
 def test_placement_and_caps_pass_through_and_change_nothing_but_where_tensors_live(word_models, tmp_path):
     plain = loglikelihoods(samples(flexh2o_model(word_models["opt"]), ["flexh2o_lastword"], 3)["flexh2o_lastword"])
     lm = flexh2o_model(word_models["opt"], w_gpu_percent=0, w_cpu_percent=0, cache_gpu_percent=50,
@@ -199,13 +202,14 @@ def test_lm_evals_own_batch_size_and_device_are_taken_and_values_typed():
     (["--tasks", "no_such_task_of_flexh2o"], "--tasks", "unknown task(s) no_such_task_of_flexh2o"),
     pytest.param(["--tasks", "flexh2o_lastword,no_such_task_of_flexh2o"], "--tasks",
                  "unknown task(s) no_such_task_of_flexh2o", marks=pytest.mark.slow),
-    (["--tasks", "flexh2o_lastword", "--limit", "0"], "--limit", "got '0'"),
+    pytest.param(["--tasks", "flexh2o_lastword", "--limit", "0"], "--limit", "got '0'", marks=pytest.mark.slow),
     pytest.param(["--tasks", "flexh2o_lastword", "--limit", "-3"], "--limit", "got '-3'", marks=pytest.mark.slow),
     pytest.param(["--tasks", "flexh2o_lastword", "--limit=-0.5"], "--limit", "got '-0.5'", marks=pytest.mark.slow),
     pytest.param(["--tasks", "flexh2o_lastword", "--limit", "2.5"], "--limit", "got '2.5'", marks=pytest.mark.slow),
     pytest.param(["--tasks", "flexh2o_lastword", "--limit", "nan"], "--limit", "got 'nan'", marks=pytest.mark.slow),
     pytest.param(["--tasks", "flexh2o_lastword", "--limit", "inf"], "--limit", "got 'inf'", marks=pytest.mark.slow),
-    (["--tasks", "flexh2o_lastword", "--device", "cuda"], "--device", "is cuda, model_args device is cpu"),
+    pytest.param(["--tasks", "flexh2o_lastword", "--device", "cuda"], "--device", "is cuda, model_args device is cpu",
+                 marks=pytest.mark.slow),
     pytest.param(["--tasks", "flexh2o_lastword", "--device=cuda:1"], "--device", "is cuda:1, model_args device is cpu",
                  marks=pytest.mark.slow),
 ], ids=lambda v: v if isinstance(v, str) else " ".join(v) or "no tasks")

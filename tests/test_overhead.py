@@ -51,6 +51,7 @@ def test_a_bad_process_growth_in_a_profile_is_refused_naming_it(bad):
         from_dict({**TEST_CPU_PROFILE, "process_growth": bad}, "test")
 
 
+@pytest.mark.slow  # out of make test's 10 minutes (make test-all runs it)
 def test_a_probe_grows_less_than_the_default_allows(tmp_path):
     """A probe's peak beyond its projection (loading's transient and the run's) is what calibration
     measures: well under the default growth, else the default is no upper bound."""
@@ -60,6 +61,7 @@ def test_a_probe_grows_less_than_the_default_allows(tmp_path):
     assert 0 <= json.loads(r.stdout.splitlines()[-1])["growth_bytes"] < DEFAULT_GROWTH // 2
 
 
+@pytest.mark.slow  # out of make test's 10 minutes (make test-all runs it)
 def test_freed_prompt_caches_go_back_to_the_system():
     """The probe where glibc's moving mmap threshold kept one gpu-batch's prompt K and V per layer
     (205-293 MB beyond the projection at 12 layers) grows by less than the floor (malloc.py)."""

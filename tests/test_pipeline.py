@@ -85,7 +85,11 @@ CASES = {  # model, stages, gpu-batch size, gpu-batches, KV policy, placement pe
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# Three cases in make test's 10 minutes; make test-all runs the rest.
+SLOW_CASES = {"opt-3-h2o-disk", "llama-3-full-stops-early", "opt-2-uneven-1-and-2"}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES])
 def test_stages_give_what_one_process_gives(case, tiny_models, llama_dir, tmp_path):
     model, stages, b, nb, kv, placements, limits = CASES[case]
     directory = llama_dir if model == "llama" else tiny_models[model][0]

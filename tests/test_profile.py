@@ -93,6 +93,7 @@ def cache_home(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.mark.slow  # out of make test's 10 minutes (make test-all runs it)
 def test_cli_measures_then_reuses_the_cache_until_forced(cache_home, quick_profile, monkeypatch, capsys):
     offload = ["--device", "cpu", "--offload-dir", str(cache_home / "offload")]
     assert flexh2o.profile.main([*offload, "--quick"]) == 0

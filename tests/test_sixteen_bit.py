@@ -171,6 +171,7 @@ def test_on_a_simulated_cuda_device_the_16_bit_weights_are_widened_there(tmp_pat
     assert stats.step_allocations[2:] == [0] * (NEW_TOKENS - 2) and simulated.copies > 0
 
 
+@pytest.mark.slow  # out of make test's 10 minutes (make test-all runs it)
 def test_every_plan_for_a_16_bit_checkpoint_passes_the_pre_flight():
     """Under a cap, the search may only choose what the engine's pre-flight then admits: a placement
     that keeps the checkpoint 16-bit holds each layer's 16-bit copies while loading, one with the
