@@ -202,14 +202,13 @@ def test_lm_evals_own_batch_size_and_device_are_taken_and_values_typed():
     (["--tasks", "no_such_task_of_flexh2o"], "--tasks", "unknown task(s) no_such_task_of_flexh2o"),
     pytest.param(["--tasks", "flexh2o_lastword,no_such_task_of_flexh2o"], "--tasks",
                  "unknown task(s) no_such_task_of_flexh2o", marks=pytest.mark.slow),
-    pytest.param(["--tasks", "flexh2o_lastword", "--limit", "0"], "--limit", "got '0'", marks=pytest.mark.slow),
+    (["--tasks", "flexh2o_lastword", "--limit", "0"], "--limit", "got '0'"),
     pytest.param(["--tasks", "flexh2o_lastword", "--limit", "-3"], "--limit", "got '-3'", marks=pytest.mark.slow),
     pytest.param(["--tasks", "flexh2o_lastword", "--limit=-0.5"], "--limit", "got '-0.5'", marks=pytest.mark.slow),
     pytest.param(["--tasks", "flexh2o_lastword", "--limit", "2.5"], "--limit", "got '2.5'", marks=pytest.mark.slow),
     pytest.param(["--tasks", "flexh2o_lastword", "--limit", "nan"], "--limit", "got 'nan'", marks=pytest.mark.slow),
     pytest.param(["--tasks", "flexh2o_lastword", "--limit", "inf"], "--limit", "got 'inf'", marks=pytest.mark.slow),
-    pytest.param(["--tasks", "flexh2o_lastword", "--device", "cuda"], "--device", "is cuda, model_args device is cpu",
-                 marks=pytest.mark.slow),
+    (["--tasks", "flexh2o_lastword", "--device", "cuda"], "--device", "is cuda, model_args device is cpu"),
     pytest.param(["--tasks", "flexh2o_lastword", "--device=cuda:1"], "--device", "is cuda:1, model_args device is cpu",
                  marks=pytest.mark.slow),
 ], ids=lambda v: v if isinstance(v, str) else " ".join(v) or "no tasks")
@@ -236,6 +235,7 @@ def test_one_device_reaches_lm_eval(monkeypatch, argv, device):
     assert given == ([] if device is None else ["cpu"])
 
 
+@pytest.mark.slow  # 17 s; test_one_device_reaches_lm_eval checks the device it is given
 def test_the_readme_command_runs_without_cuda_and_without_device(word_models, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     loaded = []
