@@ -2,12 +2,12 @@
 
 # Loaded when first asked for: `python -m flexh2o.run` imports this package before its own first
 # line, which installs the signal handlers before torch loads (signals.stop_at_once).
-_EXPORTS = {"Engine": "engine", "GenerateOutput": "engine", "UsageError": "errors", "LLM": "llm",
-            "Completion": "llm", "Policy": "policy"}
+_EXPORTS = {"Engine": "engine.engine", "GenerateOutput": "engine.engine", "UsageError": "common.errors",
+            "LLM": "jobs.llm", "Completion": "jobs.llm", "Policy": "engine.policy"}
 __all__ = sorted(_EXPORTS)
 
 # Before anything large is allocated: a run's freed blocks go back to the system (malloc.py).
-from .malloc import fix_mmap_threshold  # noqa: E402
+from flexh2o.host.malloc import fix_mmap_threshold  # noqa: E402
 fix_mmap_threshold()
 
 

@@ -11,7 +11,7 @@ and no compression, and the report gives how often the greedy choices of the two
 """
 
 if __name__ == "__main__":  # first, before torch loads: a signal while it does is one line too
-    from flexh2o.signals import stop_at_once
+    from flexh2o.common.signals import stop_at_once
     stop_at_once()
 
 import argparse
@@ -20,9 +20,9 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from .errors import OneLineErrorParser, UsageError
-from .names import add_kv_flags
-from .output import check_output_file
+from flexh2o.common.errors import OneLineErrorParser, UsageError
+from flexh2o.common.names import add_kv_flags
+from flexh2o.common.output_files import check_output_file
 
 if TYPE_CHECKING:
     import torch
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def read_text(path: str) -> str:
-    from .prompts import read_utf8
+    from flexh2o.runs.prompts import read_utf8
     return read_utf8(path, "--text", MAX_TEXT_BYTES, "a text to score")
 
 
@@ -85,11 +85,12 @@ def perplexity(logprobs: "torch.Tensor") -> float:
 
 def evaluate(args) -> dict:
     # Imported once the flags parsed: torch is among them, and --help answers without it.
-    from .engine import Engine, default_device, parse_dtype
-    from .models import resolve_model
-    from .policy import Policy
-    from .prompts import load_tokenizer
-    from .run_setup import default_offload_dir
+    from flexh2o.engine.engine import Engine
+    from flexh2o.host.devices import default_device, parse_dtype
+    from flexh2o.models import resolve_model
+    from flexh2o.engine.policy import Policy
+    from flexh2o.runs.prompts import load_tokenizer
+    from flexh2o.runs.setup import default_offload_dir
     for flag in ("prompt_len", "eval_len", "windows", "num_gpu_batches"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')}", f"must be a positive integer, got {getattr(args, flag)}")
@@ -161,10 +162,10 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(describe(result), flush=True)
-    from .run_main import save_json
+    from flexh2o.cli.run_main import save_json
     return save_json(args.json_out, result) if args.json_out else 0
 
 
 if __name__ == "__main__":
-    from .signals import run_command
-    run_command(build_parser, main, heavy=("flexh2o.run_main",))
+    from flexh2o.common.signals import run_command
+    run_command(build_parser, main, heavy=("flexh2o.cli.run_main",))

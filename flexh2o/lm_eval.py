@@ -31,7 +31,7 @@ Example: python -m flexh2o.lm_eval --model_args model=models/SmolLM2-135M-Instru
 """
 
 if __name__ == "__main__":  # first, before torch loads: a signal while it does is one line too
-    from flexh2o.signals import stop_at_once
+    from flexh2o.common.signals import stop_at_once
     stop_at_once()
 
 import importlib
@@ -40,7 +40,7 @@ import os
 import signal
 import sys
 
-from .errors import UsageError
+from flexh2o.common.errors import UsageError
 
 TASKS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tasks")
 
@@ -106,7 +106,7 @@ def device_argv(argv: list) -> list:
                              "them, or the same device in both")
         return without(argv, "--device")
     if not in_model_args and flag is None:
-        from .engine import default_device
+        from flexh2o.host.devices import default_device
         return [*argv, "--device", default_device()]
     return argv
 
@@ -173,5 +173,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from .signals import run_stoppable
+    from flexh2o.common.signals import run_stoppable
     sys.exit(run_stoppable(main))

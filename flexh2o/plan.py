@@ -5,17 +5,17 @@ hardware profile, and prints the flexh2o.run flags that reproduce it (JSON with 
 """
 
 if __name__ == "__main__":  # first, before torch loads: a signal while it does is one line too
-    from flexh2o.signals import stop_at_once
+    from flexh2o.common.signals import stop_at_once
     stop_at_once()
 
 import argparse
 import sys
 import time
 
-from .errors import OneLineErrorParser, UsageError
-from .names import add_kv_flags
-from .optimizer.hardware import LOCAL, load_profile, shipped
-from .output import check_output_file
+from flexh2o.common.errors import OneLineErrorParser, UsageError
+from flexh2o.common.names import add_kv_flags
+from flexh2o.host.hardware import LOCAL, load_profile, shipped
+from flexh2o.common.output_files import check_output_file
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
 def load_or_measure(name: str, offload_dir: str):
     profile = load_profile(name)
     if profile is None:  # the local profile, not measured yet
-        from .profile import ensure_local_profile
+        from flexh2o.profiling.local_profile import ensure_local_profile
         print("note: no local hardware profile yet: measuring this machine first (python -m flexh2o.profile)",
               file=sys.stderr)
         profile = ensure_local_profile(None, offload_dir)
@@ -66,13 +66,13 @@ def load_or_measure(name: str, offload_dir: str):
 
 def plan(args) -> int:
     # Imported once the flags parsed: torch is among them, and --help answers without it.
-    from .memory import parse_size
-    from .models import resolve_model
-    from .optimizer.planner import describe_caps, describe_prediction, plan_capacities, run_flags
-    from .optimizer.search import search
-    from .policy import Policy
-    from .run_main import check_positive, save_json
-    from .run_setup import default_offload_dir
+    from flexh2o.engine.preflight import parse_size
+    from flexh2o.models import resolve_model
+    from flexh2o.planning.planner import describe_caps, describe_prediction, plan_capacities, run_flags
+    from flexh2o.planning.search import search
+    from flexh2o.engine.policy import Policy
+    from flexh2o.cli.run_main import check_positive, save_json
+    from flexh2o.runs.setup import default_offload_dir
     check_positive(args)
     for flag in ("max_batch", "batch"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
@@ -127,9 +127,9 @@ def plan(args) -> int:
 
 def plan_stages(args, spec, profile, caps, base) -> int:
     """--pipeline-stages: each stage's placement and the pipeline's projected throughput."""
-    from .optimizer.pipeline_plan import plan_pipeline
-    from .optimizer.planner import describe_caps, run_flags
-    from .run_main import save_json
+    from flexh2o.planning.pipeline_plan import plan_pipeline
+    from flexh2o.planning.planner import describe_caps, run_flags
+    from flexh2o.cli.run_main import save_json
     stages = args.pipeline_stages
     if stages < 1 or stages > spec.num_layers:
         raise UsageError("--pipeline-stages", f"must be between 1 and the {spec.num_layers} layers of {spec.name}, "
@@ -170,5 +170,5 @@ def plan_stages(args, spec, profile, caps, base) -> int:
 
 
 if __name__ == "__main__":
-    from .signals import run_command
-    run_command(build_parser, main, heavy=("flexh2o.run_main",))
+    from flexh2o.common.signals import run_command
+    run_command(build_parser, main, heavy=("flexh2o.cli.run_main",))

@@ -7,26 +7,18 @@ later calls print the cached profile unless --force measures again.
 """
 
 if __name__ == "__main__":  # first, before torch loads: a signal while it does is one line too
-    from flexh2o.signals import stop_at_once
+    from flexh2o.common.signals import stop_at_once
     stop_at_once()
 
 import argparse
-import os
 import sys
-import tempfile
-from typing import TYPE_CHECKING
 
-from .errors import OneLineErrorParser, UsageError
-from .names import tier_label
-from .optimizer.hardware import LOCAL, HardwareProfile, load_profile, local_cache_path, save_local
-from .output import check_output_file, write_json_atomic
-
-if TYPE_CHECKING:  # torch and the measurements load once the flags parsed: --help answers without them
-    import torch
-
-BUSY_SHARE = 0.15   # of the CPU taken by other processes while measuring: the figures are suspect
-QUIET_SHARE = 0.05  # ... now: quiet enough to measure again
-
+from flexh2o.common.errors import OneLineErrorParser, UsageError
+from flexh2o.common.names import tier_label
+from flexh2o.host.hardware import BUSY_SHARE, HardwareProfile, local_cache_path, save_local
+from flexh2o.profiling.local_profile import (KERNEL_NAMES, cached_profile, default_offload_dir,
+                                            measure_here)
+from flexh2o.common.output_files import check_output_file, write_json_atomic
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineErrorParser(prog="python -m flexh2o.profile", description=__doc__.split("\n\n")[1].strip())
@@ -38,83 +30,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="small sizes: a few seconds, rough figures (for tests)")
     p.add_argument("--json-out", metavar="FILE", help="write the profile's JSON here too")
     return p
-
-
-def default_offload_dir() -> str:
-    return os.path.join(tempfile.gettempdir(), "flexh2o_offload")
-
-
-# -- the cache ---------------------------------------------------------------------------------
-
-KERNEL_NAMES = {"native": "flexh2o's C kernels", "triton": "flexh2o's Triton kernel", "torch": "torch's operations"}
-
-
-def cached_profile(device: "torch.device", log) -> HardwareProfile | None:
-    """The cached local profile if it was measured with this kind of device; None otherwise."""
-    try:
-        profile = load_profile(LOCAL)
-    except UsageError as e:
-        log(f"note: the cached profile is unreadable ({e.message}): measuring again")
-        return None
-    if profile is not None and profile.device != device.type:
-        log(f"note: the cached profile was measured on {profile.device}, not {device.type}: measuring again")
-        return None
-    if profile is not None and profile.attention_costs is None:
-        log("note: the cached profile was measured by an older flexh2o (no attention calls): measuring again")
-        return None
-    if profile is not None and device.type in ("cpu", "cuda"):
-        from .optimizer.measure import dequant_kernel
-        now = dequant_kernel(device)
-        if profile.dequant_kernel != now:
-            log(f"note: the cached profile timed the dequantization of {KERNEL_NAMES[profile.dequant_kernel or 'torch']}, "
-                f"and this run dequantizes with {KERNEL_NAMES[now]}: measuring again")
-            return None
-        from . import native
-        if now == "native" and profile.kernels_build != native.build():
-            log("note: the cached profile timed another build of flexh2o's C kernels: measuring again")
-            return None
-    if profile is not None and (profile.others_cpu_share or 0) > BUSY_SHARE:
-        return None if quiet_now(profile.others_cpu_share, log) else profile
-    return profile
-
-
-def quiet_now(then: float, log) -> bool:
-    """For a profile measured while other processes kept `then` of the CPU busy: whether the machine
-    is quiet enough now to measure it again; if not, a note on what its predictions are worth."""
-    from .machine import others_cpu_share_now
-    now = others_cpu_share_now()
-    if now <= QUIET_SHARE:
-        log(f"note: the cached profile was measured while other processes kept {then:.0%} of the CPU busy; the "
-            f"machine is quiet now ({now:.0%}): measuring again")
-        return True
-    log(f"note: the cached profile was measured while other processes kept {then:.0%} of the CPU busy (now "
-        f"{now:.0%}): its figures may be low, and predictions off by as much (up to 30x for the per-layer "
-        "overhead); the first run that finds the machine quiet measures it again, or now: "
-        "python -m flexh2o.profile --force")
-    return False
-
-
-def measure_here(device: "torch.device", offload_dir: str, quick: bool, log) -> HardwareProfile:
-    from .optimizer.measure import measure
-    log(f"measuring this machine with {device.type} computing ({'a few seconds' if quick else 'about half a minute'})")
-    return measure(device, offload_dir, quick=quick, log=log)
-
-
-def ensure_local_profile(device, offload_dir: str, log=None, fresh: bool = False) -> HardwareProfile:
-    """The cached local profile, or one measured now (and cached) when there is none for this
-    device or `fresh` asks for it. `log` takes its notes (default: stderr)."""
-    import torch
-    from .optimizer.measure import print_to_stderr
-    log = log or print_to_stderr
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    profile = None if fresh else cached_profile(device, log)
-    if profile is None:
-        profile = measure_here(device, offload_dir, False, log)
-        try:
-            save_local(profile)
-        except OSError as e:
-            log(f"note: the profile could not be cached ({e.strerror or e}): it is used for this run only")
-    return profile
 
 
 # -- the table ---------------------------------------------------------------------------------
@@ -176,8 +91,8 @@ def format_profile(profile: HardwareProfile) -> str:
 # -- the command -------------------------------------------------------------------------------
 
 def check_args(args):
-    from .offload_dir import check_offload_dir
-    from .engine import default_device, parse_device
+    from flexh2o.offload.offload_dir import check_offload_dir
+    from flexh2o.host.devices import default_device, parse_device
     for flag in ("device", "offload_dir", "json_out"):
         value = getattr(args, flag)
         if value is not None and not value.strip():
@@ -190,7 +105,7 @@ def check_args(args):
 
 
 def run(args) -> int:
-    from .optimizer.measure import print_to_stderr
+    from flexh2o.profiling.measure import print_to_stderr
     check_args(args)
     profile = None if args.force else cached_profile(args.device, print_to_stderr)
     if profile is not None:
@@ -220,7 +135,7 @@ def write_json(path: str | None, profile: HardwareProfile) -> int:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from .disk import OffloadError
+    from flexh2o.offload.disk import OffloadError
     try:
         return run(args)
     except UsageError as e:
@@ -233,5 +148,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from .signals import run_command
-    run_command(build_parser, main, heavy=("flexh2o.optimizer.measure", "flexh2o.engine"))
+    from flexh2o.common.signals import run_command
+    run_command(build_parser, main, heavy=("flexh2o.profiling.measure", "flexh2o.engine.engine"))

@@ -6,13 +6,13 @@ by the cost model on this machine's profile (measured first if none is cached).
 """
 
 if __name__ == "__main__":  # first, before torch loads: a signal while it does is one line too
-    from flexh2o.signals import stop_at_once
+    from flexh2o.common.signals import stop_at_once
     stop_at_once()
 
 import argparse
 
-from .names import add_kv_flags
-from .errors import OneLineErrorParser
+from flexh2o.common.names import add_kv_flags
+from flexh2o.common.errors import OneLineErrorParser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,10 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from .run_main import run_parsed  # torch and the engine load once the flags parsed: --help answers at once
+    from flexh2o.cli.run_main import run_parsed  # torch and the engine load once the flags parsed: --help answers at once
     return run_parsed(args)
 
 
 if __name__ == "__main__":
-    from .signals import run_command
-    run_command(build_parser, main, heavy=("flexh2o.run_main",))
+    from flexh2o.common.signals import run_command
+    run_command(build_parser, main, heavy=("flexh2o.cli.run_main",))

@@ -52,9 +52,9 @@ sys.path.insert(0, os.path.join(REPO, "scripts"))
 from bench_vs_llamacpp import build_llama_cpp  # noqa: E402
 from memory_budget import CgroupUnavailable, check_available, exit_on_sigterm, run_in_budget  # noqa: E402
 from synthetic_gguf import write_model  # noqa: E402
-from flexh2o.machine import cpu_compute_dtype, describe_machine  # noqa: E402
-from flexh2o.memory import parse_size  # noqa: E402
-from flexh2o.output import write_json_atomic, write_text_atomic  # noqa: E402
+from flexh2o.host.machine import cpu_compute_dtype, describe_machine  # noqa: E402
+from flexh2o.engine.preflight import parse_size  # noqa: E402
+from flexh2o.common.output_files import write_json_atomic, write_text_atomic  # noqa: E402
 
 GB = 1 << 30  # as flexh2o's sizes and --limit count
 SECTOR = 512

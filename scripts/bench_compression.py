@@ -32,17 +32,17 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from flexh2o import Engine, Policy  # noqa: E402
-from flexh2o.disk import DIRECT, MEMORY  # noqa: E402
-from flexh2o.engine import default_device, default_dtype, parse_device, parse_dtype  # noqa: E402
-from flexh2o.errors import UsageError  # noqa: E402
+from flexh2o.offload.disk import DIRECT, MEMORY  # noqa: E402
+from flexh2o.host.devices import default_device, default_dtype, parse_device, parse_dtype  # noqa: E402
+from flexh2o.common.errors import UsageError  # noqa: E402
 from flexh2o.kv import cache_bytes  # noqa: E402
-from flexh2o.machine import describe_machine  # noqa: E402
-from flexh2o.memory import capacities, growth_bytes, layer_bytes, parse_size, run_need  # noqa: E402
+from flexh2o.host.machine import describe_machine  # noqa: E402
+from flexh2o.engine.preflight import capacities, growth_bytes, layer_bytes, parse_size, run_need  # noqa: E402
 from flexh2o.models import resolve_model  # noqa: E402
-from flexh2o.output import rewrite_markdown, write_results  # noqa: E402
-from flexh2o.placement import WeightNeeds, describe, fits, fitted_placement, largest  # noqa: E402
-from flexh2o.prompts import synthetic_prompts  # noqa: E402
-from flexh2o.report import build_report  # noqa: E402
+from flexh2o.common.output_files import rewrite_markdown, write_results  # noqa: E402
+from flexh2o.planning.placement import WeightNeeds, describe, fits, fitted_placement, largest  # noqa: E402
+from flexh2o.runs.prompts import synthetic_prompts  # noqa: E402
+from flexh2o.runs.report import build_report  # noqa: E402
 
 GB = 1 << 30
 med = statistics.median

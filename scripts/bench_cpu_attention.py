@@ -19,9 +19,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from flexh2o.kv.cache import KVCache  # noqa: E402
-from flexh2o.machine import describe_machine  # noqa: E402
+from flexh2o.host.machine import describe_machine  # noqa: E402
 from flexh2o.models.attention import decode_attention  # noqa: E402
-from flexh2o.output import write_json_atomic, write_text_atomic  # noqa: E402
+from flexh2o.common.output_files import write_json_atomic, write_text_atomic  # noqa: E402
 
 
 def timed(fn, runs: int) -> float:

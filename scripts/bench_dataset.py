@@ -103,7 +103,7 @@ def child_transformers(args):
     from flexh2o.jobs.blocks import plan_blocks
     from flexh2o.jobs.input import Entry
     from flexh2o.models import eos_ids, resolve_model
-    from flexh2o.prompts import load_tokenizer
+    from flexh2o.runs.prompts import load_tokenizer
     torch.set_grad_enabled(False)
     spec, _ = resolve_model(MODEL, None)
     model = AutoModelForCausalLM.from_pretrained(os.path.dirname(MODEL), gguf_file=os.path.basename(MODEL),
@@ -135,7 +135,7 @@ def child_global_pad(args):
     import torch
     from flexh2o import Engine, Policy
     from flexh2o.models import eos_ids
-    from flexh2o.prompts import load_tokenizer
+    from flexh2o.runs.prompts import load_tokenizer
     torch.set_grad_enabled(False)
     engine = Engine.from_pretrained(MODEL, policy=Policy(gpu_batch_size=args.batch), dtype=torch.float32)
     tokenizer, spec = load_tokenizer(MODEL), engine.spec
@@ -158,7 +158,7 @@ def child_global_pad(args):
 def make_chunks(args, work: str) -> tuple[list[str], int]:
     """The chunk files (random, equal shares of the prompts) and the longest prompt's tokens."""
     from flexh2o.jobs.input import Request, prompt_ids, sampling
-    from flexh2o.prompts import load_tokenizer
+    from flexh2o.runs.prompts import load_tokenizer
     tokenizer = load_tokenizer(MODEL)
     prompts = chat_prompts(shakespeare_texts(args.data_dir).values(), tokenizer, args.prompts, args.seed)
     longest = max(len(prompt_ids(tokenizer, Request("", None, m, 1, sampling(0.0, 1.0, 0), (), None), chat=True))
@@ -302,8 +302,8 @@ def main():
     if args.child:
         return child_global_pad(args) if args.child == "global-pad" else child_transformers(args)
     exit_on_sigterm()
-    from flexh2o.machine import describe_machine
-    from flexh2o.output import write_json_atomic, write_results
+    from flexh2o.host.machine import describe_machine
+    from flexh2o.common.output_files import write_json_atomic, write_results
     args.memory = int(args.memory * 2**30)
     settings = {k: getattr(args, k) for k in SETTINGS}
     state_path = args.out + ".json"

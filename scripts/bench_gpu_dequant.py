@@ -31,7 +31,7 @@ import torch
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, REPO)
-from flexh2o import gpu_dequant, quant  # noqa: E402
+from flexh2o.compression import gpu_dequant, quant  # noqa: E402
 
 HIDDEN, FFN = 7168, 28672
 MATRICES = {"qkv": (3 * HIDDEN, HIDDEN), "out": (HIDDEN, HIDDEN), "fc1": (FFN, HIDDEN), "fc2": (HIDDEN, FFN)}

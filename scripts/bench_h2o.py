@@ -12,7 +12,7 @@ memory when it does not fit the accelerator; so for each policy and length the s
 over the cache on the capped tier or in CPU memory, 1 to --max-gpu-batches gpu-batches (the
 waiting gpu-batches' hidden states on either tier) and the weights split between the two tiers in
 5% steps (never on disk: they fit in memory), the largest gpu_batch_size the engine's pre-flight
-(flexh2o.placement.fits) admits. Per policy the configuration with the largest batch runs (ties:
+(flexh2o.planning.placement.fits) admits. Per policy the configuration with the largest batch runs (ties:
 the cache on the capped tier, weights on it first, fewer gpu-batches); with the CPU as the compute
 device both tiers are the same RAM, so placements differ in what they admit, hardly in speed, and
 the batch is what amortizes each step's pass over the weights.
@@ -44,12 +44,12 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from flexh2o import Engine, Policy  # noqa: E402
 from flexh2o.kv.eviction import Evicting  # noqa: E402
-from flexh2o.machine import cpu_compute_dtype, describe_machine  # noqa: E402
-from flexh2o.memory import capacities, parse_size  # noqa: E402
+from flexh2o.host.machine import cpu_compute_dtype, describe_machine  # noqa: E402
+from flexh2o.engine.preflight import capacities, parse_size  # noqa: E402
 from flexh2o.models.opt import PRESETS  # noqa: E402
-from flexh2o.placement import WeightNeeds, describe, fits, largest  # noqa: E402
-from flexh2o.prompts import synthetic_prompts  # noqa: E402
-from flexh2o.output import write_json_atomic, write_text_atomic  # noqa: E402
+from flexh2o.planning.placement import WeightNeeds, describe, fits, largest  # noqa: E402
+from flexh2o.runs.prompts import synthetic_prompts  # noqa: E402
+from flexh2o.common.output_files import write_json_atomic, write_text_atomic  # noqa: E402
 
 GB = 1 << 30
 CACHE = {"gpu": (100, 0), "cpu": (0, 100)}  # cache on the capped tier / in CPU memory

@@ -33,9 +33,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from flexh2o.machine import cpu_compute_dtype, describe_machine  # noqa: E402
-from flexh2o import grouped_weight, native  # noqa: E402
-from flexh2o.quant import GROUP, GROUP_BYTES, dequantize, quantize  # noqa: E402
+from flexh2o.host.machine import cpu_compute_dtype, describe_machine  # noqa: E402
+from flexh2o import native  # noqa: E402
+from flexh2o.compression import grouped_weight
+from flexh2o.compression.quant import GROUP, GROUP_BYTES, dequantize, quantize  # noqa: E402
 
 SHAPES = {"OPT-125M fc1": (3072, 768), "OPT-1.3B fc1": (8192, 2048), "SmolLM2 up": (1536, 576)}
 ROWS = {torch.float32: (1, 8, 32), torch.bfloat16: (1, 8, 32, 128, 512)}

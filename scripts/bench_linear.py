@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from flexh2o.machine import describe_machine  # noqa: E402
+from flexh2o.host.machine import describe_machine  # noqa: E402
 from flexh2o.models import lm_head  # noqa: E402
-from flexh2o.output import write_results  # noqa: E402
+from flexh2o.common.output_files import write_results  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_quality import MODEL  # noqa: E402

@@ -21,8 +21,8 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 
 from memory_budget import CgroupUnavailable, check_available, exit_on_sigterm, run_in_budget  # noqa: E402
-from flexh2o.memory import parse_size  # noqa: E402
-from flexh2o.report import rss_beyond_projection  # noqa: E402
+from flexh2o.engine.preflight import parse_size  # noqa: E402
+from flexh2o.runs.report import rss_beyond_projection  # noqa: E402
 
 GB = 1 << 30
 # (name, flags): placements with the weights and the cache in memory, split, on disk; full and H2O;

@@ -33,12 +33,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from flexh2o import Engine, Policy  # noqa: E402
-from flexh2o.disk import DIRECT, MEMORY  # noqa: E402
-from flexh2o.machine import cpu_compute_dtype, describe_machine  # noqa: E402
-from flexh2o.memory import parse_size  # noqa: E402
-from flexh2o.prompts import synthetic_prompts  # noqa: E402
-from flexh2o.output import write_json_atomic, write_text_atomic  # noqa: E402
-from flexh2o.tiers import Tiers  # noqa: E402
+from flexh2o.offload.disk import DIRECT, MEMORY  # noqa: E402
+from flexh2o.host.machine import cpu_compute_dtype, describe_machine  # noqa: E402
+from flexh2o.engine.preflight import parse_size  # noqa: E402
+from flexh2o.runs.prompts import synthetic_prompts  # noqa: E402
+from flexh2o.common.output_files import write_json_atomic, write_text_atomic  # noqa: E402
+from flexh2o.offload.tiers import Tiers  # noqa: E402
 
 DTYPE = cpu_compute_dtype()  # bfloat16 where the CPU multiplies it natively, else float32
 IO_THREADS = inspect.signature(Tiers).parameters["io_threads"].default  # the engine keeps the default

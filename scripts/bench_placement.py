@@ -30,11 +30,12 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
-from flexh2o import Engine, Policy, native, quant  # noqa: E402
-from flexh2o.machine import describe_machine  # noqa: E402
+from flexh2o import Engine, Policy, native  # noqa: E402
+from flexh2o.compression import quant
+from flexh2o.host.machine import describe_machine  # noqa: E402
 from flexh2o.models.opt import PRESETS  # noqa: E402
-from flexh2o.output import write_json_atomic, write_text_atomic  # noqa: E402
-from flexh2o.profile import default_offload_dir, ensure_local_profile  # noqa: E402
+from flexh2o.common.output_files import write_json_atomic, write_text_atomic  # noqa: E402
+from flexh2o.profiling.local_profile import default_offload_dir, ensure_local_profile  # noqa: E402
 from bench_vs_accelerate import drop_page_cache  # noqa: E402
 
 GB = 1e9
@@ -74,7 +75,7 @@ def disk_speeds(directory: str, nbytes: int = 1 << 30, block: int = 64 << 20) ->
     profile's figure is from another time of a disk whose speed drifts): nbytes written through
     DiskStore in tensors of `block` bytes, then read back with their pages dropped, past the page
     cache where the filesystem allows (as the local profile reads)."""
-    from flexh2o.disk import DiskStore
+    from flexh2o.offload.disk import DiskStore
     store = DiskStore(directory, bypass_page_cache=True)
     try:
         data = torch.randint(0, 256, (block,), dtype=torch.uint8)

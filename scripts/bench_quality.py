@@ -38,9 +38,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from flexh2o import Engine, Policy  # noqa: E402
 from flexh2o.eval import perplexity, read_text, teacher_forced, text_windows  # noqa: E402
-from flexh2o.machine import describe_machine  # noqa: E402
-from flexh2o.output import write_results  # noqa: E402
-from flexh2o.prompts import load_tokenizer  # noqa: E402
+from flexh2o.host.machine import describe_machine  # noqa: E402
+from flexh2o.common.output_files import write_results  # noqa: E402
+from flexh2o.runs.prompts import load_tokenizer  # noqa: E402
 
 MODEL = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXTS = ("tempest_gut.txt", "lear_gut.txt")

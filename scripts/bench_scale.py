@@ -49,7 +49,7 @@ def free_port() -> int:
 
 
 def write_input(args, path: str):
-    from flexh2o.prompts import load_tokenizer
+    from flexh2o.runs.prompts import load_tokenizer
     prompts = chat_prompts(shakespeare_texts(args.data_dir).values(), load_tokenizer(MODEL), args.prompts, args.seed)
     with open(path, "w", encoding="utf-8") as f:
         for n, messages in enumerate(prompts):

@@ -44,11 +44,11 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 from flexh2o import Policy  # noqa: E402
-from flexh2o.machine import cpu_compute_dtype, describe_machine  # noqa: E402
-from flexh2o.memory import layer_bytes, parse_size  # noqa: E402
+from flexh2o.host.machine import cpu_compute_dtype, describe_machine  # noqa: E402
+from flexh2o.engine.preflight import layer_bytes, parse_size  # noqa: E402
 from flexh2o.models.opt import PRESETS  # noqa: E402
-from flexh2o.prompts import synthetic_prompts  # noqa: E402
-from flexh2o.output import write_json_atomic, write_text_atomic  # noqa: E402
+from flexh2o.runs.prompts import synthetic_prompts  # noqa: E402
+from flexh2o.common.output_files import write_json_atomic, write_text_atomic  # noqa: E402
 from memory_budget import CgroupUnavailable, check_available, exit_on_sigterm, report_result, run_in_budget  # noqa: E402
 
 GB = 1 << 30

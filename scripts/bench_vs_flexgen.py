@@ -37,8 +37,8 @@ import time
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, REPO)
-from flexh2o.errors import OneLineErrorParser, UsageError  # noqa: E402
-from flexh2o.output import write_json_atomic, write_text_atomic  # noqa: E402
+from flexh2o.common.errors import OneLineErrorParser, UsageError  # noqa: E402
+from flexh2o.common.output_files import write_json_atomic, write_text_atomic  # noqa: E402
 
 WRAPPER = os.path.join("scripts", "flexgen_offline.py")  # engines run with the checkout as their directory
 PREPARE = "pip download --no-deps flexgen==0.1.8 attrs -d DIR"
@@ -255,7 +255,7 @@ def write(out: str, result: dict):
 
 def header(command: str, wheels: list) -> dict:
     import torch
-    from flexh2o.machine import describe_machine
+    from flexh2o.host.machine import describe_machine
     return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
             "command": command, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
             "flexgen_from": ", ".join(os.path.basename(w) for w in wheels) or "the installed flexgen",

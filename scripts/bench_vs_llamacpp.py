@@ -32,8 +32,8 @@ import tarfile
 import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from flexh2o.machine import cpu_compute_dtype, describe_machine  # noqa: E402
-from flexh2o.output import write_json_atomic, write_text_atomic  # noqa: E402
+from flexh2o.host.machine import cpu_compute_dtype, describe_machine  # noqa: E402
+from flexh2o.common.output_files import write_json_atomic, write_text_atomic  # noqa: E402
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 MODEL = os.path.join(REPO, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")

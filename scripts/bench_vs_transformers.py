@@ -24,11 +24,11 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from flexh2o import Engine, Policy  # noqa: E402
-from flexh2o.machine import LoadMeter, cpu_compute_dtype, describe_machine  # noqa: E402
+from flexh2o.host.machine import LoadMeter, cpu_compute_dtype, describe_machine  # noqa: E402
 from flexh2o.models.opt import PRESETS  # noqa: E402
-from flexh2o.output import write_results  # noqa: E402
-from flexh2o.prompts import synthetic_prompts  # noqa: E402
-from flexh2o.weights import DummyWeights  # noqa: E402
+from flexh2o.common.output_files import write_results  # noqa: E402
+from flexh2o.runs.prompts import synthetic_prompts  # noqa: E402
+from flexh2o.checkpoints.weights import DummyWeights  # noqa: E402
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 SMOLLM2 = os.path.join(REPO, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")

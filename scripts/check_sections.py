@@ -18,7 +18,7 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from flexh2o.output import write_json_atomic, write_text_atomic  # noqa: E402
+from flexh2o.common.output_files import write_json_atomic, write_text_atomic  # noqa: E402
 
 WATCHDOG_GRACE_S = 120  # past its budget, a section gets this long before the watchdog ends the check
 

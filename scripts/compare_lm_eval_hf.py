@@ -22,7 +22,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from flexh2o.lm_eval import TASKS_DIR  # noqa: E402
-from flexh2o.machine import describe_machine  # noqa: E402
+from flexh2o.host.machine import describe_machine  # noqa: E402
 
 MODEL = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 TASKS = ("flexh2o_lastword", "flexh2o_lastword_gen", "flexh2o_cloze")

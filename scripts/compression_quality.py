@@ -35,10 +35,10 @@ import torch
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 from flexh2o import Engine, Policy  # noqa: E402
-from flexh2o.machine import describe_machine  # noqa: E402
+from flexh2o.host.machine import describe_machine  # noqa: E402
 from flexh2o.models import resolve_model  # noqa: E402
-from flexh2o.output import write_results  # noqa: E402
-from flexh2o.prompts import synthetic_prompts  # noqa: E402
+from flexh2o.common.output_files import write_results  # noqa: E402
+from flexh2o.runs.prompts import synthetic_prompts  # noqa: E402
 from tests.conftest import CONFIGS, VOCAB, make_tiny_opt  # noqa: E402
 
 COMPRESSION = {"weights": (True, False), "cache": (False, True), "both": (True, True)}

@@ -27,11 +27,12 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
-from flexh2o import Engine, Policy, unwidened  # noqa: E402
+from flexh2o import Engine, Policy  # noqa: E402
+from flexh2o.compression import kernel_choice as unwidened
 from flexh2o.eval import perplexity, teacher_forced, text_windows  # noqa: E402
-from flexh2o.grouped_weight import GroupedWeight  # noqa: E402
-from flexh2o.machine import describe_machine  # noqa: E402
-from flexh2o.output import write_results  # noqa: E402
+from flexh2o.compression.grouped_weight import GroupedWeight  # noqa: E402
+from flexh2o.host.machine import describe_machine  # noqa: E402
+from flexh2o.common.output_files import write_results  # noqa: E402
 from bench_quality import LENGTHS, MODEL, TEXTS, play_tokens  # noqa: E402
 
 SETTINGS = {  # name -> the cache fields of Engine.use_policy

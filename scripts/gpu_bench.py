@@ -30,7 +30,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(__file__))
 import bench_vs_flexgen as vs  # noqa: E402
 from check_sections import Check, machine_line  # noqa: E402
-from flexh2o.errors import OneLineErrorParser, UsageError  # noqa: E402
+from flexh2o.common.errors import OneLineErrorParser, UsageError  # noqa: E402
 
 BUDGETS = {"profile": 90, "vs-flexgen": 210, "t4 opt-6.7b": 50, "t4 opt-30b": 120}
 TOTAL_BUDGET_S = 8 * 60

@@ -106,7 +106,7 @@ def policy_of(w, c, act, nb, hh, ccc, compress, batch=1):
 def projection(engine, batch: int, prompt_len: int, gen_len: int) -> dict:
     """The pre-flight's bytes per tier for the engine's weights and a run at this gpu-batch size."""
     import dataclasses
-    from flexh2o.memory import add, run_need
+    from flexh2o.engine.preflight import add, run_need
     policy = dataclasses.replace(engine.policy, gpu_batch_size=batch)
     return add(engine.weight_need, run_need(engine.spec, policy, 2, prompt_len, gen_len, engine.tiers.compute,
                                             False, engine.tiers.io_threads))
@@ -116,7 +116,7 @@ def largest_batch(engine, prompt_len: int, gen_len: int) -> tuple[int, str]:
     """The largest gpu-batch size whose projection fits a T4's memory (less what CUDA takes
     outside torch's allocator; and this check's limits on CPU memory and disk), and which limit
     stopped it."""
-    from flexh2o.memory import outside_allocator
+    from flexh2o.engine.preflight import outside_allocator
     def limit(b):
         p = projection(engine, b, prompt_len, gen_len)
         for tier, cap in (("gpu", T4_BYTES - outside_allocator(False)), ("cpu", CPU_LIMIT), ("disk", DISK_LIMIT)):
@@ -137,7 +137,7 @@ def largest_batch(engine, prompt_len: int, gen_len: int) -> tuple[int, str]:
 def allocator_section(section, offload_dir):
     import torch
     from flexh2o import Engine
-    from flexh2o.prompts import synthetic_prompts
+    from flexh2o.runs.prompts import synthetic_prompts
     prompt_len, gen_len = 512, 4
     total = torch.cuda.get_device_properties(0).total_memory
     for name, *config in MATRIX:
@@ -204,7 +204,7 @@ def timed_run(policy, prompt_len, gen_len, offload_dir):
     """GenerationStats of one run of OPT-1.3B dummy float16 (after a first, untimed one)."""
     import torch
     from flexh2o import Engine
-    from flexh2o.prompts import synthetic_prompts
+    from flexh2o.runs.prompts import synthetic_prompts
     with Engine.from_pretrained(MODEL, policy=policy, device="cuda", dtype=torch.float16, dummy=True,
                                 offload_dir=offload_dir, prompt_len=prompt_len, gen_len=gen_len) as engine:
         ids, _ = synthetic_prompts(policy.batch_size, prompt_len, engine.spec.vocab_size, seed=0)
@@ -323,7 +323,7 @@ def main():
     import torch
     sys.path.insert(0, REPO)
     from check_sections import Check
-    from flexh2o.machine import describe_machine
+    from flexh2o.host.machine import describe_machine
     torch.set_grad_enabled(False)
     outs = [args.out] + ([os.path.join(os.environ["GPU_CHECK_OUT"], "gpu")] if os.environ.get("GPU_CHECK_OUT") else [])
     header = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,

@@ -67,7 +67,7 @@ def live_at_peak(snapshot) -> tuple[int, dict]:
 def memory(rows: list[str], out: str, offload: str) -> dict:
     import torch
     from flexh2o import Engine
-    from flexh2o.prompts import synthetic_prompts
+    from flexh2o.runs.prompts import synthetic_prompts
     configs = {name: config for name, *config in MATRIX}
     result = {}
     for name in rows:
@@ -110,7 +110,7 @@ def trace(runs: list[str], out: str, offload: str):
     import torch
     from torch.profiler import ProfilerActivity, profile
     from flexh2o import Engine
-    from flexh2o.prompts import synthetic_prompts
+    from flexh2o.runs.prompts import synthetic_prompts
     for name in runs:
         config, prompt_len, new = RUNS[name]
         policy = policy_of(*config[:7], batch=config[7])
@@ -148,7 +148,7 @@ def launches(engine, ids, new: int) -> int:
 def decode(choices: list[str], out: str, offload: str):
     import torch
     from flexh2o import Engine, Policy
-    from flexh2o.prompts import synthetic_prompts
+    from flexh2o.runs.prompts import synthetic_prompts
     names = list(DECODE_CHOICES) if choices == ["all"] else choices
     result = {}
     with Engine.from_pretrained("opt-6.7b", policy=Policy(32), device="cuda", dtype=torch.float16, dummy=True,

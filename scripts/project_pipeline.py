@@ -18,11 +18,11 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from flexh2o.models import resolve_model  # noqa: E402
-from flexh2o.optimizer.hardware import load_profile  # noqa: E402
-from flexh2o.optimizer.pipeline_plan import plan_pipeline  # noqa: E402
-from flexh2o.optimizer.planner import run_flags  # noqa: E402
-from flexh2o.optimizer.search import caps_of  # noqa: E402
-from flexh2o.policy import Policy  # noqa: E402
+from flexh2o.host.hardware import load_profile  # noqa: E402
+from flexh2o.planning.pipeline_plan import plan_pipeline  # noqa: E402
+from flexh2o.planning.planner import run_flags  # noqa: E402
+from flexh2o.planning.search import caps_of  # noqa: E402
+from flexh2o.engine.policy import Policy  # noqa: E402
 
 
 def main():

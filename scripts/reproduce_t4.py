@@ -20,15 +20,15 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from flexh2o.machine import describe_machine  # noqa: E402
+from flexh2o.host.machine import describe_machine  # noqa: E402
 from flexh2o.models.opt import PRESETS  # noqa: E402
-from flexh2o.optimizer.cost_model import predict  # noqa: E402
-from flexh2o.optimizer.hardware import load_profile  # noqa: E402
-from flexh2o.optimizer.planner import run_flags  # noqa: E402
-from flexh2o.optimizer.search import caps_of, search  # noqa: E402
-from flexh2o.output import write_results  # noqa: E402
-from flexh2o.placement import fits  # noqa: E402
-from flexh2o.policy import Policy  # noqa: E402
+from flexh2o.planning.cost_model import predict  # noqa: E402
+from flexh2o.host.hardware import load_profile  # noqa: E402
+from flexh2o.planning.planner import run_flags  # noqa: E402
+from flexh2o.planning.search import caps_of, search  # noqa: E402
+from flexh2o.common.output_files import write_results  # noqa: E402
+from flexh2o.planning.placement import fits  # noqa: E402
+from flexh2o.engine.policy import Policy  # noqa: E402
 
 # (model, gen_len) -> (FlexGen token/s, batch), (H2O-20% token/s, batch): the H2O paper, T4 16 GB, prompt 512
 PAPER = {

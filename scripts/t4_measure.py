@@ -79,8 +79,8 @@ def batch_shape(target: int, admits) -> tuple:
 
 def admitted(engine, policy, gen_len: int) -> bool:
     """Whether the engine's pre-flight (Engine.generate's) admits `policy` for PROMPT_LEN + gen_len."""
-    from flexh2o.errors import UsageError
-    from flexh2o.memory import add, check_fits, run_need
+    from flexh2o.common.errors import UsageError
+    from flexh2o.engine.preflight import add, check_fits, run_need
     need = add(engine.weight_need, run_need(engine.cache_spec, policy, engine.tiers.dtype.itemsize, PROMPT_LEN,
                                             gen_len, engine.tiers.compute, False, engine.tiers.io_threads))
     try:
@@ -103,10 +103,10 @@ def measure_row(engine, row: dict, profile, cut: int) -> dict:
     """One row on the loaded engine: its batch shape, FlexGen's protocol with `cut` token steps run,
     the report's figures, and the prediction (profile None: none)."""
     import torch
-    from flexh2o.optimizer.cost_model import predict
-    from flexh2o.prompts import synthetic_prompts
-    from flexh2o.report import build_report
-    from flexh2o.run_main import WARMUP_PROMPT_LEN, warm_up
+    from flexh2o.planning.cost_model import predict
+    from flexh2o.runs.prompts import synthetic_prompts
+    from flexh2o.runs.report import build_report
+    from flexh2o.cli.run_main import WARMUP_PROMPT_LEN, warm_up
     gen_len, cut = row["gen_len"], min(cut, row["gen_len"])
 
     def shape(b, nb):
@@ -143,8 +143,8 @@ def main() -> int:
         print(f"t4_measure: no CUDA device (torch {torch.__version__}): nothing measured", file=sys.stderr)
         return 0
     from flexh2o import Engine, Policy
-    from flexh2o.memory import parse_size
-    from flexh2o.planning import cached_local_profile
+    from flexh2o.engine.preflight import parse_size
+    from flexh2o.runs.auto_plan import cached_local_profile
     torch.set_grad_enabled(False)
     deadline = time.monotonic() + args.seconds
     device = torch.device("cuda")

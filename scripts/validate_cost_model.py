@@ -23,17 +23,17 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from flexh2o import Engine, Policy  # noqa: E402
-from flexh2o.engine import default_device, default_dtype, parse_device  # noqa: E402
-from flexh2o.machine import LoadMeter, describe_machine  # noqa: E402
+from flexh2o.host.devices import default_device, default_dtype, parse_device  # noqa: E402
+from flexh2o.host.machine import LoadMeter, describe_machine  # noqa: E402
 from flexh2o.models import resolve_model  # noqa: E402
-from flexh2o.optimizer.cost_model import predict  # noqa: E402
-from flexh2o.optimizer.measure import disk_rates  # noqa: E402
-from flexh2o.optimizer.timing import sizes_for  # noqa: E402
-from flexh2o.optimizer.planner import run_flags  # noqa: E402
-from flexh2o.output import write_results  # noqa: E402
-from flexh2o.profile import ensure_local_profile  # noqa: E402
-from flexh2o.prompts import synthetic_prompts  # noqa: E402
-from flexh2o.report import build_report  # noqa: E402
+from flexh2o.planning.cost_model import predict  # noqa: E402
+from flexh2o.profiling.measure import disk_rates  # noqa: E402
+from flexh2o.profiling.timing import sizes_for  # noqa: E402
+from flexh2o.planning.planner import run_flags  # noqa: E402
+from flexh2o.common.output_files import write_results  # noqa: E402
+from flexh2o.profiling.local_profile import ensure_local_profile  # noqa: E402
+from flexh2o.runs.prompts import synthetic_prompts  # noqa: E402
+from flexh2o.runs.report import build_report  # noqa: E402
 
 TARGET = 0.25
 

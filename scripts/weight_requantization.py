@@ -24,11 +24,11 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_quality import MODEL, TEXTS, shakespeare_texts  # noqa: E402
-from flexh2o import quant  # noqa: E402
+from flexh2o.compression import quant  # noqa: E402
 from flexh2o.eval import read_text, text_windows  # noqa: E402
-from flexh2o.machine import describe_machine  # noqa: E402
-from flexh2o.output import write_results  # noqa: E402
-from flexh2o.prompts import load_tokenizer  # noqa: E402
+from flexh2o.host.machine import describe_machine  # noqa: E402
+from flexh2o.common.output_files import write_results  # noqa: E402
+from flexh2o.runs.prompts import load_tokenizer  # noqa: E402
 
 
 def round_trip(w: torch.Tensor, group: int) -> torch.Tensor:

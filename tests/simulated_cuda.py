@@ -213,7 +213,7 @@ class SimulatedCuda:
     def install(self, monkeypatch):
         """Stands in for torch.cuda and makes every Tiers made from now on take its CUDA branches;
         returns the mode watching the main thread's ops (exit it at the end)."""
-        import flexh2o.buffers
+        import flexh2o.offload.buffers
         cuda = torch.cuda
         monkeypatch.setattr(cuda, "Stream", lambda device=None, **kw: self.new_stream())
         monkeypatch.setattr(cuda, "Event", lambda **kw: Event(self, **kw))
@@ -228,12 +228,12 @@ class SimulatedCuda:
         def copy_(dst, src, non_blocking=False):  # a function: a bound method set on the class would not bind
             return self.copy_(dst, src, non_blocking)
         monkeypatch.setattr(torch.Tensor, "copy_", copy_)
-        init = flexh2o.buffers.Buffers.__init__
+        init = flexh2o.offload.buffers.Buffers.__init__
 
         def simulated_init(buffers, device, dtype):
             init(buffers, device, dtype)
             buffers.on_cuda = True
-        monkeypatch.setattr(flexh2o.buffers.Buffers, "__init__", simulated_init)
+        monkeypatch.setattr(flexh2o.offload.buffers.Buffers, "__init__", simulated_init)
         mode = _Mode(self)
         mode.__enter__()
         self.local.mode_on = True

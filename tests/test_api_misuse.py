@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flexh2o import LLM, Engine, Policy, UsageError
-from flexh2o.llm import CHUNK_BATCHES
+from flexh2o.jobs.llm import CHUNK_BATCHES
 from conftest import VOCAB, padded_batch
 
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import flexh2o.memory
-import flexh2o.prompts
-import flexh2o.run_main
+import flexh2o.engine.preflight
+import flexh2o.runs.prompts
+import flexh2o.cli.run_main
 from flexh2o.models import resolve_model
 from flexh2o.run import main
 from test_weights import greedy
@@ -89,7 +89,7 @@ def test_bad_flags(argv, flag, text, capsys):
 
 def test_a_model_too_large_for_any_placement_names_the_model(capsys, monkeypatch):
     """The smallest need is said, not what everything on the gpu tier would need."""
-    monkeypatch.setattr(flexh2o.memory.shutil, "disk_usage", lambda path: SimpleNamespace(free=1 << 30))
+    monkeypatch.setattr(flexh2o.engine.preflight.shutil, "disk_usage", lambda path: SimpleNamespace(free=1 << 30))
     code, err = run_main(SMALL + ["--model", "opt-175b"], capsys)
     assert code == 2 and err.count("\n") == 0
     assert err.startswith("error: --model: no placement of opt-175b with a batch of 4 x 8+2 tokens fits")
@@ -214,30 +214,30 @@ def test_an_endless_prompts_file_is_refused(model_with_tokenizer, capsys):
 
 
 def test_a_prompts_file_is_read_up_to_the_limit(model_with_tokenizer, capsys, monkeypatch, tmp_path):
-    monkeypatch.setattr(flexh2o.prompts, "MAX_PROMPTS_BYTES", 1 << 20)
+    monkeypatch.setattr(flexh2o.runs.prompts, "MAX_PROMPTS_BYTES", 1 << 20)
     big = tmp_path / "big.txt"
     big.write_bytes(b"a prompt\n" * (1 << 17))
     refused_prompts(model_with_tokenizer, str(big), capsys, "larger than 1.00 MB, the limit for a prompts file")
 
 
 def test_a_byte_order_mark_is_not_part_of_the_first_prompt(model_with_tokenizer, tmp_path):
-    tokenizer = flexh2o.prompts.load_tokenizer(str(model_with_tokenizer))
+    tokenizer = flexh2o.runs.prompts.load_tokenizer(str(model_with_tokenizer))
     plain, marked = tmp_path / "plain.txt", tmp_path / "marked.txt"
     plain.write_text("the cat\r\nsat on a mat\n", encoding="utf-8")
     marked.write_text("the cat\r\nsat on a mat\n", encoding="utf-8-sig")
     assert marked.read_bytes().startswith(b"\xef\xbb\xbf")
-    tokens = flexh2o.prompts.read_prompts(str(plain), tokenizer, 2, 8)
-    assert tokens == flexh2o.prompts.read_prompts(str(marked), tokenizer, 2, 8)
+    tokens = flexh2o.runs.prompts.read_prompts(str(plain), tokenizer, 2, 8)
+    assert tokens == flexh2o.runs.prompts.read_prompts(str(marked), tokenizer, 2, 8)
     assert tokens[0] == tokenizer("the cat")["input_ids"]
 
 
 def test_prompts_are_made_after_the_preflight_and_ram_measured_before(tiny_models, capsys, monkeypatch):
     """Prompts are batch-sized: made only once the pre-flight passed, after free memory was measured."""
     events = []
-    measure, make = flexh2o.memory.psutil.virtual_memory, flexh2o.run_main.synthetic_prompts
-    monkeypatch.setattr(flexh2o.memory.psutil, "virtual_memory",  # records who measures
+    measure, make = flexh2o.engine.preflight.psutil.virtual_memory, flexh2o.cli.run_main.synthetic_prompts
+    monkeypatch.setattr(flexh2o.engine.preflight.psutil, "virtual_memory",  # records who measures
                         lambda: events.append(sys._getframe(1).f_code.co_name) or measure())
-    monkeypatch.setattr(flexh2o.run_main, "synthetic_prompts", lambda *a: events.append("prompts") or make(*a))
+    monkeypatch.setattr(flexh2o.cli.run_main, "synthetic_prompts", lambda *a: events.append("prompts") or make(*a))
     directory, _ = tiny_models["tiny"]
     assert main(SMALL + ["--model", directory, "--dummy", "--gpu-batch-size", "1", "--dtype", "float32"]) == 0
     assert events.count("prompts") == 1 and "capacities" in events
@@ -245,7 +245,7 @@ def test_prompts_are_made_after_the_preflight_and_ram_measured_before(tiny_model
 
 
 def test_a_huge_batch_is_refused_before_anything_batch_sized_exists(capsys, monkeypatch):
-    monkeypatch.setattr(flexh2o.run_main, "synthetic_prompts", lambda *a: pytest.fail("prompts made before the pre-flight"))
+    monkeypatch.setattr(flexh2o.cli.run_main, "synthetic_prompts", lambda *a: pytest.fail("prompts made before the pre-flight"))
     argv = SMALL + ["--num-gpu-batches", "1000000000", "--percent", "100", "0", "100", "0", "100", "0"]
     assert_refused(argv, "--percent", "the policy needs", capsys)
 

@@ -15,9 +15,9 @@ from conftest import REPO
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 import bench_vs_flexgen as vs  # noqa: E402
 from flexgen_offline import StandInTokenizer, dummy_path_given  # noqa: E402
-from flexh2o.errors import UsageError  # noqa: E402
+from flexh2o.common.errors import UsageError  # noqa: E402
 from flexh2o.run import build_parser  # noqa: E402
-from flexh2o.run_main import check_benchmark_flags  # noqa: E402
+from flexh2o.cli.run_main import check_benchmark_flags  # noqa: E402
 
 # FlexGen 0.1.8's benchmark log (flexgen/utils.py write_benchmark_log), two runs appended to one file.
 LOG = """model size: 12.386 GB\tcache size: 8.500 GB\thidden size (p): 0.125 GB

@@ -3,8 +3,8 @@ here the ranges are noted by hand)."""
 
 import torch
 
-from flexh2o.buffers import Buffers
-from flexh2o.cuda_io import pitched_rows
+from flexh2o.offload.buffers import Buffers
+from flexh2o.offload.cuda_io import pitched_rows
 
 
 def test_a_tensor_is_pinned_when_it_lies_whole_in_a_registered_range():

@@ -108,7 +108,7 @@ def test_the_allocator_rows_batch_is_the_largest_that_fits(tiny_models, monkeypa
     import torch
     import gpu_check
     from flexh2o import Engine, Policy
-    from flexh2o.memory import outside_allocator
+    from flexh2o.engine.preflight import outside_allocator
     directory, _ = tiny_models["tiny"]
     cuda_own = outside_allocator(False)  # what a T4 holds outside torch's allocator
     with Engine.from_pretrained(directory, policy=Policy(gpu_batch_size=1), dtype=torch.float32) as engine:

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 
-from flexh2o.engine import default_dtype
+from flexh2o.host.devices import default_dtype
 from flexh2o.run import main
 from conftest import REPO
 
@@ -136,7 +136,7 @@ def test_chat_needs_a_prompts_file_and_a_template(model_with_tokenizer, tmp_path
 
 def test_chat_applies_the_template(model_with_tokenizer, tmp_path):
     from transformers import AutoTokenizer
-    from flexh2o.prompts import read_prompts
+    from flexh2o.runs.prompts import read_prompts
     tok = AutoTokenizer.from_pretrained(model_with_tokenizer)
     tok.chat_template = "{% for m in messages %}the {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}a{% endif %}"
     prompts = tmp_path / "p.txt"
@@ -157,7 +157,7 @@ def test_help_answers_without_loading_torch(module):
 
 def test_the_parsers_kv_policy_names_are_the_engines():
     from flexh2o.kv import POLICIES
-    from flexh2o.names import KV_POLICY_NAMES
+    from flexh2o.common.names import KV_POLICY_NAMES
     assert tuple(POLICIES) == KV_POLICY_NAMES
 
 

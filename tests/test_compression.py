@@ -10,13 +10,13 @@ import torch
 
 import flexh2o.kv.compressed
 import flexh2o.kv.home
-import flexh2o.weights
+import flexh2o.checkpoints.weights
 from flexh2o import Engine, Policy
 from flexh2o.kv import cache_bytes
 from flexh2o.kv.cache import KVCache
 from flexh2o.kv.eviction import FullCache
-from flexh2o.quant import compressible, dequantize, packed_width, quantize, stored_bytes
-from flexh2o.weights import CheckpointWeights
+from flexh2o.compression.quant import compressible, dequantize, packed_width, quantize, stored_bytes
+from flexh2o.checkpoints.weights import CheckpointWeights
 from conftest import make_tiny_opt, padded_batch
 
 TIERS = {"gpu": (100, 0), "cpu": (0, 100), "disk": (0, 0), "mixed": (34, 33)}
@@ -133,7 +133,7 @@ def test_tiers_hold_compressed_bytes_and_the_preflight_bounds_them(head_dim_64, 
         engine.generate(ids, mask, max_new_tokens=4, eos_token_id=None)
         for tier in ("gpu", "cpu", "disk"):
             assert engine.tiers.peak[tier] <= engine.projected[tier], tier
-        from flexh2o.report import build_report
+        from flexh2o.runs.report import build_report
         report = build_report(engine, engine.last_stats, policy)
     sixteen_bit = sum(2 * torch.Size(shape).numel() for layer in layers for _, shape in layer.weight_specs())
     assert report["model_size_bytes"] == weights and 0.28 < weights / sixteen_bit < 0.30
@@ -221,7 +221,7 @@ def test_dummy_weights_made_as_groups_run_as_the_quantized_dummy_values(tmp_path
                                     offload_dir=str(tmp_path)) as engine:
             return engine.generate(ids, mask, max_new_tokens=3, output_scores=True, eos_token_id=None)
     packed = run()
-    monkeypatch.setattr(flexh2o.weights.DummyWeights, "get_packed", lambda *args: None)
+    monkeypatch.setattr(flexh2o.checkpoints.weights.DummyWeights, "get_packed", lambda *args: None)
     quantized = run()
     assert torch.equal(packed.sequences, quantized.sequences)
     assert all(torch.equal(a, b) for a, b in zip(packed.scores, quantized.scores))

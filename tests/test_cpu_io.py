@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from flexh2o import Engine, Policy
-from flexh2o.disk import ALIGN, DiskStore
-from flexh2o.tiers import Tiers, copy_in_memory
+from flexh2o.offload.disk import ALIGN, DiskStore
+from flexh2o.offload.tiers import Tiers, copy_in_memory
 from conftest import padded_batch
 
 NEW = 4

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from flexh2o.engine import Engine
-from flexh2o.report import projected_decode_seconds
+from flexh2o.engine.engine import Engine
+from flexh2o.runs.report import projected_decode_seconds
 from flexh2o.run import main
 
 

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from flexh2o import decode_graphs
+from flexh2o.engine import decode_graphs
 from test_simulated_cuda import MATRIX, NEW_TOKENS, assert_same, cpu_reference, policy, simulated_run
 
 GRAPHED = {"full": {}, "h2o": dict(hh_ratio=0.3), "local": dict(kv_policy="local", hh_ratio=0.3),
@@ -68,7 +68,7 @@ def test_a_failed_capture_is_one_line_and_the_run_goes_on(tiny_models, tmp_path,
     def reads_on_the_host(self, logits, uniforms):
         float(logits[0, 0])
         return pick(self, logits, uniforms)
-    from flexh2o.sequences import Sequences
+    from flexh2o.engine.sequences import Sequences
     pick = Sequences.pick
     monkeypatch.setattr(Sequences, "pick", reads_on_the_host)
     out, _, simulated = simulated_run(directory, run, tmp_path, monkeypatch)

@@ -11,8 +11,8 @@ import threading
 import pytest
 import torch
 
-from flexh2o import disk
-from flexh2o.disk import ALIGN, DIRECT, EVICTED, MEMORY, USED, DiskStore
+from flexh2o.offload import disk
+from flexh2o.offload.disk import ALIGN, DIRECT, EVICTED, MEMORY, USED, DiskStore
 
 MODES = ["used", "direct", "evicted"]
 LIBC = ctypes.CDLL(None, use_errno=True)

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from flexh2o import disk
+from flexh2o.offload import disk
 from flexh2o.run import main
 from conftest import REPO, fail_from, last_line
 
@@ -45,7 +45,7 @@ def test_a_full_disk_mid_run_is_one_line_and_leaves_nothing(tiny_models, tmp_pat
 # dump from the interpreter's shutdown while a thread still ran.
 INJECTED = """
 import errno, os, sys, time
-from flexh2o import disk
+from flexh2o.offload import disk
 real, calls = disk.pwrite_all, []
 def failing(*args, **kwargs):
     calls.append(1)

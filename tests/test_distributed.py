@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from flexh2o.distributed import World, world_from_env
-from flexh2o.errors import UsageError
+from flexh2o.cli.distributed import World, world_from_env
+from flexh2o.common.errors import UsageError
 from flexh2o.jobs.input import Entry
 from flexh2o.jobs.replicas import deal, part_path
 from conftest import REPO, last_line
@@ -222,7 +222,7 @@ def test_a_planned_pipeline_replica_with_nothing_left_lets_the_others_plan_their
     """2 replicas of 2 stages, planned; replica 0's share already written (a resumed job): its stages
     skip, replica 1's first stage plans for its own records and the job finishes."""
     from flexh2o.jobs.input import JobInput
-    from flexh2o.prompts import load_tokenizer
+    from flexh2o.runs.prompts import load_tokenizer
     alone, out = tmp_path / "alone.jsonl", tmp_path / "out.jsonl"
     assert run(model_with_tokenizer, job_prompts, alone, "--gen-len", "8", "--gpu-batch-size", "2") == 0
     defaults = {"max_tokens": 8, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None}
@@ -247,8 +247,8 @@ def test_every_stage_slices_the_model_alike_whatever_it_compresses():
     import torch
     from flexh2o import Engine, Policy
     from flexh2o.models import resolve_model
-    from flexh2o.optimizer.pipeline_plan import stage_parts
-    from flexh2o.pipeline import Stage
+    from flexh2o.planning.pipeline_plan import stage_parts
+    from flexh2o.engine.pipeline import Stage
     spec, _ = resolve_model("opt-125m")
     planned = [piece for _, _, piece in stage_parts(spec, 3, 4)]
     held = []

@@ -1,4 +1,4 @@
-"""flexh2o.gguf_reader: SmolLM2-135M's GGUF (Q4_1) against transformers' own GGUF loading, and tiny
+"""flexh2o.checkpoints.gguf_reader: SmolLM2-135M's GGUF (Q4_1) against transformers' own GGUF loading, and tiny
 GGUF files written here for what that file lacks (untied head, RoPE scaling, qwen2, F16/Q8_0)."""
 
 import os
@@ -9,9 +9,10 @@ import torch
 
 gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install -e '.[models]')")
 
-import flexh2o.gguf_reader  # noqa: E402
-from flexh2o.errors import UsageError  # noqa: E402
-from flexh2o.gguf_reader import read_gguf, tokenizer  # noqa: E402
+import flexh2o.checkpoints.gguf_reader  # noqa: E402
+from flexh2o.common.errors import UsageError  # noqa: E402
+from flexh2o.checkpoints.gguf_reader import read_gguf, tokenizer  # noqa: E402
+from flexh2o.models import resolve_model  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOL = os.path.join(REPO, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -254,8 +255,8 @@ def test_other_architecture_is_refused(tmp_path):
 def test_a_file_is_parsed_once_while_it_stays_the_same(tmp_path, monkeypatch):
     path = str(tmp_path / "tiny.gguf")
     write_tiny(path)
-    opened, parse = [], flexh2o.gguf_reader.read_layout
-    monkeypatch.setattr(flexh2o.gguf_reader, "read_layout", lambda *args: opened.append(args) or parse(*args))
+    opened, parse = [], flexh2o.checkpoints.gguf_reader.read_layout
+    monkeypatch.setattr(flexh2o.checkpoints.gguf_reader, "read_layout", lambda *args: opened.append(args) or parse(*args))
     first = read_gguf(path)
     first.config["hidden_size"] = -1  # a caller's config is its own
     second = read_gguf(path)
@@ -276,14 +277,14 @@ def test_a_file_is_parsed_once_while_it_stays_the_same(tmp_path, monkeypatch):
 def test_an_impossible_gguf_header_is_one_line(tmp_path, header, says):
     write_tiny(tmp_path / "bad.gguf", header=header)
     with pytest.raises(UsageError) as e:
-        read_gguf(str(tmp_path / "bad.gguf"))
+        resolve_model(str(tmp_path / "bad.gguf"))
     assert e.value.flag == "--model" and says in e.value.message
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 def test_block_types_dequantize_as_the_gguf_package_does(kind):
     """The whole-tensor torch dequantization of the common block types gives the gguf package's values, bit for bit."""
-    from flexh2o.gguf_reader import _dequantize_blocks
+    from flexh2o.checkpoints.gguf_reader import _dequantize_blocks
     qtype = gguf.GGMLQuantizationType[kind]
     values = np.random.default_rng(0).normal(size=(6, 128)).astype(np.float32)
     packed = gguf.quants.quantize(values, qtype)
@@ -321,9 +322,9 @@ def test_tensors_read_through_the_map_leave_no_pages_mapped(tmp_path):
 def test_16_bit_matrices_read_for_a_16_bit_run_equal_the_float32_path(tmp_path, monkeypatch, stored):
     """Read a slice of rows at a time straight into the run's 16-bit width (no float32 copy while a
     matrix loads): the same values as dequantizing to float32 and narrowing, q/k rows unpermuted."""
-    from flexh2o.weights import GGUFWeights
+    from flexh2o.checkpoints.weights import GGUFWeights
     write_tiny(tmp_path / "m.gguf", untied=True, matrix_type=lambda name: stored)
-    monkeypatch.setattr(flexh2o.gguf_reader, "SLICE_BYTES", 200)  # several slices per matrix
+    monkeypatch.setattr(flexh2o.checkpoints.gguf_reader, "SLICE_BYTES", 200)  # several slices per matrix
     weights = GGUFWeights(str(tmp_path / "m.gguf"))
     read_as_stored = 0
     for name in weights.model.names():
@@ -338,9 +339,9 @@ def test_16_bit_matrices_read_for_a_16_bit_run_equal_the_float32_path(tmp_path, 
 def test_loading_a_low_bit_file_in_16_bits_counts_the_float32_copy_of_a_matrix():
     """SmolLM2's Q4_1 embedding is dequantized to float32 before it is narrowed to a 16-bit run's
     width: the pre-flight's loading transient holds that copy (113 MB), not just the result."""
-    from flexh2o.memory import load_transient
+    from flexh2o.engine.preflight import load_transient
     from flexh2o.models import resolve_model
-    from flexh2o.policy import Policy
+    from flexh2o.engine.policy import Policy
     spec, _ = resolve_model(SMOL, None)
     layers = spec.build_layers()
     embedding = spec.vocab_size * spec.hidden_size

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from flexh2o import Engine, Policy, gguf_blocks, grouped_weight, native
-from flexh2o.gguf_reader import _dequantize_blocks
-from flexh2o.memory import layer_bytes
+from flexh2o import Engine, Policy, native
+from flexh2o.compression import gguf_blocks, grouped_weight
+from flexh2o.checkpoints.gguf_reader import _dequantize_blocks
+from flexh2o.engine.preflight import layer_bytes
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_gguf import write_tiny  # noqa: E402

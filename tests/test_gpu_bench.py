@@ -56,7 +56,7 @@ def test_a_row_on_a_small_model_is_timed_as_flexgen_times_it(small_engine):
 
 
 def test_a_batch_the_preflight_refuses_is_cut_to_what_fits(small_engine):
-    from flexh2o.memory import add, run_need
+    from flexh2o.engine.preflight import add, run_need
     engine, caps = small_engine, dict(small_engine.caps)
     need = [add(engine.weight_need, run_need(engine.cache_spec, Policy(gpu_batch_size=b), engine.tiers.dtype.itemsize,
                                              512, 8, engine.tiers.compute))["gpu"] for b in (1, 2)]

@@ -15,8 +15,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from flexh2o import gguf_blocks, gpu_dequant, quant
-from flexh2o.tiers import Tiers
+from flexh2o.compression import gguf_blocks, gpu_dequant, quant
+from flexh2o.offload.tiers import Tiers
 import simulated_cuda
 from test_simulated_cuda import assert_same, cpu_reference, policy, simulated_run
 
@@ -114,7 +114,7 @@ def test_the_torch_path_allocates_nothing_after_its_first_call_and_writes_five_t
 
 def test_without_triton_the_torch_path_is_said_once(monkeypatch, capsys):
     monkeypatch.setattr(gpu_dequant, "_KERNEL", [])
-    monkeypatch.setitem(sys.modules, "flexh2o.triton_dequant", None)  # its import fails
+    monkeypatch.setitem(sys.modules, "flexh2o.compression.triton_dequant", None)  # its import fails
     assert gpu_dequant.kernel() is None and gpu_dequant.kernel() is None
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and "Triton is not usable" in lines[0]
@@ -145,7 +145,7 @@ def interpreted(monkeypatch):
     """triton_dequant run by Triton's interpreter on CPU tensors."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    module = importlib.import_module("flexh2o.triton_dequant")
+    module = importlib.import_module("flexh2o.compression.triton_dequant")
     return importlib.reload(module)  # jitted afresh, for the interpreter
 
 

@@ -6,7 +6,8 @@ with the prompt step widening or not, allocating nothing after its first decode 
 import pytest
 import torch
 
-from flexh2o import grouped_weight, native, quant, unwidened
+from flexh2o import native
+from flexh2o.compression import grouped_weight, quant, kernel_choice as unwidened
 from conftest import COMPRESSED_TIERS, FORCED_BATCH, FORCED_PROMPT, compressed_policy, count_calls, forced_logprobs
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler: the kernels cannot be built here")

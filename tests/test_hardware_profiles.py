@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from flexh2o.errors import UsageError
-from flexh2o.optimizer.hardware import CONFIG_DIR, load_profile
+from flexh2o.common.errors import UsageError
+from flexh2o.host.hardware import CONFIG_DIR, load_profile
 from conftest import REPO, last_line
 
 T4 = json.load(open(os.path.join(CONFIG_DIR, "t4.json")))
@@ -96,7 +96,7 @@ def test_the_load_meter_counts_its_own_children_as_its_own_work():
     """A profile's probes run as child processes: their CPU time is this process's own, not other
     processes' load. The child spends a fixed amount of CPU time (not of wall time), so how busy the
     machine is changes nothing."""
-    from flexh2o.machine import cpu_seconds
+    from flexh2o.host.machine import cpu_seconds
     own_before = cpu_seconds()[1]
     subprocess.run([sys.executable, "-c", "import time\nwhile time.process_time() < 0.5: pass"], check=True)
     assert cpu_seconds()[1] - own_before >= 0.45  # (the kernel accounts it in ticks)
@@ -106,7 +106,7 @@ def test_the_load_meter_counts_its_own_children_as_its_own_work():
 def test_the_load_meter_gives_other_processes_share_of_every_core(monkeypatch, others):
     """The meter's arithmetic on given counters: 4 cores for 2 s, this process (children included)
     busy 1.5 CPU-seconds, other processes `others` of all cores."""
-    from flexh2o import machine
+    from flexh2o.host import machine
     clock, counters = iter([100.0, 102.0]), iter([(50.0, 10.0), (50.0 + 1.5 + others * 8, 11.5)])
     monkeypatch.setattr(machine.time, "perf_counter", lambda: next(clock))
     monkeypatch.setattr(machine, "cpu_seconds", lambda: next(counters))

@@ -7,8 +7,9 @@ nothing after its first decode step."""
 import pytest
 import torch
 
-from flexh2o import Engine, Policy, int4_tiles, unwidened
-from flexh2o.weight_io import WeightIO
+from flexh2o import Engine, Policy
+from flexh2o.compression import int4_tiles, kernel_choice as unwidened
+from flexh2o.offload.weight_io import WeightIO
 from conftest import COMPRESSED_TIERS, FORCED_BATCH, FORCED_PROMPT, compressed_policy, count_calls, forced_logprobs
 
 

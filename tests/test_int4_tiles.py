@@ -4,8 +4,8 @@ torch's own, nothing is lost on the way back, and the kernel multiplies them as 
 import pytest
 import torch
 
-from flexh2o import int4_tiles, unwidened
-from flexh2o.quant import dequantize, quantize
+from flexh2o.compression import int4_tiles, kernel_choice as unwidened
+from flexh2o.compression.quant import dequantize, quantize
 
 TORCH_LAYOUT = pytest.mark.skipif(not int4_tiles.torch_lays_codes_so(),
                                   reason="torch's int4 kernel lays its codes out otherwise on this CPU (AVX2 alone)")

@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from flexh2o import buffers, disk, tiers
-from flexh2o.buffers import Buffers
+from flexh2o.offload import buffers, disk, tiers
+from flexh2o.offload.buffers import Buffers
 from flexh2o.kv.home import CacheHome
 from flexh2o.run import main
 from conftest import REPO, fail_from, last_line
@@ -67,8 +67,8 @@ def test_an_io_task_error_ends_the_run_in_one_line(tiny_models, tmp_path, capsys
 def test_an_engine_runs_again_after_a_failed_run(tiny_models, tmp_path, monkeypatch):
     """The failure is the run's, not the engine's: the pool and the I/O threads serve the next run."""
     from flexh2o import Engine
-    from flexh2o.policy import Policy
-    from flexh2o.io_tasks import IOTaskError
+    from flexh2o.engine.policy import Policy
+    from flexh2o.offload.io_tasks import IOTaskError
     model, _ = tiny_models["tiny"]
     policy = Policy(2, 3, 100, 0, 0, 0, 100, 0, overlap=True)  # cache on disk
     ids = torch.randint(3, 100, (6, 8), generator=torch.Generator().manual_seed(0))
@@ -114,7 +114,8 @@ def test_a_failed_task_wakes_whoever_waits_for_a_buffer():
 EXITS = """
 import sys
 import torch
-from flexh2o import Engine, Policy, tiers
+from flexh2o import Engine, Policy
+from flexh2o.offload import tiers
 real = tiers.copy_in_memory
 calls = []
 def failing(dst, src):

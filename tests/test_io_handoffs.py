@@ -9,7 +9,7 @@ import torch
 from concurrent.futures import CancelledError
 
 from flexh2o import Engine, Policy
-from flexh2o.io_tasks import IOThreads
+from flexh2o.offload.io_tasks import IOThreads
 from conftest import padded_batch
 
 NEW = 5

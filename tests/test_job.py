@@ -17,11 +17,11 @@ from flexh2o import Engine, Policy
 from flexh2o.jobs.blocks import plan_blocks
 from flexh2o.jobs.plans import FixedPlan, SearchedPlans
 from flexh2o.models import resolve_model
-from flexh2o.optimizer.hardware import from_dict
-from flexh2o.optimizer.search import caps_of, search
+from flexh2o.host.hardware import from_dict
+from flexh2o.planning.search import caps_of, search
 from flexh2o.jobs.input import Entry, JobInput, Sampling
 from flexh2o.jobs.output import complete_records
-from flexh2o.prompts import load_tokenizer
+from flexh2o.runs.prompts import load_tokenizer
 from flexh2o.run import main
 from conftest import REPO, TEST_CPU_PROFILE
 

@@ -6,10 +6,10 @@ import os
 
 import pytest
 
-from flexh2o.errors import UsageError
+from flexh2o.common.errors import UsageError
 from flexh2o.jobs.output import JobOutput
 from flexh2o.run import main
-from flexh2o.signals import Stopped
+from flexh2o.common.signals import Stopped
 
 JOB = ["--dtype", "float32", "--quiet", "--gpu-batch-size", "2", "--gen-len", "2"]
 PROMPTS = "the cat sat\non a mat\nthe dog ran\n"

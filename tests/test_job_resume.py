@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from flexh2o.errors import UsageError
+from flexh2o.common.errors import UsageError
 from flexh2o.jobs.input import JobInput
-from flexh2o.prompts import load_tokenizer
+from flexh2o.runs.prompts import load_tokenizer
 from flexh2o.run import main
 from conftest import REPO, fail_from, last_line
 
@@ -134,9 +134,9 @@ def test_a_failed_write_is_one_line_keeps_whole_records_and_resumes(model_with_t
 def test_a_failed_json_out_at_the_end_is_one_line(model_with_tokenizer, tmp_path, capsys, monkeypatch):
     path, out, report = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "report.json"
     write_jsonl(path, RECORDS)
-    import flexh2o.output
+    import flexh2o.common.output_files
     # the second atomic write: the first is the job's settings
-    fail_from(monkeypatch, flexh2o.output.os, "fsync", 2, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)),
+    fail_from(monkeypatch, flexh2o.common.output_files.os, "fsync", 2, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)),
               when=lambda fd: os.readlink(f"/proc/self/fd/{fd}").startswith(str(tmp_path / ".tmp-")))
     assert run_job(model_with_tokenizer, path, out, "--json-out", str(report)) == 1
     line = last_line(capsys.readouterr().err)

@@ -11,8 +11,8 @@ import torch
 
 from flexh2o.kv import KVCache, make_policy
 from flexh2o.kv.sink import SINKS
-from flexh2o.policy import Policy
-from flexh2o.tiers import Tiers
+from flexh2o.engine.policy import Policy
+from flexh2o.offload.tiers import Tiers
 
 B, HEADS, D, PROMPT, GEN = 3, 2, 4, 12, 10
 PADS = [0, 3, 8]  # the last sequence has 4 real prompt tokens, fewer than the longest one's budget

@@ -14,9 +14,9 @@ from flexh2o import Engine, Policy, UsageError
 from flexh2o.models import resolve_model
 from flexh2o.models.llama import spec_from_hf_config
 from flexh2o.models.llama_layers import inverse_frequencies
-from flexh2o.optimizer.cost_model import predict
-from flexh2o.optimizer.hardware import from_dict
-from flexh2o.weights import DummyWeights
+from flexh2o.planning.cost_model import predict
+from flexh2o.host.hardware import from_dict
+from flexh2o.checkpoints.weights import DummyWeights
 from conftest import TEST_CPU_PROFILE, VOCAB, hf_generate, padded_batch, row_budgets
 from llama_reference import MaskedEvictionLlama
 from test_compression import reference as compression_reference, run as compression_run

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors  # noqa: E4
 from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
 from flexh2o import lm_eval as command  # noqa: E402
-from flexh2o.engine import Engine  # noqa: E402
+from flexh2o.engine.engine import Engine  # noqa: E402
 from flexh2o.harness.model import FlexH2OLM  # noqa: E402
 
 TASKS = ("flexh2o_lastword", "flexh2o_lastword_gen", "flexh2o_cloze")

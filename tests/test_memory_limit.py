@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from flexh2o.memory_limit import cgroup_limit, process_limit
+from flexh2o.host.memory_limit import cgroup_limit, process_limit
 from flexh2o.run import main
 from conftest import REPO, last_line
 

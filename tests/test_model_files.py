@@ -8,8 +8,8 @@ import struct
 
 import pytest
 
-from flexh2o.errors import UsageError
-from flexh2o.prompts import load_tokenizer
+from flexh2o.common.errors import UsageError
+from flexh2o.runs.prompts import load_tokenizer
 from flexh2o.run import main
 
 JOB = ["--dtype", "float32", "--quiet", "--gpu-batch-size", "1", "--gen-len", "2"]
@@ -37,7 +37,7 @@ TEMPLATES = {
 
 @pytest.fixture
 def with_template(model_with_tokenizer, monkeypatch):
-    monkeypatch.setattr("flexh2o.chat_template.MAX_SECONDS", 0.5)  # (a new module: no limit before)
+    monkeypatch.setattr("flexh2o.checkpoints.chat_template.MAX_SECONDS", 0.5)  # (a new module: no limit before)
 
     def make(template: str):
         tokenizer = load_tokenizer(str(model_with_tokenizer))
@@ -76,7 +76,7 @@ def test_a_good_template_renders_as_transformers_renders_it(with_template):
     template = "{% for m in messages %}<{{ m.role }}>{{ m.content * 2 }}{% endfor %}{{ 2 ** 3 }}"
     tokenizer = load_tokenizer(str(with_template(template)))
     messages = [{"role": "user", "content": "the cat"}]
-    from flexh2o.chat_template import render_chat
+    from flexh2o.checkpoints.chat_template import render_chat
     assert render_chat(tokenizer, messages, "m") == \
         tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == "<user>the catthe cat8"
 
@@ -200,7 +200,7 @@ def test_a_tokenizer_config_that_is_not_json_is_named(model_with_tokenizer):
 
 def test_a_looping_template_is_stopped_off_the_main_thread_too(with_template):
     import threading
-    from flexh2o.chat_template import ChatTemplateError, render_chat
+    from flexh2o.checkpoints.chat_template import ChatTemplateError, render_chat
     tokenizer = load_tokenizer(str(with_template(LOOP)))
     caught = []
 
@@ -217,7 +217,7 @@ def test_a_looping_template_is_stopped_off_the_main_thread_too(with_template):
 
 def test_the_callers_own_alarm_and_handler_are_kept(with_template):
     import signal
-    from flexh2o.chat_template import render_chat
+    from flexh2o.checkpoints.chat_template import render_chat
     tokenizer = load_tokenizer(str(with_template("{{ messages[0].content }}")))
     mine = lambda *a: None  # noqa: E731
     before = signal.signal(signal.SIGALRM, mine)

@@ -4,7 +4,8 @@ shape, dtype, strides and thread split; a machine that cannot build them keeps t
 import pytest
 import torch
 
-from flexh2o import native, quant
+from flexh2o import native
+from flexh2o.compression import quant
 
 needs_kernels = pytest.mark.skipif(native.library() is None, reason="no C compiler: the kernels cannot be built here")
 

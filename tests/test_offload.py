@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flexh2o import Engine, Policy, UsageError
-from flexh2o.buffers import TIERS
+from flexh2o.offload.buffers import TIERS
 from conftest import REPO, hf_generate, padded_batch
 
 WEIGHTS = [(100, 0), (50, 50), (50, 0), (0, 100), (0, 50), (0, 0)]
@@ -103,7 +103,7 @@ def test_preflight_refuses_a_policy_that_cannot_fit(tmp_path):
 def test_generate_does_not_count_the_loaded_weights_twice(tiny_models, monkeypatch):
     """The check in generate compares against the memory that was free before the weights were
     loaded; measuring it again then would count the weights twice and refuse a run that fits."""
-    import flexh2o.memory as memory
+    import flexh2o.engine.preflight as memory
 
     class Memory:
         available = 4 << 30
@@ -118,7 +118,7 @@ def test_generate_does_not_count_the_loaded_weights_twice(tiny_models, monkeypat
 @pytest.mark.parametrize("w_gpu,w_cpu,nb", [(30, 0, 1), (0, 40, 2), (55, 20, 3), (0, 0, 1)])
 def test_preflight_projection_bounds_the_tracked_peak(tiny_models, tmp_path, w_gpu, w_cpu, nb):
     """What the pre-flight projects for the compute tier is never below what the run allocates there."""
-    from flexh2o.memory import run_need, weight_need
+    from flexh2o.engine.preflight import run_need, weight_need
     directory, _ = tiny_models["wide"]
     policy = Policy(gpu_batch_size=2, num_gpu_batches=nb, w_gpu_percent=w_gpu, w_cpu_percent=w_cpu,
                     cache_gpu_percent=50, cache_cpu_percent=0, hh_ratio=0.5)

@@ -8,8 +8,8 @@ import subprocess
 import sys
 import tempfile
 
-from flexh2o import offload_dir
-from flexh2o.disk import DiskStore
+from flexh2o.offload import offload_dir
+from flexh2o.offload.disk import DiskStore
 from flexh2o.run import main
 
 RUN = ["--prompt-len", "8", "--gen-len", "2", "--dtype", "float32", "--gpu-batch-size", "4"]

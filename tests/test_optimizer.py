@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from flexh2o.kv import budget
-from flexh2o.memory import CUBLAS_WORKSPACE_BYTES, add, outside_allocator, run_need, split_as_placed, weight_need
+from flexh2o.engine.preflight import CUBLAS_WORKSPACE_BYTES, add, outside_allocator, run_need, split_as_placed, weight_need
 from flexh2o.models.opt import PRESETS, OPTSpec
-from flexh2o.optimizer.cost_model import CostModel, predict
-from flexh2o.optimizer.hardware import HardwareProfile, from_dict, load_profile, shipped
-from flexh2o.optimizer.search import caps_of, search, shares
-from flexh2o.placement import fits
-from flexh2o.policy import Policy
+from flexh2o.planning.cost_model import CostModel, predict
+from flexh2o.host.hardware import HardwareProfile, from_dict, load_profile, shipped
+from flexh2o.planning.search import caps_of, search, shares
+from flexh2o.planning.placement import fits
+from flexh2o.engine.policy import Policy
 from conftest import TEST_CPU_PROFILE
 
 GB = 1 << 30
@@ -73,7 +73,7 @@ def test_overlap_off_is_the_sum_and_on_the_max():
     step = model.steps()[1]
     stage = model.stage(on, step, 1, weights, model.cache_stage(on, step))
     busy = [stage.busy(c) for c in ("compute", "h2d", "d2h", "disk")]
-    from flexh2o.optimizer.cost_model import stage_time
+    from flexh2o.planning.cost_model import stage_time
     assert stage_time(stage, True) == max(busy) and stage_time(stage, False) == pytest.approx(sum(busy))
 
 
@@ -287,7 +287,7 @@ def test_a_cache_share_with_sequences_on_disk_says_disk():
     """batch_split rounds half to even: (50, 50) of one sequence puts it on disk; the share shown
     for that split must be the one whose percentages say so."""
     from flexh2o.kv.home import batch_split
-    from flexh2o.optimizer.search import cache_shares
+    from flexh2o.planning.search import cache_shares
     for batch in (1, 2, 3, 4, 6, 12):
         for g, c in cache_shares(batch, 5):
             rows = batch_split(batch, g, c)

@@ -9,8 +9,8 @@ import stat
 
 import pytest
 
-from flexh2o import output
-from flexh2o.output import write_json_atomic
+from flexh2o.common import output_files as output
+from flexh2o.common.output_files import write_json_atomic
 from flexh2o.run import main
 
 RUN = ["--prompt-len", "8", "--gen-len", "2", "--dtype", "float32", "--gpu-batch-size", "4"]

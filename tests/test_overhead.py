@@ -11,16 +11,16 @@ import tempfile
 import pytest
 import torch
 
-from flexh2o import disk
-from flexh2o.disk import DiskStore
-from flexh2o.errors import UsageError
-from flexh2o.memory import load_transient, stored_shapes
+from flexh2o.offload import disk
+from flexh2o.offload.disk import DiskStore
+from flexh2o.common.errors import UsageError
+from flexh2o.engine.preflight import load_transient, stored_shapes
 from flexh2o.models.opt import PRESETS
-from flexh2o.optimizer.hardware import from_dict
-from flexh2o.overhead import DEFAULT_GROWTH, DIRTY_WINDOW, FLOOR, MARGIN, process_growth
-from flexh2o.policy import Policy
-from flexh2o.quant import BLOCK_VALUES, check_quantizable
-from flexh2o.weights import CheckpointWeights
+from flexh2o.host.hardware import from_dict
+from flexh2o.host.process_memory import DEFAULT_GROWTH, DIRTY_WINDOW, FLOOR, MARGIN, process_growth
+from flexh2o.engine.policy import Policy
+from flexh2o.compression.quant import BLOCK_VALUES, check_quantizable
+from flexh2o.checkpoints.weights import CheckpointWeights
 from conftest import REPO, TEST_CPU_PROFILE
 
 MB = 1 << 20
@@ -55,7 +55,7 @@ def test_a_bad_process_growth_in_a_profile_is_refused_naming_it(bad):
 def test_a_probe_grows_less_than_the_default_allows(tmp_path):
     """A probe's peak beyond its projection (loading's transient and the run's) is what calibration
     measures: well under the default growth, else the default is no upper bound."""
-    r = subprocess.run([sys.executable, "-m", "flexh2o.overhead", "--threads", "1", "--offload-dir", str(tmp_path),
+    r = subprocess.run([sys.executable, "-m", "flexh2o.cli.memory_probe", "--threads", "1", "--offload-dir", str(tmp_path),
                         "--probe", "compressed, on disk"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert 0 <= json.loads(r.stdout.splitlines()[-1])["growth_bytes"] < DEFAULT_GROWTH // 2
@@ -65,7 +65,7 @@ def test_a_probe_grows_less_than_the_default_allows(tmp_path):
 def test_freed_prompt_caches_go_back_to_the_system():
     """The probe where glibc's moving mmap threshold kept one gpu-batch's prompt K and V per layer
     (205-293 MB beyond the projection at 12 layers) grows by less than the floor (malloc.py)."""
-    code = ("import torch, flexh2o.overhead as o; torch.set_num_threads(2); "
+    code = ("import torch, flexh2o.cli.memory_probe as o; torch.set_num_threads(2); "
             "o.PROBE_CONFIG['num_hidden_layers'] = 12; o.PROBE_BATCH = 48; "
             "o.PROBES['x'] = dict(w=(0, 0), cache=(90, 0), num_gpu_batches=4, kv_policy='h2o', hh_ratio=0.2); "
             "import sys; print(o.probe('x', 'float32', sys.argv[1]))")
@@ -92,8 +92,8 @@ def test_loading_counts_the_largest_layer_as_read_and_what_prepare_makes():
 def test_the_pre_flight_does_not_import_torch_dynamo():
     """Shapes are joined as shapes: meta tensors' cat would import torch._dynamo (75 MB) after the
     free memory was read."""
-    code = ("import sys, torch; from flexh2o.memory import weight_need; from flexh2o.models.opt import PRESETS; "
-            "from flexh2o.policy import Policy; "
+    code = ("import sys, torch; from flexh2o.engine.preflight import weight_need; from flexh2o.models.opt import PRESETS; "
+            "from flexh2o.engine.policy import Policy; "
             "weight_need(PRESETS['opt-125m'].build_layers(), 4, Policy(w_gpu_percent=0), torch.device('cpu')); "
             "print('torch._dynamo' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -115,7 +115,7 @@ def test_a_safetensors_weight_in_another_width_is_converted_by_rows(tmp_path, mo
     from safetensors.torch import save_file
     w = torch.randn(300, 40, dtype=torch.float16)
     save_file({"model.decoder.embed_tokens.weight": w}, str(tmp_path / "model.safetensors"))
-    monkeypatch.setattr("flexh2o.weights.CONVERT_BYTES", 7 * 40 * 4)  # 7 rows at a time
+    monkeypatch.setattr("flexh2o.checkpoints.weights.CONVERT_BYTES", 7 * 40 * 4)  # 7 rows at a time
     source = CheckpointWeights(str(tmp_path))
     got = source.get("decoder.embed_tokens.weight", (300, 40), torch.float32)
     assert got.dtype == torch.float32 and torch.equal(got, w.float())

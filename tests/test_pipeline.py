@@ -12,8 +12,8 @@ import torch.multiprocessing as mp
 from transformers import LlamaConfig
 
 from flexh2o import Engine, Policy
-from flexh2o.pipeline import Stage, micro_batches, stage_slices
-from flexh2o.stage_link import Link
+from flexh2o.engine.pipeline import Stage, micro_batches, stage_slices
+from flexh2o.engine.stage_link import Link
 from conftest import padded_batch
 from test_llama import make_tiny_llama
 

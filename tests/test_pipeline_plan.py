@@ -7,10 +7,10 @@ import pytest
 
 import flexh2o.plan
 from flexh2o.models import resolve_model
-from flexh2o.optimizer.hardware import from_dict, load_profile
-from flexh2o.optimizer.pipeline_plan import PipelinePlan, StagePlan, plan_pipeline
-from flexh2o.optimizer.search import caps_of, search
-from flexh2o.policy import Policy
+from flexh2o.host.hardware import from_dict, load_profile
+from flexh2o.planning.pipeline_plan import PipelinePlan, StagePlan, plan_pipeline
+from flexh2o.planning.search import caps_of, search
+from flexh2o.engine.policy import Policy
 from conftest import TEST_CPU_PROFILE
 
 GB = 1 << 30

@@ -2,7 +2,7 @@
 
 import pytest
 
-from flexh2o.placement import largest
+from flexh2o.planning.placement import largest
 
 
 @pytest.mark.parametrize("edge,limit", [(0, 10), (1, 10), (37, 100), (64, 64), (64, 100), (100, 100)])

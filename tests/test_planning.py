@@ -6,12 +6,12 @@ import shlex
 
 import pytest
 
-import flexh2o.optimizer.hardware
-import flexh2o.optimizer.measure
+import flexh2o.host.hardware
+import flexh2o.profiling.measure
 import flexh2o.plan
 import flexh2o.profile
 import flexh2o.run
-from flexh2o.policy import Policy, policy_percents
+from flexh2o.engine.policy import Policy, policy_percents
 from conftest import TEST_CPU_PROFILE
 
 
@@ -27,7 +27,7 @@ def policy_from_flags(command: str) -> Policy:
 
 @pytest.fixture
 def no_measuring(monkeypatch):
-    monkeypatch.setattr(flexh2o.optimizer.measure, "measure", lambda *a, **k: pytest.fail("measured the machine"))
+    monkeypatch.setattr(flexh2o.profiling.measure, "measure", lambda *a, **k: pytest.fail("measured the machine"))
 
 
 @pytest.mark.parametrize("kv", [[], ["--hh-ratio", "0.1", "--recent-ratio", "0.1"]])
@@ -109,8 +109,8 @@ def test_a_planned_run_takes_as_many_sequences_as_the_prompts_file(model_with_to
 def test_plan_measures_the_machine_when_no_profile_is_cached(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty"))
     measured = []
-    test_profile = flexh2o.optimizer.hardware.from_dict(TEST_CPU_PROFILE, "test")
-    monkeypatch.setattr(flexh2o.optimizer.measure, "measure", lambda device, *a, **k: measured.append(device) or test_profile)
+    test_profile = flexh2o.host.hardware.from_dict(TEST_CPU_PROFILE, "test")
+    monkeypatch.setattr(flexh2o.profiling.measure, "measure", lambda device, *a, **k: measured.append(device) or test_profile)
     assert flexh2o.plan.main(["--model", "opt-125m", "--prompt-len", "32", "--gen-len", "4", "--max-batch", "4",
                               "--offload-dir", str(tmp_path / "off")]) == 0
     assert [d.type for d in measured] == ["cpu"]
@@ -148,5 +148,5 @@ def test_a_planned_run_keeps_the_gpu_batch_count_it_is_given(model_with_tokenize
 
 
 def test_predicted_durations_read_as_people_say_them():
-    from flexh2o.planning import duration
+    from flexh2o.runs.auto_plan import duration
     assert [duration(s) for s in (0.14, 42.4, 210, 7500)] == ["0.1 s", "42 s", "3.5 min", "2.1 h"]

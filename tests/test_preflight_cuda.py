@@ -6,15 +6,15 @@ expanded K and V, and the wider staging of a CPU-attended cache."""
 import pytest
 import torch
 
-from flexh2o.gpu_dequant import WORKSPACE_BYTES
+from flexh2o.compression.gpu_dequant import WORKSPACE_BYTES
 from flexh2o.kv.home import batch_split, cpu_attention_dtype
-from flexh2o.memory import (CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, CUDA_LAZY_KERNELS_BYTES, GB, IO_THREADS,
+from flexh2o.engine.preflight import (CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, CUDA_LAZY_KERNELS_BYTES, GB, IO_THREADS,
                             capacities, prompt_copy_home_bytes, run_need)
 from flexh2o.kv import slot_bytes, budget
 from flexh2o.models.llama import PRESETS as LLAMA
 from flexh2o.models.opt import PRESETS as OPT
-from flexh2o.optimizer.search import caps_of
-from flexh2o.policy import Policy
+from flexh2o.planning.search import caps_of
+from flexh2o.engine.policy import Policy
 from test_optimizer import gpu_profile
 
 CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")

@@ -10,14 +10,15 @@ import psutil
 import pytest
 import torch
 
-import flexh2o.machine
-import flexh2o.optimizer.measure
+import flexh2o.host.machine
+import flexh2o.profiling.measure
 import flexh2o.profile
-from flexh2o.engine import default_dtype
-from flexh2o.optimizer.hardware import COPIES, HardwareProfile, from_dict, load_profile, local_cache_path, save_local
-from flexh2o.optimizer.attention_costs import CALLS, seconds
-from flexh2o.optimizer.measure import measure
-from flexh2o.overhead import DEFAULT_GROWTH
+import flexh2o.profiling.local_profile
+from flexh2o.host.devices import default_dtype
+from flexh2o.host.hardware import COPIES, HardwareProfile, from_dict, load_profile, local_cache_path, save_local
+from flexh2o.planning.attention_costs import CALLS, seconds
+from flexh2o.profiling.measure import measure
+from flexh2o.host.process_memory import DEFAULT_GROWTH
 from conftest import REPO
 
 CUDA_COPIES = ("h2d", "d2h", "h2d_pageable", "d2h_pageable")
@@ -105,7 +106,7 @@ def test_cli_measures_then_reuses_the_cache_until_forced(cache_home, quick_profi
 
     def must_not_measure(*args, **kwargs):
         raise AssertionError("measured although a profile is cached")
-    monkeypatch.setattr(flexh2o.optimizer.measure, "measure", must_not_measure)
+    monkeypatch.setattr(flexh2o.profiling.measure, "measure", must_not_measure)
     json_out = cache_home / "profile.json"
     assert flexh2o.profile.main([*offload, "--json-out", str(json_out)]) == 0
     out = capsys.readouterr().out
@@ -114,17 +115,17 @@ def test_cli_measures_then_reuses_the_cache_until_forced(cache_home, quick_profi
 
     forced = replace(quick_profile[0], source="measured again")
     calls = []
-    monkeypatch.setattr(flexh2o.optimizer.measure, "measure", lambda *args, **kwargs: calls.append(args) or forced)
+    monkeypatch.setattr(flexh2o.profiling.measure, "measure", lambda *args, **kwargs: calls.append(args) or forced)
     assert flexh2o.profile.main([*offload, "--force"]) == 0
     assert len(calls) == 1 and load_profile("local") == forced
 
 
 def test_ensure_local_profile_measures_only_without_a_cache(cache_home, quick_profile, monkeypatch):
     calls = []
-    monkeypatch.setattr(flexh2o.optimizer.measure, "measure", lambda *args, **kwargs: calls.append(args) or quick_profile[0])
+    monkeypatch.setattr(flexh2o.profiling.measure, "measure", lambda *args, **kwargs: calls.append(args) or quick_profile[0])
     offload_dir = str(cache_home / "offload")
-    assert flexh2o.profile.ensure_local_profile("cpu", offload_dir, log=lambda line: None) == quick_profile[0]
-    assert flexh2o.profile.ensure_local_profile("cpu", offload_dir, log=lambda line: None) == quick_profile[0]
+    assert flexh2o.profiling.local_profile.ensure_local_profile("cpu", offload_dir, log=lambda line: None) == quick_profile[0]
+    assert flexh2o.profiling.local_profile.ensure_local_profile("cpu", offload_dir, log=lambda line: None) == quick_profile[0]
     assert len(calls) == 1 and os.path.isfile(local_cache_path())
 
 
@@ -134,7 +135,7 @@ def test_ensure_local_profile_measures_only_without_a_cache(cache_home, quick_pr
 def test_bad_input_is_one_line_and_exit_code_2(cache_home, monkeypatch, capsys, args, flag):
     (cache_home / "file").write_text("")
     args = [a.format(file=cache_home / "file", tmp=cache_home) for a in args]
-    monkeypatch.setattr(flexh2o.optimizer.measure, "measure", lambda *a, **k: pytest.fail("measured despite bad input"))
+    monkeypatch.setattr(flexh2o.profiling.measure, "measure", lambda *a, **k: pytest.fail("measured despite bad input"))
     assert flexh2o.profile.main(["--device", "cpu", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {flag}: ") and err.count("\n") == 1, err
@@ -156,9 +157,9 @@ def test_a_profile_measured_on_a_busy_machine_is_measured_again_once_it_is_quiet
     assert load_profile("local").others_cpu_share == 0.74  # kept in the cache
     fresh = replace(quick_profile[0], others_cpu_share=0.02, source="measured again")
     calls, notes = [], []
-    monkeypatch.setattr(flexh2o.optimizer.measure, "measure", lambda *a, **k: calls.append(a) or fresh)
-    monkeypatch.setattr(flexh2o.machine, "others_cpu_share_now", lambda: now)
-    got = flexh2o.profile.ensure_local_profile("cpu", str(cache_home / "offload"), log=notes.append)
+    monkeypatch.setattr(flexh2o.profiling.measure, "measure", lambda *a, **k: calls.append(a) or fresh)
+    monkeypatch.setattr(flexh2o.host.machine, "others_cpu_share_now", lambda: now)
+    got = flexh2o.profiling.local_profile.ensure_local_profile("cpu", str(cache_home / "offload"), log=notes.append)
     assert (got, len(calls)) == ((fresh, 1) if measures else (busy, 0))
     assert any("measured while other processes kept 74% of the CPU busy" in n for n in notes)
     if not measures:  # one line: what the prediction is worth and how to measure again
@@ -175,11 +176,11 @@ def test_a_profile_is_measured_again_when_the_dequantizing_kernel_changed(cache_
     save_local(replace(quick_profile[0], device=device, dequant_kernel=then, **copies))
     fresh = replace(quick_profile[0], device=device, dequant_kernel=now, source="measured again", **copies)
     calls, notes = [], []
-    monkeypatch.setattr(flexh2o.optimizer.measure, "measure", lambda *a, **k: calls.append(a) or fresh)
-    monkeypatch.setattr(flexh2o.optimizer.measure, "dequant_kernel", lambda device: now)
-    assert flexh2o.profile.ensure_local_profile(device, str(cache_home / "offload"), log=notes.append) == fresh
+    monkeypatch.setattr(flexh2o.profiling.measure, "measure", lambda *a, **k: calls.append(a) or fresh)
+    monkeypatch.setattr(flexh2o.profiling.measure, "dequant_kernel", lambda device: now)
+    assert flexh2o.profiling.local_profile.ensure_local_profile(device, str(cache_home / "offload"), log=notes.append) == fresh
     assert len(calls) == 1 and any("dequantizes with" in n for n in notes)
-    assert flexh2o.profile.ensure_local_profile(device, str(cache_home / "offload"), log=notes.append) == fresh
+    assert flexh2o.profiling.local_profile.ensure_local_profile(device, str(cache_home / "offload"), log=notes.append) == fresh
     assert len(calls) == 1  # the same kernel now: the cache serves
 
 
@@ -191,8 +192,8 @@ def test_a_cpu_profile_is_measured_again_when_the_kernels_were_rebuilt(cache_hom
     save_local(replace(quick_profile[0], dequant_kernel="native", kernels_build="an older build"))
     fresh = replace(quick_profile[0], dequant_kernel="native", kernels_build=native.build(), source="measured again")
     calls, notes = [], []
-    monkeypatch.setattr(flexh2o.optimizer.measure, "measure", lambda *a, **k: calls.append(a) or fresh)
-    assert flexh2o.profile.ensure_local_profile("cpu", str(cache_home / "offload"), log=notes.append) == fresh
+    monkeypatch.setattr(flexh2o.profiling.measure, "measure", lambda *a, **k: calls.append(a) or fresh)
+    assert flexh2o.profiling.local_profile.ensure_local_profile("cpu", str(cache_home / "offload"), log=notes.append) == fresh
     assert len(calls) == 1 and any("another build" in n for n in notes)
-    assert flexh2o.profile.ensure_local_profile("cpu", str(cache_home / "offload"), log=notes.append) == fresh
+    assert flexh2o.profiling.local_profile.ensure_local_profile("cpu", str(cache_home / "offload"), log=notes.append) == fresh
     assert len(calls) == 1  # this build now: the cache serves

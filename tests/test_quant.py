@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from flexh2o.quant import (GROUP, GROUP_BYTES, compressible, dequantize, packed_bytes, packed_shape, packed_width,
+from flexh2o.compression.quant import (GROUP, GROUP_BYTES, compressible, dequantize, packed_bytes, packed_shape, packed_width,
                            quantize, stored_bytes)
 
 
@@ -120,7 +120,7 @@ def test_rows_are_independent_and_dequantize_writes_any_strided_view():
 
 
 def test_large_tensors_dequantize_in_blocks_to_the_same_values(monkeypatch):
-    import flexh2o.quant as quant
+    import flexh2o.compression.quant as quant
     x = torch.randn(40, 256)
     whole = dequantize(quantize(x), 256)
     monkeypatch.setattr(quant, "BLOCK_VALUES", 1000)  # 3 rows at a time
@@ -129,7 +129,7 @@ def test_large_tensors_dequantize_in_blocks_to_the_same_values(monkeypatch):
 
 
 def test_a_row_larger_than_a_block_dequantizes_row_by_row(monkeypatch):
-    import flexh2o.quant as quant
+    import flexh2o.compression.quant as quant
     x = torch.randn(3, 5, 4, 64)
     packed, whole, odd = quantize(x), dequantize(quantize(x), 64), quantize(x[..., :50])
     monkeypatch.setattr(quant, "BLOCK_VALUES", 300)  # one leading row holds 1280 values
@@ -141,7 +141,7 @@ def test_a_row_larger_than_a_block_dequantizes_row_by_row(monkeypatch):
 
 
 def test_rounding_to_float16_down_and_up_matches_nextafter():
-    from flexh2o.quant import _round_float16
+    from flexh2o.compression.quant import _round_float16
     x = torch.cat([torch.randn(50000) * 10, torch.randn(50000) * 1e-6,
                    torch.tensor([0.0, -0.0, 65504.0, -65504.0, 1e-9, -1e-9, 3.0, -3.0, 6e-8, -6e-8])])
     for up in (True, False):
@@ -159,8 +159,8 @@ def test_a_packed_row_of_the_wrong_width_is_refused():
 
 def test_large_groups_and_their_joins_start_at_a_disk_block():
     """So that placed on disk they are written from where they are (disk.py's O_DIRECT writes)."""
-    from flexh2o.disk import ALIGN
-    from flexh2o.quant import ALIGNED_BYTES, BLOCK_VALUES, Packed, join
+    from flexh2o.offload.disk import ALIGN
+    from flexh2o.compression.quant import ALIGNED_BYTES, BLOCK_VALUES, Packed, join
     x = torch.randn(max(ALIGNED_BYTES // GROUP_BYTES, BLOCK_VALUES // GROUP) + 1, GROUP)  # the torch path: in blocks
     parts = [Packed(quantize(x), tuple(x.shape)), Packed(quantize(x[:5]), (5, GROUP))]
     joined = join(parts)

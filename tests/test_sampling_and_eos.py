@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from flexh2o import Engine, Policy
-from flexh2o.sampling import Sampler
+from flexh2o.engine.sampling import Sampler
 from conftest import hf_generate, padded_batch
 
 

@@ -8,8 +8,9 @@ import torch
 from flexh2o import Engine, Policy, UsageError
 from flexh2o.kv import KVCache
 from flexh2o.kv.eviction import FullCache
-from flexh2o.schedule import Schedule, held_together
-from flexh2o.tiers import Tiers
+from flexh2o.engine.schedule import Schedule
+from flexh2o.offload.held_weights import held_together
+from flexh2o.offload.tiers import Tiers
 
 
 class RecordingLayer:

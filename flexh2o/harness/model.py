@@ -15,15 +15,15 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from ..errors import UsageError
-from ..jobs.input import sampling
-from ..jobs.plans import FixedPlan
-from ..models import eos_ids, resolve_model
-from ..prompts import load_tokenizer
-from .generation import generate
-from .requests import check_budgets, context_item, loglikelihood_item
-from .scoring import score
-from .settings import PERCENT_KEYS, read_settings
+from flexh2o.common.errors import UsageError
+from flexh2o.jobs.input import sampling
+from flexh2o.jobs.plans import FixedPlan
+from flexh2o.models import eos_ids, resolve_model
+from flexh2o.runs.prompts import load_tokenizer
+from flexh2o.harness.generation import generate
+from flexh2o.harness.requests import check_budgets, context_item, loglikelihood_item
+from flexh2o.harness.scoring import score
+from flexh2o.harness.settings import PERCENT_KEYS, read_settings
 
 GEN_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature", "top_p", "top_k")
 
@@ -152,8 +152,8 @@ class FlexH2OLM(TemplateLM):
     def _engine(self, prompt_len: int, gen_len: int):
         """The loaded engine (loaded at the first call, its pre-flight counting this call's longest shape)."""
         if self.engine is None:
-            from ..engine import Engine
-            from ..run_setup import default_offload_dir
+            from flexh2o.engine.engine import Engine
+            from flexh2o.runs.setup import default_offload_dir
             s = self.settings
             self.engine = Engine.from_pretrained(
                 s.model, policy=s.policy(s.gpu_batch_size), device=s.device, dtype=s.dtype, path=s.path,

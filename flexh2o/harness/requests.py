@@ -15,8 +15,8 @@ hf model uses every position, so pass max_length to both when comparing long win
 
 from dataclasses import dataclass
 
-from ..errors import UsageError
-from ..kv import check_budget
+from flexh2o.common.errors import UsageError
+from flexh2o.kv import check_budget
 
 
 @dataclass(frozen=True)

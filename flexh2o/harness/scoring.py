@@ -4,10 +4,10 @@ longest item, at the block's plan (jobs/plans.py)."""
 
 import torch
 
-from ..jobs.blocks import block_shape, plan_blocks
-from ..jobs.input import Entry, sampling
-from ..jobs.plans import use_plan
-from ..prompts import pad_prompts
+from flexh2o.jobs.blocks import block_shape, plan_blocks
+from flexh2o.jobs.input import Entry, sampling
+from flexh2o.jobs.plans import use_plan
+from flexh2o.runs.prompts import pad_prompts
 
 GREEDY = sampling(0.0, 1.0, 0)
 

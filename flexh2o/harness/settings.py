@@ -2,9 +2,9 @@
 
 from dataclasses import dataclass, fields
 
-from ..errors import UsageError
-from ..memory import parse_size
-from ..policy import KV_POLICIES, Policy
+from flexh2o.common.errors import UsageError
+from flexh2o.engine.preflight import parse_size
+from flexh2o.engine.policy import KV_POLICIES, Policy
 
 DEFAULT_GPU_BATCH = 16
 

@@ -7,7 +7,7 @@ generates as many tokens as its largest max_tokens asks. How many records a bloc
 on its shape (plans.py: short prompts leave room for larger batches).
 """
 
-from .input import Entry
+from flexh2o.jobs.input import Entry
 
 ROUND_TO = 8
 

@@ -14,22 +14,22 @@ import time
 
 from tqdm import tqdm
 
-from ..errors import UsageError
-from ..models import eos_ids
-from ..optimizer.planner import plan_capacities
-from ..output import identity, write_json_atomic
-from ..policy import placement_flag
-from ..prompts import load_tokenizer
-from ..run_setup import choose_policy, default_offload_dir, dtype_name, load_engine
-from ..signals import set_stop_outcome
-from .blocks import ROUND_TO, round_up
-from .files import OutputLock, WriteFailed, check_written_names
-from .format import formatter_for
-from .input import JobInput
-from .job import Job
-from .output import JobOutput, settings_path
-from .plans import FixedPlan, SearchedPlans
-from .replicas import merge, part_paths, start_over
+from flexh2o.common.errors import UsageError
+from flexh2o.models import eos_ids
+from flexh2o.planning.planner import plan_capacities
+from flexh2o.common.output_files import identity, write_json_atomic
+from flexh2o.engine.policy import placement_flag
+from flexh2o.runs.prompts import load_tokenizer
+from flexh2o.runs.setup import choose_policy, default_offload_dir, dtype_name, load_engine
+from flexh2o.common.signals import set_stop_outcome
+from flexh2o.jobs.blocks import ROUND_TO, round_up
+from flexh2o.jobs.files import OutputLock, WriteFailed, check_written_names
+from flexh2o.jobs.format import formatter_for
+from flexh2o.jobs.input import JobInput
+from flexh2o.jobs.job import Job
+from flexh2o.jobs.output import JobOutput, settings_path
+from flexh2o.jobs.plans import FixedPlan, SearchedPlans
+from flexh2o.jobs.replicas import merge, part_paths, start_over
 
 JOB_ONLY = ("output", "skip_bad", "ordered", "overwrite")
 

@@ -15,8 +15,8 @@ import os
 import stat
 import tempfile
 
-from ..errors import UsageError
-from ..output import check_not_input, current_umask, refusal
+from flexh2o.common.errors import UsageError
+from flexh2o.common.output_files import check_not_input, current_umask, refusal
 
 NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 

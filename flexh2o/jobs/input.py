@@ -22,11 +22,11 @@ import math
 import os
 from dataclasses import dataclass
 
-from ..api_checks import shown
-from ..chat_template import ChatTemplateError, render_chat
-from ..errors import UsageError, check_regular_file
-from ..prompts import template_source
-from ..sampling import MAX_SEED
+from flexh2o.common.arguments import shown
+from flexh2o.checkpoints.chat_template import ChatTemplateError, render_chat
+from flexh2o.common.errors import UsageError, check_regular_file
+from flexh2o.runs.prompts import template_source
+from flexh2o.engine.sampling import MAX_SEED
 
 FORMATS = ("text", "jsonl", "openai")
 OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")

@@ -11,10 +11,10 @@ import hashlib
 import time
 from dataclasses import dataclass, field
 
-from ..prompts import pad_prompts
-from .blocks import block_shape, plan_blocks
-from .input import Entry, JobInput
-from .plans import FixedPlan, use_plan
+from flexh2o.runs.prompts import pad_prompts
+from flexh2o.jobs.blocks import block_shape, plan_blocks
+from flexh2o.jobs.input import Entry, JobInput
+from flexh2o.jobs.plans import FixedPlan, use_plan
 
 
 @dataclass

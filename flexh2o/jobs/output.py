@@ -11,10 +11,10 @@ disk) is cut back to the records before it, so the output stays resumable (Write
 import json
 import os
 
-from ..errors import UsageError
-from ..output import check_output_file, write_json_atomic
-from ..signals import deferred
-from .files import OutputLock, WriteFailed, open_for_append, write_lines_atomic
+from flexh2o.common.errors import UsageError
+from flexh2o.common.output_files import check_output_file, write_json_atomic
+from flexh2o.common.signals import deferred
+from flexh2o.jobs.files import OutputLock, WriteFailed, open_for_append, write_lines_atomic
 
 
 def settings_path(path: str) -> str:

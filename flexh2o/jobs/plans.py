@@ -10,7 +10,7 @@ given its batch and placement runs every block at them (FixedPlan).
 
 from dataclasses import replace
 
-from ..optimizer.search import search
+from flexh2o.planning.search import search
 
 
 class FixedPlan:

@@ -16,9 +16,9 @@ weight loads.
 import os
 import shutil
 
-from ..errors import UsageError
-from ..signals import deferred
-from .output import JobOutput, check_settings, complete_records, record_id, settings_path, write_in_order, \
+from flexh2o.common.errors import UsageError
+from flexh2o.common.signals import deferred
+from flexh2o.jobs.output import JobOutput, check_settings, complete_records, record_id, settings_path, write_in_order, \
     write_settings
 
 

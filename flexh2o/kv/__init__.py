@@ -3,15 +3,15 @@
 Adding a policy: one file with an `Evicting` subclass, one line in POLICIES.
 """
 
-from ..errors import UsageError
-from ..quant import packed_width
-from .cache import KVCache
-from .eviction import FullCache
-from .h2o import HeavyHitters
-from .keyformer import Keyformer
-from .local import LocalWindow
-from .sink import AttentionSinks
-from .tova import TokenOmission
+from flexh2o.common.errors import UsageError
+from flexh2o.compression.quant import packed_width
+from flexh2o.kv.cache import KVCache
+from flexh2o.kv.eviction import FullCache
+from flexh2o.kv.h2o import HeavyHitters
+from flexh2o.kv.keyformer import Keyformer
+from flexh2o.kv.local import LocalWindow
+from flexh2o.kv.sink import AttentionSinks
+from flexh2o.kv.tova import TokenOmission
 
 POLICIES = {"full": FullCache, "h2o": HeavyHitters, "local": LocalWindow, "sink": AttentionSinks,
             "keyformer": Keyformer, "tova": TokenOmission}

@@ -11,8 +11,8 @@ import time
 
 import torch
 
-from ..quant import dequantize, packed_width, quantize
-from .cache import KVCache
+from flexh2o.compression.quant import dequantize, packed_width, quantize
+from flexh2o.kv.cache import KVCache
 
 # Values of K or V dequantized (or quantized) at once. A CPU's block stays in its caches; a GPU
 # launches a few kernels per block, and at 1M values a large cache took ~1.5k launches per layer

@@ -1,7 +1,7 @@
 """H2O (Zhang et al. 2023): keep the recent window and the heavy hitters, the older tokens that
 have received the most attention so far (DESIGN.md, "H2O, exactly")."""
 
-from .eviction import Evicting
+from flexh2o.kv.eviction import Evicting
 
 
 class HeavyHitters(Evicting):

@@ -24,12 +24,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..machine import cpu_compute_dtype
-from ..buffers import TIERS
-from ..io_tasks import Pending
-from ..quant import packed_width, quantize
-from .cache import KVCache, slot_grid
-from .compressed import CompressedKVCache, quantize_slot_major
+from flexh2o.host.machine import cpu_compute_dtype
+from flexh2o.offload.buffers import TIERS
+from flexh2o.offload.io_tasks import Pending
+from flexh2o.compression.quant import packed_width, quantize
+from flexh2o.kv.cache import KVCache
+from flexh2o.offload.slots import slot_grid
+from flexh2o.kv.compressed import CompressedKVCache, quantize_slot_major
 
 IN_FLIGHT = 3  # sets of compute buffers per loaded part: computing, loading, storing
 SLOT_MAJOR = "slot-major block"  # the pool kind of _read's blocks

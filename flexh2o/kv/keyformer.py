@@ -4,7 +4,7 @@ to 2 at the last generated token. The attention output itself uses the clean pro
 
 import torch
 
-from .eviction import Evicting
+from flexh2o.kv.eviction import Evicting
 
 
 class Keyformer(Evicting):

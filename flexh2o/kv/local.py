@@ -2,7 +2,7 @@
 
 import torch
 
-from .eviction import Evicting
+from flexh2o.kv.eviction import Evicting
 
 
 class LocalWindow(Evicting):

@@ -1,7 +1,7 @@
 """Attention sinks (StreamingLLM, Xiao et al. 2023): the first 4 tokens stay, the rest is the
 newest tokens."""
 
-from .eviction import Evicting
+from flexh2o.kv.eviction import Evicting
 
 SINKS = 4
 

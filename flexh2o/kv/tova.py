@@ -3,7 +3,7 @@ Only the new token itself is sure to stay (a window of one)."""
 
 import torch
 
-from .eviction import Evicting
+from flexh2o.kv.eviction import Evicting
 
 
 class TokenOmission(Evicting):

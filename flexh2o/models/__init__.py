@@ -4,9 +4,9 @@ import dataclasses
 import json
 import os
 
-from ..errors import UsageError, check_regular_file
-from ..weights import checkpoint_formats
-from . import llama, opt
+from flexh2o.common.errors import UsageError, check_regular_file
+from flexh2o.checkpoints.weights import checkpoint_formats
+from flexh2o.models import llama, opt
 
 FAMILIES = {"opt": opt, "llama": llama, "mistral": llama, "qwen2": llama}  # config.json's model_type -> module
 SUPPORTED_TYPES = tuple(FAMILIES)
@@ -68,9 +68,9 @@ def resolve_model(model: str, path: str | None = None):
     if path is not None and not os.path.isdir(path):
         raise UsageError("--path", f"weights directory {path} does not exist")
     if is_gguf(model):  # one file: config, weights and tokenizer
-        from ..gguf_reader import read_gguf
+        from flexh2o.checkpoints.gguf_reader import read_gguf
         name = os.path.basename(model)[: -len(".gguf")]
-        gguf = read_gguf(model)
+        gguf = read_gguf(model, check_config=lambda config: llama.spec_from_hf_config(config, model, "--model"))
         spec = spec_from_config(gguf.config, model, name, "--model")
         return with_stored_formats(spec, gguf.stored_formats()), model
     if os.path.lexists(os.path.join(model, "config.json")):  # not isfile: a FIFO there is refused, not skipped

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..errors import UsageError
+from flexh2o.common.errors import UsageError
 
 PROBS_CHUNK_BYTES = 64 << 20  # bound on the prompt's logits + probabilities held at once
 

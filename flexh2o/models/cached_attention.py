@@ -13,10 +13,10 @@ Grouped-query attention: q has spec.num_heads heads, k and v spec.num_kv_heads; 
 
 import torch
 
-from ..kv.eviction import per_kv_head
-from ..kv.home import CacheHome, batch_split
-from .attention import attend_filled, attend_slots, decode_attention, prompt_attention, prompt_attention_observed
-from .layer import Layer
+from flexh2o.kv.eviction import per_kv_head
+from flexh2o.kv.home import CacheHome, batch_split
+from flexh2o.models.attention import attend_filled, attend_slots, decode_attention, prompt_attention, prompt_attention_observed
+from flexh2o.models.layer import Layer
 
 
 class CachedAttention(Layer):

@@ -8,10 +8,10 @@ import functools
 
 import torch
 
-from ..errors import UsageError
-from ..gguf_blocks import sixteen_bit_at_rest
-from ..quant import Packed, compressible, join, quantize, stored_row_bytes
-from ..placed import split_rows
+from flexh2o.common.errors import UsageError
+from flexh2o.compression.gguf_blocks import sixteen_bit_at_rest
+from flexh2o.compression.quant import Packed, compressible, join, quantize, stored_row_bytes
+from flexh2o.offload.placed import split_rows
 
 
 def quantized(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> Packed:

@@ -10,9 +10,9 @@ int4 kernel beats dequantize-then-multiply up to 128 rows, 1.5-1.8x, and loses a
 import torch
 import torch.nn.functional as F
 
-from ..grouped_weight import GroupedWeight
-from ..int4_tiles import TiledWeight
-from ..unwidened import MAX_ROWS
+from flexh2o.compression.grouped_weight import GroupedWeight
+from flexh2o.compression.int4_tiles import TiledWeight
+from flexh2o.compression.kernel_choice import MAX_ROWS
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -10,8 +10,8 @@ window is plain causal attention, so such a model runs up to its window's length
 
 from dataclasses import dataclass
 
-from ..errors import UsageError
-from .hf_config import is_int, is_number, positive_int, positive_ints, positive_number, token_id
+from flexh2o.common.errors import UsageError
+from flexh2o.models.hf_config import is_int, is_number, positive_int, positive_ints, positive_number, token_id
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -64,7 +64,7 @@ class LlamaSpec:
         return self.hidden_size
 
     def build_layers(self) -> list:
-        from .llama_layers import InputEmbed, SelfAttention, MLP, OutputEmbed, Rotary
+        from flexh2o.models.llama_layers import InputEmbed, SelfAttention, MLP, OutputEmbed, Rotary
         rotary = Rotary(self)  # one table of frequencies, shared by every attention layer
         layers = [InputEmbed(self)]
         for j in range(self.num_layers):

@@ -10,9 +10,9 @@ for a gain that holds in the engine, so they keep F.linear.
 import torch
 import torch.nn.functional as F
 
-from ..grouped_weight import GroupedWeight
-from ..int4_tiles import TiledWeight
-from .linear import linear
+from flexh2o.compression.grouped_weight import GroupedWeight
+from flexh2o.compression.int4_tiles import TiledWeight
+from flexh2o.models.linear import linear
 
 FEW_ROWS = (2, 128)  # the row counts, inclusive, that take the transposed layout on the CPU
 

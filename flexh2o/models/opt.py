@@ -2,8 +2,8 @@
 
 from dataclasses import dataclass
 
-from ..errors import UsageError
-from .hf_config import is_int, positive_ints, token_id
+from flexh2o.common.errors import UsageError
+from flexh2o.models.hf_config import is_int, positive_ints, token_id
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class OPTSpec:
         return self.num_heads
 
     def build_layers(self) -> list:
-        from .opt_layers import InputEmbed, SelfAttention, MLP, OutputEmbed
+        from flexh2o.models.opt_layers import InputEmbed, SelfAttention, MLP, OutputEmbed
         layers = [InputEmbed(self)]
         for j in range(self.num_layers):
             layers += [SelfAttention(self, j), MLP(self, j)]

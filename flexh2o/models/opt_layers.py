@@ -7,11 +7,11 @@ OPT checkpoints (without the leading `model.`).
 import torch
 import torch.nn.functional as F
 
-from .cached_attention import CachedAttention
-from .layer import Layer
-from .linear import linear
-from .lm_head import logits
-from .real_tokens import real_tokens
+from flexh2o.models.cached_attention import CachedAttention
+from flexh2o.models.layer import Layer
+from flexh2o.models.linear import linear
+from flexh2o.models.lm_head import logits
+from flexh2o.models.real_tokens import real_tokens
 
 POSITION_OFFSET = 2  # OPT's learned position table starts at row 2
 

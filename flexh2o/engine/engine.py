@@ -1,0 +1,331 @@
+"""The Python API: Engine.from_pretrained(...) and engine.generate(...)."""
+
+import dataclasses
+import functools
+import math
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from flexh2o.common.arguments import number, shown, switch, text, token_ids, whole
+from flexh2o.offload.disk import DiskStore
+from flexh2o.offload.offload_dir import check_offload_dir
+from flexh2o.common.errors import UsageError
+from flexh2o.kv import make_policy
+from flexh2o.host.devices import default_device, default_dtype, parse_device, parse_dtype
+from flexh2o.engine.preflight import add, capacities, check_fits, load_transient, projected_need, run_need, weight_need, with_loading
+from flexh2o.models import eos_ids, is_gguf, resolve_model, with_stored_formats
+from flexh2o.models.cached_attention import CachedAttention
+from flexh2o.engine.pipeline import StageSchedule, model_slices
+from flexh2o.engine.policy import Policy
+from flexh2o.engine.sampling import MAX_SEED, Sampler, check_seed
+from flexh2o.engine.schedule import Schedule
+from flexh2o.engine.sequences import Sequences
+from flexh2o.offload.tiers import Tiers
+from flexh2o.checkpoints.weights import CheckpointWeights, DummyWeights, GGUFWeights
+
+@dataclass
+class GenerateOutput:
+    sequences: torch.Tensor
+    scores: list | None = None
+    forced_logprobs: torch.Tensor | None = None  # [batch, steps] teacher-forced: log p(forced token)
+    greedy: torch.Tensor | None = None            # [batch, steps] teacher-forced: the logits' argmax
+
+
+@dataclass
+class GenerationStats:
+    batch_size: int
+    prompt_len: int
+    gen_len: int          # tokens asked for per sequence
+    steps_done: int       # token steps run (fewer than gen_len when every sequence hit EOS)
+    prefill_seconds: float
+    decode_seconds: float
+    compute_seconds: float = 0.0  # forward passes alone
+    io_seconds: float = 0.0       # I/O tasks, summed over threads
+    disk_bytes_read: int = 0
+    step_allocations: list | None = None  # tensors allocated during each token step
+    step_dequant_seconds: list | None = None  # dequantizing during each token step, summed over threads
+    step_io_tasks: list | None = None  # I/O tasks queued during each token step
+    step_handoffs: list | None = None  # hand-offs to the I/O threads during each token step
+    step_h2d_bytes: list | None = None  # bytes copied to the compute device during each token step
+    finish_seconds: float = 0.0  # after the last token step, until its cache stores were done
+    step_seconds: list | None = None  # each token step's seconds, the prompt step first
+
+
+def check_token_ids(name: str, ids, vocab_size: int):
+    """A tensor of whole token ids, each in [0, vocab_size)."""
+    if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise UsageError(name, f"must be a tensor of integer token ids, got {getattr(ids, 'dtype', type(ids).__name__)}")
+    outside = ids[(ids < 0) | (ids >= vocab_size)]
+    if outside.numel():
+        raise UsageError(name, f"holds token ids outside the vocabulary [0, {vocab_size}): {outside[:3].tolist()}")
+
+
+def check_generate_arguments(vocab_size: int, do_sample, temperature, top_k, top_p, seed, eos_token_id, pad_token_id,
+                             output_scores, progress, stop_check):
+    for name, value in (("do_sample", do_sample), ("output_scores", output_scores), ("progress", progress)):
+        switch(name, value)
+    number("temperature", temperature, 0, math.inf, low_open=True)
+    whole("top_k", top_k, 0)
+    number("top_p", top_p, 0, 1, low_open=True)
+    whole("seed", seed, 0, MAX_SEED, none=True)
+    token_ids("eos_token_id", eos_token_id, vocab_size, special=(-1,))
+    whole("pad_token_id", pad_token_id, 0, vocab_size - 1, none=True)
+    if stop_check is not None and not callable(stop_check):
+        raise UsageError("stop_check", f"must be a function (row, tokens) -> bool, or None, got {shown(stop_check)}")
+
+
+def one_call_at_a_time(method):
+    """An engine method run under the engine's lock, refused once the engine is closed: one run at a
+    time owns the caches, the pool and the I/O threads."""
+    @functools.wraps(method)
+    def call(engine, *args, **kwargs):
+        with engine._calls:
+            if engine.closed:
+                raise UsageError(method.__name__, "the engine was closed; load the model again "
+                                 "(Engine.from_pretrained)")
+            return method(engine, *args, **kwargs)
+    return call
+
+
+def act_tier(policy: Policy) -> str:
+    if policy.act_gpu_percent == 100:
+        return "gpu"
+    if policy.act_cpu_percent == 100:
+        return "cpu"
+    raise UsageError("--act", "activations go whole to one tier: gpu=100 or cpu=100 (disk is not supported)")
+
+
+class Engine:
+    def __init__(self, spec, layers, policy: Policy, tiers: Tiers, weights_source: str, caps: dict,
+                 placement_flag: str = "--percent"):
+        self.spec, self.layers, self.policy, self.tiers = spec, layers, policy, tiers
+        self.weights_source, self.caps, self.placement_flag = weights_source, caps, placement_flag
+        self.weight_need = weight_need(layers, tiers.dtype.itemsize, policy, tiers.compute)
+        self.load_transient = load_transient(layers, tiers.dtype.itemsize, policy)
+        self.last_stats: GenerationStats | None = None
+        self._calls = threading.Lock()
+        self.closed = False
+        # An engine dropped without close() closes its tiers (I/O threads, offload files) when it is
+        # collected, or at exit; the finalizer holds the tiers, never the engine.
+        self._finalizer = weakref.finalize(self, tiers.close)
+        self.projected: dict | None = None  # the pre-flight projection per tier of the last generate call
+        self.stage = None  # a pipeline stage's (pipeline.py): this process runs a slice of the layers
+        self.cache_spec = spec  # the spec whose layer count the cache's pre-flight counts (a stage's slice)
+        self.layer_indices = list(range(len(layers)))  # each layer's index in the whole model
+
+    @classmethod
+    def from_pretrained(cls, model: str, policy: Policy | None = None, device=None, dtype=None,
+                        dummy: bool = False, path: str | None = None, offload_dir: str | None = None,
+                        bypass_page_cache: bool = False, gpu_mem: int | None = None, cpu_mem: int | None = None,
+                        disk_mem: int | None = None, max_memory: int | None = None, progress: bool = False, seed: int = 0,
+                        prompt_len: int | None = None, gen_len: int | None = None,
+                        placement_flag: str = "--percent", before_loading=None, stage=None):
+        """Loads `model` (a preset name such as opt-1.3b or facebook/opt-1.3b, or a local HF
+        directory) with its weights from `path` (or the directory itself), or dummy weights, and
+        places them on the tiers the policy asks for. Tensors placed on disk go to a fresh
+        sub-directory of `offload_dir`, removed by close() (or at exit). Given prompt_len and
+        gen_len, the pre-flight covers the cache and activations of that job too, before loading.
+        A policy that does not fit is blamed on `placement_flag` (the CLI's placement flags).
+        before_loading(), if given, runs once the pre-flight passed (the CLI's note of what goes where).
+        stage: a pipeline.Stage: only that stage's slice of the layers is loaded (pipeline.py)."""
+        if policy is not None and not isinstance(policy, Policy):
+            raise UsageError("policy", f"must be a flexh2o.Policy (or None: the default one), got {shown(policy)}")
+        policy = policy or Policy()
+        whole("seed", seed, 0, MAX_SEED)
+        text("offload_dir", offload_dir, none=True)
+        for name, value in (("dummy", dummy), ("progress", progress), ("bypass_page_cache", bypass_page_cache)):
+            switch(name, value)
+        device = parse_device(device or default_device())
+        dtype = parse_dtype(dtype) if dtype is not None else default_dtype(device)
+        act_tier(policy)
+        spec, weights_dir = resolve_model(model, path)
+        check_seed(seed)
+        if dummy:
+            source = DummyWeights(seed)
+        elif weights_dir is None:
+            raise UsageError("--path", f"{spec.name} needs its weights: give path=DIR (--path) or dummy=True (--dummy)")
+        else:
+            source = GGUFWeights(weights_dir) if is_gguf(weights_dir) else \
+                CheckpointWeights(weights_dir, "--path" if weights_dir == path else "--model")
+        spec = with_stored_formats(spec, source.stored_formats() if hasattr(source, "stored_formats") else ())
+        layers, indices, cache_spec = spec.build_layers(), None, spec
+        if stage is not None:
+            indices = model_slices(layers, dtype.itemsize, stage.count)[stage.index]
+            layers = [layers[j] for j in indices]
+            cache_spec = dataclasses.replace(spec, num_layers=sum(isinstance(la, CachedAttention) for la in layers))
+        source.check([s for layer in layers for s in layer.weight_specs()])
+        uses_disk = policy.disk_percent("w") > 0 or policy.disk_percent("cache") > 0
+        if uses_disk and offload_dir is None:
+            raise UsageError("--offload-dir", "the policy puts tensors on disk: give an offload directory")
+        if uses_disk:
+            check_offload_dir(offload_dir)
+        caps = capacities(device, offload_dir if uses_disk else None, gpu_mem, cpu_mem, disk_mem, max_memory,
+                          str(dtype).removeprefix("torch."))
+        if prompt_len and gen_len:
+            need = projected_need(cache_spec, layers, policy, dtype.itemsize, prompt_len, gen_len, device)
+        else:
+            none = {"gpu": 0, "cpu": 0, "disk": 0}
+            need = with_loading(weight_need(layers, dtype.itemsize, policy, device), none,
+                                load_transient(layers, dtype.itemsize, policy), device.type == "cuda")
+        check_fits(need, caps, device, placement_flag)
+        if before_loading is not None:
+            before_loading()
+        disk = DiskStore(offload_dir, bypass_page_cache, flush_writes=caps["limit"] is not None) if uses_disk else None
+        tiers = Tiers(device, dtype, disk, overlap=policy.overlap)
+        try:
+            prefetch = getattr(source, "prefetch", lambda names: None)
+            for i, layer in enumerate(tqdm(layers, desc="load weights", unit="layer", disable=not progress,
+                                           leave=False)):
+                # The disk reads the next two layers while this one is quantized and written (one ahead
+                # left it idle part of the time: OPT-1.3B from a float16 checkpoint not in the page cache);
+                # each is asked for once.
+                ahead = layers[i + 1: i + 3] if i == 0 else layers[i + 2: i + 3]
+                prefetch([name for after in ahead for name, _ in after.weight_specs()])
+                layer.init_weight(source, tiers, policy)
+            tiers.finish_placing()
+            tiers.sync()  # weights placed on the device are written before a caller's own stream reads them
+        except BaseException:
+            tiers.close()
+            raise
+        engine = cls(spec, layers, policy, tiers, source.describe(), caps, placement_flag)
+        engine.stage, engine.cache_spec = stage, cache_spec
+        engine.layer_indices = list(indices) if indices is not None else list(range(len(layers)))
+        return engine
+
+    # What may change between generate calls on a loaded engine: all but the weights' placement.
+    BLOCK_FIELDS = ("gpu_batch_size", "num_gpu_batches", "cache_gpu_percent", "cache_cpu_percent", "act_gpu_percent",
+                    "act_cpu_percent", "cpu_cache_compute", "kv_policy", "hh_ratio", "recent_ratio", "compress_cache")
+
+    def use_policy(self, **fields):
+        """Runs later generate calls with these BLOCK_FIELDS changed (a dataset job's block shapes,
+        another KV policy); the weights stay as placed."""
+        unknown = set(fields) - set(self.BLOCK_FIELDS)
+        if unknown:
+            raise ValueError(f"only {', '.join(self.BLOCK_FIELDS)} can change on a loaded engine, "
+                             f"not {sorted(unknown)}")
+        policy = dataclasses.replace(self.policy, **fields)
+        act_tier(policy)
+        if policy.disk_percent("cache") > 0 and self.tiers.disk is None:
+            raise UsageError("--cache", "this engine was loaded without an offload directory: the cache cannot "
+                             "go to disk")
+        self.policy = policy
+
+    def close(self):
+        """Removes this engine's offload files and stops its I/O threads (waiting for a generate
+        call another thread is running)."""
+        with self._calls:
+            self.closed = True
+            self._finalizer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @one_call_at_a_time
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 max_new_tokens: int = 32, do_sample: bool = False, temperature: float = 1.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 eos_token_id: int | None = -1, pad_token_id: int | None = None,
+                 output_scores: bool = False, progress: bool = False, forced_tokens: torch.Tensor | None = None,
+                 row_seeds: list | None = None, row_max_new_tokens: list | None = None, stop_check=None):
+        """Generates for a left-padded batch [gpu_batch_size * num_gpu_batches, prompt_len]. Calls
+        from several threads run one at a time.
+
+        Returns the ids [batch, prompt_len + max_new_tokens] (sequences that hit EOS continue
+        with padding), or with output_scores=True a GenerateOutput whose scores hold one
+        [batch, vocab] float32 tensor of logits per generated token. eos_token_id=-1 means the
+        model's own; None disables stopping at EOS. forced_tokens [batch, max_new_tokens]: teacher
+        forcing, step i feeds forced_tokens[:, i] next (no EOS stop); the GenerateOutput then holds
+        the log-probability each step's logits gave its forced token, and their greedy choice.
+        row_seeds: a sampling seed per sequence (each draws from its own generator);
+        row_max_new_tokens: tokens per sequence at most (a sequence past its own is finished);
+        stop_check(row, tokens): called after each step with a running sequence's new tokens so far,
+        True ends it (as EOS does).
+        """
+        policy, spec = self.policy, self.spec
+        check_generate_arguments(spec.vocab_size, do_sample, temperature, top_k, top_p, seed, eos_token_id,
+                                 pad_token_id, output_scores, progress, stop_check)
+        check_token_ids("input_ids", input_ids, spec.vocab_size)
+        if input_ids.dim() != 2 or input_ids.shape[0] != policy.batch_size or input_ids.shape[1] == 0:
+            raise UsageError("input_ids", f"must be [gpu_batch_size * num_gpu_batches = {policy.batch_size}, "
+                             f"prompt_len >= 1], got {list(input_ids.shape)}")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+            raise UsageError("attention_mask", f"must be a tensor matching input_ids {list(input_ids.shape)}, "
+                             f"got {list(getattr(attention_mask, 'shape', [type(attention_mask).__name__]))}")
+        if ((attention_mask != 0) & (attention_mask != 1)).any() or not attention_mask.any(dim=1).all():
+            raise UsageError("attention_mask", "must hold 0 (padding) and 1 (a token), with a token in every row")
+        prompt_len = input_ids.shape[1]
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+            raise UsageError("max_new_tokens", f"must be a whole number, got {max_new_tokens!r}")
+        if max_new_tokens < 1:
+            raise UsageError("--gen-len", f"must be at least 1, got {max_new_tokens}")
+        if prompt_len + max_new_tokens > spec.max_positions:
+            raise UsageError("--prompt-len/--gen-len", f"prompt_len + gen_len = {prompt_len + max_new_tokens} "
+                             f"exceeds the {spec.max_positions} positions of {spec.name}")
+        need = run_need(self.cache_spec, policy, self.tiers.dtype.itemsize, prompt_len, max_new_tokens,
+                        self.tiers.compute, output_scores, self.tiers.io_threads)
+        self.projected = add(self.weight_need, need)
+        check_fits(self.projected, self.caps, self.tiers.compute, self.placement_flag)
+        if forced_tokens is not None:
+            check_token_ids("forced_tokens", forced_tokens, spec.vocab_size)
+            if tuple(forced_tokens.shape) != (input_ids.shape[0], max_new_tokens):
+                raise UsageError("forced_tokens", f"must be [batch, max_new_tokens] = [{input_ids.shape[0]}, "
+                                 f"{max_new_tokens}], got {list(forced_tokens.shape)}")
+        for name, rows in (("row_seeds", row_seeds), ("row_max_new_tokens", row_max_new_tokens)):
+            if rows is not None and len(rows) != input_ids.shape[0]:
+                raise UsageError(name, f"must give one value per sequence ({input_ids.shape[0]}), got {len(rows)}")
+        sampler = Sampler(do_sample, temperature, top_k, top_p, seed, row_seeds)
+        eos = None if forced_tokens is not None else eos_ids(spec) if eos_token_id == -1 else eos_token_id
+        pad = spec.pad_token_id if pad_token_id is None else pad_token_id
+        seqs = Sequences(input_ids.cpu().long(), attention_mask.cpu(), max_new_tokens, policy.gpu_batch_size,
+                         sampler, eos, pad, output_scores, self.tiers.compute,
+                         None if forced_tokens is None else forced_tokens.cpu().long(), row_max_new_tokens, stop_check)
+        batch_sizes = [policy.gpu_batch_size] * policy.num_gpu_batches
+        io_before, read_before = self.tiers.io_seconds, self.tiers.disk.bytes_read if self.tiers.disk else 0
+        try:
+            self.tiers.reserve_loads(self.layers)
+            for j, layer in zip(self.layer_indices, self.layers):
+                layer_seed = ((0 if seed is None else seed) * 100_003 + j) % (1 << 63)
+                layer.init_cache(batch_sizes, make_policy(policy, prompt_len, max_new_tokens, layer_seed), policy)
+            if self.stage is None:
+                schedule = Schedule(self.layers, seqs, policy.num_gpu_batches, self.tiers, act_tier(policy))
+                schedule.use_graphs()
+            else:
+                schedule = StageSchedule(self.layers, seqs, policy.num_gpu_batches, self.tiers, act_tier(policy),
+                                         self.stage, policy.gpu_batch_size, spec.hidden_size, prompt_len)
+            with torch.no_grad():
+                steps_done = schedule.run(max_new_tokens, progress)
+            if self.tiers.failure is not None:  # an I/O task failed that nothing waited for
+                raise self.tiers.failure
+        except BaseException as error:
+            self.tiers.abandon(error)
+            raise
+        finally:
+            self.tiers.settle()
+            for layer in self.layers:  # after a failure nothing is running any more, and nothing is waited for
+                layer.free_cache()
+            self.tiers.clear_pool()
+        times = schedule.step_seconds
+        read = (self.tiers.disk.bytes_read if self.tiers.disk else 0) - read_before
+        self.last_stats = GenerationStats(policy.batch_size, prompt_len, max_new_tokens, steps_done, times[0],
+                                          sum(times[1:]), schedule.compute_seconds,
+                                          self.tiers.io_seconds - io_before, read, schedule.step_allocations,
+                                          schedule.step_dequant_seconds, schedule.step_io_tasks,
+                                          schedule.step_handoffs, schedule.step_h2d_bytes, schedule.finish_seconds,
+                                          list(times))
+        chose = self.stage is None or self.stage.is_last  # scores exist where the LM head ran
+        scores = seqs.score_list(steps_done) if output_scores and chose else None
+        if forced_tokens is not None:
+            return GenerateOutput(seqs.ids, scores, seqs.forced_logprobs if chose else None,
+                                  seqs.greedy if chose else None)
+        if output_scores:
+            return GenerateOutput(seqs.ids, scores)
+        return seqs.ids

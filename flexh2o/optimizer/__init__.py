@@ -1,1 +1,0 @@
-"""Policy optimizer: hardware profiles, the cost model and the search."""
