@@ -53,7 +53,7 @@ def profile_rows(p: HardwareProfile) -> list[tuple[str, str]]:
     for dtype, table in p.matmul_flops.items():
         rows += [(f"matmul {dtype}, {count} rows", flops(rate)) for count, rate in table.items()]
     for dtype, table in (p.int4_matmul_flops or {}).items():
-        rows += [(f"4-bit weights unwidened {dtype}, {count} rows", flops(rate)) for count, rate in table.items()]
+        rows += [(f"4-bit weights as stored {dtype}, {count} rows", flops(rate)) for count, rate in table.items()]
     rows += [(f"prompt attention {dtype}", flops(rate)) for dtype, rate in p.attention_flops.items()]
     rows += [("decode attention reads", bandwidth(p.device_bandwidth)),
              ("decode attention on the CPU", bandwidth(p.cpu_attention_bandwidth))]

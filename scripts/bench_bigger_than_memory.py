@@ -14,7 +14,7 @@ B prompts of --prompt-len tokens, --gen-len tokens generated each, greedy:
 - flexh2o: `python -m flexh2o.run --batch B`, planned by its cost model inside the cgroup (it finds
   the limit itself), offload files under --workdir; once in each of --dtypes (default: its own
   default for this CPU, and float32, where the F16 file stays 16-bit at rest and is widened per
-  use: gguf_blocks.sixteen_bit_at_rest).
+  use: gguf_blocks.keeps_16_bit).
 
 Each run is a child in a fresh cgroup of --limit (scripts/memory_budget.py), after the GGUF's page
 cache is dropped (posix_fadvise DONTNEED; fincore checks it); batches and engines interleave, for

@@ -7,7 +7,7 @@ llama.cpp's side is its own benchmark, `llama-batched-bench` (each of B sequence
 the `llama-cpp-python` source distribution on PyPI vendors (pip download, cmake, with every
 instruction set this CPU lists but AMX: see ISA_SWITCHES); where it cannot be built, its rows are
 skipped with the reason. flexh2o's side is `python -m flexh2o.run` on the same file with --compress-weight (its
-4-bit groups, multiplied unwidened: unwidened.py), B prompts of the same length, the whole batch as
+4-bit groups, multiplied as stored: kernel_choice.py), B prompts of the same length, the whole batch as
 one gpu-batch, weights and cache in memory, greedy, no stop at EOS. Both run with --threads threads
 (torch's intra-op threads; llama.cpp's -t and -tb), one engine at a time, the batches interleaved,
 --repeats rounds; the table gives each configuration's best run.

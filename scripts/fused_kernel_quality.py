@@ -1,9 +1,9 @@
-"""Whether multiplying 4-bit weights unwidened changes quality: SmolLM2 perplexity, fused kernel vs dequantize path.
+"""Whether multiplying 4-bit weights as stored changes quality: SmolLM2 perplexity, fused kernel vs dequantize path.
 
     python scripts/fused_kernel_quality.py                    # writes results/fused_kernel_quality.{md,json}
     python scripts/fused_kernel_quality.py --lengths 512+128  # about 12 minutes
 
-With --compress-weight in float32, flexh2o multiplies a step of up to unwidened.MAX_ROWS["groups"]
+With --compress-weight in float32, flexh2o multiplies a step of up to kernel_choice.MAX_ROWS["groups"]
 rows straight from the low-bit weights (grouped_weight.py, the C kernels; for this GGUF its own
 Q4_1 and Q8_0 blocks, gguf_blocks.py), and widens the matrix into a float32 buffer first for
 larger steps (the dequantize path). The two differ only in the order
@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 from flexh2o import Engine, Policy  # noqa: E402
-from flexh2o.compression import kernel_choice as unwidened
+from flexh2o.compression import kernel_choice
 from flexh2o.eval import perplexity, teacher_forced, text_windows  # noqa: E402
 from flexh2o.compression.grouped_weight import GroupedWeight  # noqa: E402
 from flexh2o.host.machine import describe_machine  # noqa: E402
@@ -46,18 +46,18 @@ BAR = 0.005
 
 def measure(engine, windows, prompt_len: int, rows: dict, dequantize: bool) -> dict:
     """text -> perplexity of the windows teacher-forced through one path (checked to be that path:
-    the kernel multiplied some steps unwidened, or none)."""
-    saved, products = unwidened.MAX_ROWS["groups"], []
-    unwidened.MAX_ROWS["groups"] = 0 if dequantize else saved  # linear.py widens a step of more rows
+    the kernel multiplied some steps as stored, or none)."""
+    saved, products = kernel_choice.MAX_ROWS["groups"], []
+    kernel_choice.MAX_ROWS["groups"] = 0 if dequantize else saved  # linear.py widens a step of more rows
     original = GroupedWeight.matmul
     GroupedWeight.matmul = lambda self, x: products.append(1) or original(self, x)
     try:
         logprobs = teacher_forced(engine, windows, prompt_len)[0]
     finally:
-        unwidened.MAX_ROWS["groups"], GroupedWeight.matmul = saved, original
+        kernel_choice.MAX_ROWS["groups"], GroupedWeight.matmul = saved, original
     if bool(products) == dequantize:
         raise SystemExit(f"error: the {'dequantize' if dequantize else 'fused'} path multiplied {len(products)} "
-                         "steps unwidened: it is not the path it claims to be")
+                         "steps as stored: it is not the path it claims to be")
     return {name: perplexity(logprobs[r]) for name, r in rows.items()}
 
 
@@ -66,7 +66,7 @@ def markdown(r: dict) -> str:
              f"Machine: {r['machine']['cpu']}, torch {r['machine']['torch']}. Command: `{r['command']}`. "
              f"Model `{r['model']}` in float32 with --compress-weight; {r['windows']} windows per text, both texts "
              "in one batch, the first 2000 tokens of each skipped (as scripts/bench_quality.py). Fused: the C kernel "
-             f"multiplies steps of up to {r['max_rows']} rows unwidened (every decode step here); dequantize: every "
+             f"multiplies steps of up to {r['max_rows']} rows as stored (every decode step here); dequantize: every "
              "step widens the matrix first. The bar: within "
              f"{BAR:.1%}.", "",
              "The floor: the dequantize path again, each text's windows in a batch of their own (the same "
@@ -119,7 +119,7 @@ def main():
                                  "alone": alone[n], "floor": alone[n] / plain[n] - 1})
                     print(rows[-1], f"({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
     result = {"command": "python " + " ".join(sys.argv), "model": args.model, "windows": args.windows,
-              "max_rows": unwidened.MAX_ROWS["groups"], "rows": rows, "machine": describe_machine(),
+              "max_rows": kernel_choice.MAX_ROWS["groups"], "rows": rows, "machine": describe_machine(),
               "seconds": time.perf_counter() - start}
     write_results(args.out, result, markdown)
     print(markdown(result))

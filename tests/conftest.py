@@ -1,6 +1,10 @@
+"""Fixtures shared by every test: tiny OPT models and tokenizers written to disk, the test profile,
+and the sub-directories' helpers on the path."""
+
 import json
 import os
 import re
+import sys
 import threading
 
 import pytest
@@ -9,6 +13,12 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import OPTConfig, OPTForCausalLM, PreTrainedTokenizerFast
 
 from flexh2o import native
+
+# tests/ mirrors flexh2o's sub-packages; a test module takes another's helpers by its name (from
+# test_llama import make_tiny_llama) from whichever sub-directory holds it.
+TESTS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = sorted(os.path.join(TESTS, d) for d in os.listdir(TESTS)
+                      if os.path.isdir(os.path.join(TESTS, d)) and not d.startswith(("_", ".")))
 
 # Tiny OPT shapes: plain pre-norm, a wider one, and opt-350m's post-norm with projections.
 CONFIGS = {
@@ -113,7 +123,7 @@ def count_calls(monkeypatch, owner, names) -> dict:
 
 def row_budgets(mask, hh_ratio: float, recent_ratio: float | None = None) -> tuple[list, list]:
     """Each sequence's (heavy, recent) slots from its own real prompt length L: int(ratio * L), at
-    least 1 (DESIGN.md, "H2O, exactly")."""
+    least 1 (docs/design.md, "H2O and the other policies")."""
     lengths = [int(n) for n in mask.sum(1)]
     recent_ratio = hh_ratio if recent_ratio is None else recent_ratio
     return ([max(1, int(hh_ratio * n)) for n in lengths], [max(1, int(recent_ratio * n)) for n in lengths])

@@ -1,6 +1,6 @@
 """A slow, independent H2O: OPT with every K/V kept and evicted tokens masked out.
 
-This is the mask-based simulation of the H2O paper's code (DESIGN.md, "H2O, exactly"): attention
+This is the mask-based simulation of the H2O paper's code (docs/design.md, "H2O and the other policies"): attention
 always runs over the whole sequence, each (layer, sequence, head) holds a mask of the tokens it
 still keeps, and after every step the eviction rule is applied with plain Python loops. It shares
 no code with flexh2o; the tests hold the engine's real eviction to it.
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 class MaskedH2OOPT:
     def __init__(self, hf_model, heavy: list, recent: list):
-        """heavy, recent: each sequence's budgets (DESIGN.md: from its own real prompt length)."""
+        """heavy, recent: each sequence's budgets (docs/design.md: from its own real prompt length)."""
         self.m, self.cfg = hf_model.model.decoder, hf_model.config
         self.lm_head = hf_model.lm_head.weight
         self.heavy, self.recent = heavy, recent

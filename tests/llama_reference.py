@@ -1,6 +1,6 @@
 """A slow, independent KV eviction for Llama-family models: every K/V kept, evicted tokens masked out.
 
-The mask-based simulation of DESIGN.md ("H2O, exactly"), like h2o_reference.py for OPT, built on
+The mask-based simulation of docs/design.md ("H2O and the other policies"), like h2o_reference.py for OPT, built on
 transformers' own Llama modules and extended to grouped-query attention (a KV head's score sums
 its query heads) and to the other deterministic policies: after every step, each (layer, sequence,
 KV head) keeps its `window` newest tokens and the older ones of highest priority up to `capacity`
@@ -15,7 +15,7 @@ SINKS = 4
 
 
 def rule(kv_policy: str, heavy: int, recent: int):
-    """(capacity, window, priority(pos, score, current)) of a policy, as DESIGN.md and kv/ define them."""
+    """(capacity, window, priority(pos, score, current)) of a policy, as docs/design.md and kv/ define them."""
     capacity = heavy + recent
     if kv_policy == "h2o":
         return capacity, recent, lambda pos, score, current: score

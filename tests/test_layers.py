@@ -1,4 +1,5 @@
-"""The package's import graph: no circle, and every import goes down the layers of docs/design.md.
+"""The package's shape: no import circle, every import down the layers of docs/design.md, the commands
+and the public API alone in the root, and a first line in every module that says what it is.
 
 Imports inside functions count as well as those at the top of a module: a circle closed by one of
 them still ties its modules together. `from P import M` counts as importing the module P.M where M
@@ -132,3 +133,9 @@ def test_the_root_holds_commands_and_the_public_api():
 ])
 def test_cycles_finds_a_circle(source, expected):
     assert cycles(source) == expected
+
+
+def test_every_module_says_what_it_is_in_its_first_line():
+    silent = [m for m, path in modules().items()
+              if not path.read_text().startswith('"""') or not ast.get_docstring(ast.parse(path.read_text()))]
+    assert silent == []

@@ -5,7 +5,7 @@ run's dtype, so a model larger than memory is never read whole, and a checkpoint
 another width is not held in both (memory.load_transient counts one layer's tensors in the run's
 width; a GGUF tensor is dequantized to float32 first, unless it is kept as its own low-bit blocks:
 GGUFWeights.get_packed), and a float32 run may keep a 16-bit matrix as it is (get_sixteen_bit,
-gguf_blocks.sixteen_bit_at_rest). `check` validates names and shapes up front, so a wrong
+gguf_blocks.keeps_16_bit). `check` validates names and shapes up front, so a wrong
 checkpoint is a clear error before anything runs.
 """
 
@@ -230,7 +230,7 @@ class CheckpointWeights:
                 os.close(fd)
 
     def get_sixteen_bit(self, name: str, shape) -> Packed | None:
-        """A safetensors F16/BF16 matrix as its 16-bit values, bit for bit (gguf_blocks.sixteen_bit_at_rest),
+        """A safetensors F16/BF16 matrix as its 16-bit values, bit for bit (gguf_blocks.keeps_16_bit),
         or None (other widths, a shape the blocks do not take, .bin checkpoints: their widths are not
         known before they are read, and the pre-flight must count what is placed)."""
         fmt = self._formats().get(name)
@@ -292,7 +292,7 @@ class GGUFWeights:
         return Packed(self.model.blocks(name), tuple(shape), fmt) if fmt not in (None, *SIXTEEN_BIT) else None
 
     def get_sixteen_bit(self, name: str, shape) -> Packed | None:
-        """An F16/BF16 matrix as its 16-bit values (gguf_blocks.sixteen_bit_at_rest), or None."""
+        """An F16/BF16 matrix as its 16-bit values (gguf_blocks.keeps_16_bit), or None."""
         fmt = self.model.block_format(name)
         return Packed(self.model.blocks(name), tuple(shape), fmt) if fmt in SIXTEEN_BIT else None
 

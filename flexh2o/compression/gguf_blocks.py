@@ -5,14 +5,14 @@ With --compress-weight in a float32 run, a GGUF matrix in one of these formats i
 own bytes (rows of blocks of 32 values, gguf_reader.py's BLOCK_LAYOUTS) instead of being widened
 to float and quantized again into quant.py's groups: no float copy of it is made while loading,
 nothing is lost to requantizing, and it moves as the bytes llama.cpp reads. It is dequantized
-into a compute buffer, or multiplied unwidened (grouped_weight.matmul: the C kernels of
+into a compute buffer, or multiplied as stored (grouped_weight.matmul: the C kernels of
 native/blocks.c, float32 activations), as quant.py's groups are; the dequantized values are
 bit-equal to gguf_reader.py's. In other widths the matrices are quantized into quant.py's groups
 as before: the bfloat16 kernel (int4_tiles.py) takes those, and its bfloat16 scales could not
 hold a block's float16 ones.
 
 A float32 run whose weights do not all sit on the compute tier keeps a 16-bit checkpoint's
-matrices 16-bit on every tier (sixteen_bit_at_rest), as blocks of 32 values with no scale: half the
+matrices 16-bit on every tier (keeps_16_bit), as blocks of 32 values with no scale: half the
 bytes stored and moved, widened exactly into the compute buffer at each load (or multiplied as
 they are by the same kernels). Weights all on the compute tier are used in place in float32 as
 before: widening them at every step would cost time and save nothing a run needs. The LM head
@@ -28,7 +28,7 @@ from flexh2o.compression import gpu_dequant
 from flexh2o.compression.formats import BLOCK, BLOCK_BYTES, NATIVE_DTYPES, NATIVE_FORMATS, SIXTEEN_BIT
 
 
-def sixteen_bit_at_rest(policy, dtype_bytes: int) -> bool:
+def keeps_16_bit(policy, dtype_bytes: int) -> bool:
     """Whether a run keeps a checkpoint's 16-bit matrices 16-bit (see above): a float32 run, not
     compressing the weights (which quantizes them instead), placing some on the cpu tier or disk."""
     return dtype_bytes == 4 and not policy.compress_weight and policy.w_gpu_percent < 100
@@ -36,7 +36,7 @@ def sixteen_bit_at_rest(policy, dtype_bytes: int) -> bool:
 
 def applies(fmt: str | None, compressed: bool, sixteen_bit: bool) -> bool:
     """Whether a matrix its checkpoint stores in `fmt` is placed in it: low-bit blocks when the run
-    compresses it (in float32), 16-bit values where sixteen_bit_at_rest holds."""
+    compresses it (in float32), 16-bit values where keeps_16_bit holds."""
     return fmt in SIXTEEN_BIT and sixteen_bit or fmt in BLOCK_BYTES and fmt not in SIXTEEN_BIT and compressed
 
 

@@ -1,4 +1,4 @@
-"""A loaded 4-bit matrix in quant.py's own groups, multiplied unwidened by flexh2o's C kernel.
+"""A loaded 4-bit matrix in quant.py's own groups, multiplied as stored by flexh2o's C kernel.
 
 Where the CPU computes in float32, torch's int4 and int8 kernels run slower than the full-width
 product (results/int4_kernels.md), so flexh2o multiplies its groups itself: native/quant4.c's
@@ -35,7 +35,7 @@ class GroupedWeight:
     groups, or a GGUF file's blocks: gguf_blocks.py) and `values`, a compute buffer [n, k] filled
     only if a step of many rows asks for the widened matrix; None for a matrix multiplied as it is
     at every row count (Placed.any_rows)."""
-    kernel_name = "groups"  # unwidened.py
+    kernel_name = "groups"  # kernel_choice.py
 
     def __init__(self, data: torch.Tensor, k: int, values: torch.Tensor, fmt: str = "groups"):
         self.data, self.values, self.shape, self.fmt, self._widened = data, values, (data.shape[0], k), fmt, False

@@ -1,4 +1,4 @@
-"""4-bit weights in the tile layout of torch's CPU int4 kernel, which multiplies them unwidened.
+"""4-bit weights in the tile layout of torch's CPU int4 kernel, which multiplies them as stored.
 
 aten._weight_int4pack_mm_for_cpu multiplies bfloat16 activations [m, k] by a 4-bit weight [n, k]
 without widening it first (scripts/bench_int4_kernels.py: 20-90x the dequantize-then-multiply path
@@ -179,9 +179,9 @@ def pack(packed: torch.Tensor, k: int) -> torch.Tensor:
 
 
 class TiledWeight:
-    """A weight as pack() lays it out, loaded: multiplied unwidened for steps of few rows, and
+    """A weight as pack() lays it out, loaded: multiplied as stored for steps of few rows, and
     dequantized into `values` (a compute buffer, once per load) for steps of many."""
-    kernel_name = "tiles"  # unwidened.py
+    kernel_name = "tiles"  # kernel_choice.py
 
     def __init__(self, data: torch.Tensor, k: int, values: torch.Tensor):
         self.codes, self.kernel = _views(data, k)

@@ -33,7 +33,7 @@ def kernel_for(shape, dtype: torch.dtype, on_cpu: bool, groups_built: bool, fmt:
     return None
 
 
-def never_widened(shape, dtype: torch.dtype, on_cpu: bool, fmt: str) -> bool:
+def multiplied_as_stored(shape, dtype: torch.dtype, on_cpu: bool, fmt: str) -> bool:
     """Whether a compressed matrix multiplied at every row count (an LM head: Placed.any_rows) is
     taken as stored by flexh2o's own kernel, so that no buffer of its values is made."""
     return kernel_for(shape, dtype, on_cpu, native.library() is not None, fmt) == "groups"

@@ -100,6 +100,8 @@ def act_tier(policy: Policy) -> str:
 
 
 class Engine:
+    """A model loaded onto the tiers: Engine.from_pretrained(...) loads one, generate() runs a batch."""
+
     def __init__(self, spec, layers, policy: Policy, tiers: Tiers, weights_source: str, caps: dict,
                  placement_flag: str = "--percent"):
         self.spec, self.layers, self.policy, self.tiers = spec, layers, policy, tiers
@@ -118,20 +120,50 @@ class Engine:
         self.layer_indices = list(range(len(layers)))  # each layer's index in the whole model
 
     @classmethod
-    def from_pretrained(cls, model: str, policy: Policy | None = None, device=None, dtype=None,
-                        dummy: bool = False, path: str | None = None, offload_dir: str | None = None,
-                        bypass_page_cache: bool = False, gpu_mem: int | None = None, cpu_mem: int | None = None,
-                        disk_mem: int | None = None, max_memory: int | None = None, progress: bool = False, seed: int = 0,
-                        prompt_len: int | None = None, gen_len: int | None = None,
-                        placement_flag: str = "--percent", before_loading=None, stage=None):
-        """Loads `model` (a preset name such as opt-1.3b or facebook/opt-1.3b, or a local HF
-        directory) with its weights from `path` (or the directory itself), or dummy weights, and
-        places them on the tiers the policy asks for. Tensors placed on disk go to a fresh
-        sub-directory of `offload_dir`, removed by close() (or at exit). Given prompt_len and
-        gen_len, the pre-flight covers the cache and activations of that job too, before loading.
-        A policy that does not fit is blamed on `placement_flag` (the CLI's placement flags).
-        before_loading(), if given, runs once the pre-flight passed (the CLI's note of what goes where).
-        stage: a pipeline.Stage: only that stage's slice of the layers is loaded (pipeline.py)."""
+    def from_pretrained(cls, model: str, policy: Policy | None = None, *, path: str | None = None,
+                        dummy: bool = False, device=None, dtype=None, offload_dir: str | None = None,
+                        gpu_mem: int | None = None, cpu_mem: int | None = None, disk_mem: int | None = None,
+                        max_memory: int | None = None, prompt_len: int | None = None, gen_len: int | None = None,
+                        seed: int = 0, bypass_page_cache: bool = False, progress: bool = False) -> "Engine":
+        """Loads a model and places its weights on the tiers `policy` asks for.
+
+        model: a preset name (opt-1.3b, or its Hugging Face name facebook/opt-1.3b), a local
+            Hugging Face checkpoint directory, or a .gguf file.
+        policy: batch shape, placement, KV policy and compression (flexh2o.Policy); default Policy().
+        path: the preset's weights directory; not needed for a directory or .gguf model.
+        dummy: deterministic random weights of the model's real size instead of reading any.
+        device: "cuda", "cuda:N" or "cpu" (default: cuda when torch sees one).
+        dtype: torch.float16, torch.bfloat16 or torch.float32, or their names (default: float16 on
+            CUDA, the CPU's fastest exact choice on a CPU).
+        offload_dir: the directory under which tensors placed on disk go, in a fresh sub-directory
+            removed by close(); needed when the policy puts anything on disk.
+        gpu_mem, cpu_mem, disk_mem: bytes each tier may use (default: what is free), and
+        max_memory: bytes the whole process may use. A policy that does not fit is refused with
+            a UsageError before anything is allocated.
+        prompt_len, gen_len: when given, that pre-flight check also covers the KV cache and
+            activations of a job of these lengths.
+        seed: the seed of dummy weights.
+        bypass_page_cache: read weights and cache from disk with O_DIRECT.
+        progress: a progress bar while loading.
+
+        Use the engine in a with-block, or call close(), to end its I/O threads and remove its
+        offload files."""
+        return cls.load(model, policy, path=path, dummy=dummy, device=device, dtype=dtype, offload_dir=offload_dir,
+                        gpu_mem=gpu_mem, cpu_mem=cpu_mem, disk_mem=disk_mem, max_memory=max_memory,
+                        prompt_len=prompt_len, gen_len=gen_len, seed=seed, bypass_page_cache=bypass_page_cache,
+                        progress=progress)
+
+    @classmethod
+    def load(cls, model: str, policy: Policy | None = None, *, path: str | None = None, dummy: bool = False,
+             device=None, dtype=None, offload_dir: str | None = None, gpu_mem: int | None = None,
+             cpu_mem: int | None = None, disk_mem: int | None = None, max_memory: int | None = None,
+             prompt_len: int | None = None, gen_len: int | None = None, seed: int = 0,
+             bypass_page_cache: bool = False, progress: bool = False, placement_flag: str = "--percent",
+             before_loading=None, stage=None) -> "Engine":
+        """from_pretrained for flexh2o's own commands, with what they add: `placement_flag`, the
+        flag a policy that does not fit is blamed on (the command line's placement flags);
+        `before_loading()`, run once the pre-flight passed (the command line's note of what goes
+        where); `stage`, a pipeline Stage whose slice of the layers alone is loaded (pipeline.py)."""
         if policy is not None and not isinstance(policy, Policy):
             raise UsageError("policy", f"must be a flexh2o.Policy (or None: the default one), got {shown(policy)}")
         policy = policy or Policy()
@@ -234,19 +266,29 @@ class Engine:
                  eos_token_id: int | None = -1, pad_token_id: int | None = None,
                  output_scores: bool = False, progress: bool = False, forced_tokens: torch.Tensor | None = None,
                  row_seeds: list | None = None, row_max_new_tokens: list | None = None, stop_check=None):
-        """Generates for a left-padded batch [gpu_batch_size * num_gpu_batches, prompt_len]. Calls
-        from several threads run one at a time.
+        """Generates for a left-padded batch of token ids; calls from several threads run one at a time.
 
-        Returns the ids [batch, prompt_len + max_new_tokens] (sequences that hit EOS continue
-        with padding), or with output_scores=True a GenerateOutput whose scores hold one
-        [batch, vocab] float32 tensor of logits per generated token. eos_token_id=-1 means the
-        model's own; None disables stopping at EOS. forced_tokens [batch, max_new_tokens]: teacher
-        forcing, step i feeds forced_tokens[:, i] next (no EOS stop); the GenerateOutput then holds
-        the log-probability each step's logits gave its forced token, and their greedy choice.
-        row_seeds: a sampling seed per sequence (each draws from its own generator);
-        row_max_new_tokens: tokens per sequence at most (a sequence past its own is finished);
-        stop_check(row, tokens): called after each step with a running sequence's new tokens so far,
-        True ends it (as EOS does).
+        input_ids: [gpu_batch_size * num_gpu_batches, prompt_len] token ids, padding on the left.
+        attention_mask: 1 for real tokens, 0 for padding (default: all real).
+        max_new_tokens: tokens to generate per sequence.
+        do_sample, temperature, top_k, top_p: sampling (default greedy); top_k 0 and top_p 1 turn
+            those filters off.
+        seed: the sampling seed of this call (default: a fresh random one); it also seeds Keyformer's noise.
+        eos_token_id: the token that ends a sequence; -1 (default) is the model's own, None never
+            stops early. A finished sequence continues with pad_token_id (default: the model's).
+        output_scores: return a GenerateOutput whose scores hold one [batch, vocab] float32 tensor
+            of logits per generated token, instead of the ids alone.
+        progress: a progress bar over the token steps.
+        forced_tokens: [batch, max_new_tokens] ids for teacher forcing: step i feeds
+            forced_tokens[:, i] next (no EOS stop); the GenerateOutput then holds the
+            log-probability each step gave its forced token, and its greedy choice (perplexity,
+            lm-eval's log-likelihoods).
+        row_seeds: a sampling seed per sequence (each draws from its own generator, so its tokens
+            do not depend on its batch); row_max_new_tokens: tokens per sequence at most.
+        stop_check(row, tokens): called after each step with a running sequence's new tokens so
+            far; True ends it as EOS does (stop strings).
+
+        Returns the ids [batch, prompt_len + max_new_tokens], or a GenerateOutput (output_scores).
         """
         policy, spec = self.policy, self.spec
         check_generate_arguments(spec.vocab_size, do_sample, temperature, top_k, top_p, seed, eos_token_id,

@@ -15,6 +15,22 @@ KV_POLICIES = tuple(POLICIES)
 
 @dataclass(frozen=True)
 class Policy:
+    """How a run is shaped and where its tensors live (every field has a command-line flag).
+
+    gpu_batch_size: sequences one layer call computes at once; num_gpu_batches: gpu-batches in a
+        block (the block is their product: the batch generate takes).
+    w_gpu_percent, w_cpu_percent: the weights' share on the compute device and in CPU memory, the
+        rest on disk; cache_*: the same for the KV cache; act_*: for the hidden states between
+        layers.
+    overlap: load and store on I/O threads while the compute device computes.
+    cpu_cache_compute: on CUDA, attend over the cache's CPU-memory share on the CPU instead of
+        moving it to the GPU.
+    kv_policy: "full", "h2o", "local", "sink", "keyformer" or "tova" (docs/kv-policies.md);
+        None is "h2o" when hh_ratio is given, else "full".
+    hh_ratio, recent_ratio: an evicting policy's heavy-hitter and recent slots per sequence, as
+        shares of its prompt length (recent_ratio None: the same as hh_ratio).
+    compress_weight, compress_cache: store the weights / KV cache as 4-bit groups.
+    """
     gpu_batch_size: int = 4
     num_gpu_batches: int = 1
     w_gpu_percent: float = 100

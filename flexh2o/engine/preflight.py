@@ -25,11 +25,11 @@ from flexh2o.host.memory_limit import process_limit
 from flexh2o.common.names import tier_label
 from flexh2o.host.process_memory import DEFAULT_GROWTH, Growth, process_growth
 from flexh2o.models.attention import PROBS_CHUNK_BYTES, observed_chunk_bytes
-from flexh2o.compression.gguf_blocks import BLOCK_BYTES, SIXTEEN_BIT, applies, sixteen_bit_at_rest
+from flexh2o.compression.gguf_blocks import BLOCK_BYTES, SIXTEEN_BIT, applies, keeps_16_bit
 from flexh2o.compression.gpu_dequant import WORKSPACE_BYTES
 from flexh2o.compression.quant import BLOCK_VALUES, compressible, stored_row_bytes
 from flexh2o.offload.placed import split_rows
-from flexh2o.compression.kernel_choice import never_widened
+from flexh2o.compression.kernel_choice import multiplied_as_stored
 from flexh2o.offload.held_weights import most_held
 
 GB = 1 << 30
@@ -122,7 +122,7 @@ def stored_formats(layer, dtype_bytes: int, policy) -> list[tuple]:
     if key not in _PREPARED:
         _PREPARED[key] = list(zip(layer.prepare([tuple(s) for s in key[1]], cat=cat_shapes),
                                   layer.prepare(list(key[2]), cat=cat_formats)))
-    out, sixteen_bit = [], sixteen_bit_at_rest(policy, dtype_bytes)
+    out, sixteen_bit = [], keeps_16_bit(policy, dtype_bytes)
     for shape, fmt in _PREPARED[key]:
         compressed = policy.compress_weight and compressible(shape)
         kept = fmt if dtype_bytes == 4 and applies(fmt, compressed, sixteen_bit) else None
@@ -184,16 +184,16 @@ def buffered(layer, dtype_bytes: int, policy, device) -> Counter:
     """The pooled compute buffers a layer's weight loads take, as (kind, bytes) -> count: every
     weight the layer cannot use in place, and every compressed one (dequantized into a buffer,
     its groups first moved into one unless they are on the compute device), but the LM head's
-    where the kernel multiplies it at every row count (unwidened.never_widened)."""
+    where the kernel multiplies it at every row count (kernel_choice.multiplied_as_stored)."""
     out = Counter()
     placed = split_as_placed(layer, dtype_bytes, policy)
     formats = stored_formats(layer, dtype_bytes, policy)
     for (shape, compressed, rb, rows), (_, fmt) in list(zip(placed, formats))[layer.gathered:]:
         whole = [tier for tier, n in rows.items() if n == shape[0]]
         in_place = bool(whole) and (whole[0] == "gpu" or (whole[0] == "cpu" and device.type == "cpu"))
-        unwidened = compressed and layer.one_of_a_kind and never_widened(shape, DTYPE_OF[dtype_bytes],
+        as_stored = compressed and layer.one_of_a_kind and multiplied_as_stored(shape, DTYPE_OF[dtype_bytes],
                                                                          device.type == "cpu", fmt)
-        if (compressed or not in_place) and not unwidened:
+        if (compressed or not in_place) and not as_stored:
             out[("values", shape), math.prod(shape) * dtype_bytes] += 1
         if compressed and not in_place:
             out[("groups", shape), shape[0] * rb] += 1
@@ -226,7 +226,7 @@ def load_transient(layers, dtype_bytes: int, policy) -> int:
         return shape[0] * stored_row_bytes(shape, dtype_bytes, fmt is not None, fmt or "groups")
 
     def layer(layer):
-        sixteen_bit, read, widened = sixteen_bit_at_rest(policy, dtype_bytes), 0, 0
+        sixteen_bit, read, widened = keeps_16_bit(policy, dtype_bytes), 0, 0
         for (_, shape), fmt in zip(layer.weight_specs(), layer.stored_formats()):
             as_stored = dtype_bytes == 4 and applies(fmt, policy.compress_weight and compressible(shape), sixteen_bit)
             read += nbytes(shape, fmt if as_stored else None)
@@ -285,7 +285,7 @@ def run_need(spec, policy, dtype_bytes: int, prompt_len: int, gen_len: int, devi
     need["gpu"] += IN_FLIGHT * loaded * (2 * k_values + state)
     moved = [n for n in (rows["disk"], 0 if policy.cpu_cache_compute else rows["cpu"] if on_cuda else 0) if n]
     need["gpu"] += io_threads * sum(n * k_bytes for n in set(moved))
-    wide = homeward_width(policy, dtype_bytes)
+    wide = home_value_bytes(policy, dtype_bytes)
     if on_cuda and (rows["cpu"] or rows["disk"]):  # pinned staging blocks: a K part, as it goes home
         need["cpu"] += (io_threads + 1) * max(rows["cpu"] * wide // dtype_bytes, rows["disk"]) * k_bytes
     if policy.compress_cache:  # loaded parts' K and V groups on their way home; the working copies of one block
@@ -320,7 +320,7 @@ def run_need(spec, policy, dtype_bytes: int, prompt_len: int, gen_len: int, devi
     return need
 
 
-def homeward_width(policy, dtype_bytes: int) -> int:
+def home_value_bytes(policy, dtype_bytes: int) -> int:
     """Bytes per value of the cache on its way home: the CPU-attended cache's dtype under
     cpu_cache_compute (possibly wider than the run's), else the run's."""
     return cpu_attention_dtype(DTYPE_OF[dtype_bytes]).itemsize if policy.cpu_cache_compute else dtype_bytes
@@ -336,7 +336,7 @@ def prompt_copy_home_bytes(spec, policy, dtype_bytes: int, prompt_len: int, gen_
     if device.type != "cuda" or policy.compress_cache or not (rows["cpu"] or rows["disk"]):
         return 0
     capacity, _ = budget(policy, prompt_len, gen_len)
-    wide = homeward_width(policy, dtype_bytes)
+    wide = home_value_bytes(policy, dtype_bytes)
     slots = min(prompt_len, capacity) * spec.num_kv_heads * slot_bytes(spec, policy, dtype_bytes)
     return io_threads * max(rows["cpu"], rows["disk"]) * slots * wide // dtype_bytes
 

@@ -155,7 +155,7 @@ class FlexH2OLM(TemplateLM):
             from flexh2o.engine.engine import Engine
             from flexh2o.runs.setup import default_offload_dir
             s = self.settings
-            self.engine = Engine.from_pretrained(
+            self.engine = Engine.load(
                 s.model, policy=s.policy(s.gpu_batch_size), device=s.device, dtype=s.dtype, path=s.path,
                 offload_dir=s.offload_dir or default_offload_dir(), seed=s.seed, prompt_len=prompt_len,
                 gen_len=gen_len, placement_flag=f"model_args {PERCENT_KEYS}", **s.caps())

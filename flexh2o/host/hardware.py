@@ -62,7 +62,7 @@ class HardwareProfile:
     # Which build of those kernels it timed (native.build()); a CPU profile is measured again when
     # a run loads another (new kernels: other speeds). None in older profiles, or with torch's.
     kernels_build: str | None = None
-    # FLOP/s of products with a 4-bit weight multiplied unwidened (unwidened.py), by dtype and rows up
+    # FLOP/s of products with a 4-bit weight multiplied as stored (kernel_choice.py), by dtype and rows up
     # to the kernel's limit; None (or a dtype missing) where no kernel takes it: the cost model then
     # charges dequantizing, then the full-width product.
     int4_matmul_flops: dict | None = None
@@ -79,7 +79,7 @@ class HardwareProfile:
         return interpolated(self.matmul_flops[dtype or self.dtype], rows)
 
     def int4_matmul_rate(self, rows: float, dtype: str) -> float | None:
-        """FLOP/s of a product with a 4-bit weight multiplied unwidened, or None where not measured."""
+        """FLOP/s of a product with a 4-bit weight multiplied as stored, or None where not measured."""
         table = (self.int4_matmul_flops or {}).get(dtype)
         return None if table is None else interpolated(table, rows)
 

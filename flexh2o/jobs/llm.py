@@ -105,14 +105,25 @@ def prompt_source(prompts):
 
 
 class LLM:
+    """A loaded model for lists of prompts of any size: generate() returns a Completion per prompt."""
+
     def __init__(self, model: str, path: str | None = None, *, gpu_batch_size: int = 8, num_gpu_batches: int = 1,
                  weights: tuple = (100, 0), cache: tuple = (100, 0), kv_policy: str | None = None,
                  hh_ratio: float | None = None, recent_ratio: float | None = None, compress_weight: bool = False,
                  compress_cache: bool = False, device=None, dtype=None, offload_dir: str | None = None,
                  chat: bool = False, seed: int = 0):
-        """model and path as for flexh2o.run's --model and --path (a directory or GGUF file with a
-        tokenizer); weights and cache: (percent on the compute device, percent in CPU memory), the
-        rest on disk in offload_dir."""
+        """Loads a model with its tokenizer.
+
+        model, path: as flexh2o.run's --model and --path: a Hugging Face directory or a .gguf file
+            with a tokenizer, or a preset name with path its weights directory.
+        gpu_batch_size, num_gpu_batches: prompts a layer call computes at once, and such groups in
+            a block.
+        weights, cache: (percent on the compute device, percent in CPU memory), the rest on disk
+            in offload_dir.
+        kv_policy, hh_ratio, recent_ratio, compress_weight, compress_cache: as Policy's fields.
+        device, dtype: as Engine.from_pretrained's.
+        chat: prompts are chat messages, rendered with the model's chat template.
+        seed: the seed every prompt's sampling seed comes from (with its index)."""
         model, path = text("model", model), text("path", path, none=True)
         for name, value in (("gpu_batch_size", gpu_batch_size), ("num_gpu_batches", num_gpu_batches)):
             whole(name, value, 1)
@@ -140,9 +151,13 @@ class LLM:
     def generate(self, prompts, max_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                  stop=None, seed: int | None = None, progress: bool = True) -> list[Completion]:
         """One Completion per prompt (a string, or a list of chat messages), in input order.
-        temperature 0 is greedy; seed: every prompt's sampling seed (default: from the LLM's seed
-        and the prompt's index, so a prompt's tokens do not depend on its block). progress: a
-        progress bar on stderr, moving as each block finishes."""
+
+        max_tokens: tokens to generate per prompt at most.
+        temperature, top_p, top_k: sampling; temperature 0 is greedy.
+        stop: a string or list of strings that end a completion (not included in its text).
+        seed: every prompt's sampling seed (default: from the LLM's seed and the prompt's index,
+            so a prompt's tokens do not depend on its block).
+        progress: a progress bar on stderr, moving as each block finishes."""
         switch("progress", progress)
         prompts = prompt_source(prompts)
         total = len(prompts) if hasattr(prompts, "__len__") else None
@@ -154,7 +169,8 @@ class LLM:
 
     def stream(self, prompts, max_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                stop=None, seed: int | None = None, progress=None):
-        """Completions as blocks finish, any number of prompts from any iterable. progress(records,
+        """Completions as blocks finish, for any number of prompts from any iterable (not in input
+        order: each Completion has its index). The arguments are generate()'s; progress(records,
         tokens), if given, is called as each block finishes."""
         settings = {"max_tokens": whole("max_tokens", max_tokens, 1, 1 << 20),
                     "sampling": sampling(number("temperature", temperature, 0, 100),
@@ -180,6 +196,7 @@ class LLM:
             first += len(part)
 
     def close(self):
+        """Removes the engine's offload files and stops its I/O threads (or use a with-block)."""
         self.engine.close()
 
     def __enter__(self):

@@ -1,6 +1,6 @@
 """What every KV policy does: take the prompt's tokens, then place each new token in a slot.
 
-The attention layer calls a policy twice per step (DESIGN.md, "KV cache slots and eviction"):
+The attention layer calls a policy twice per step (docs/design.md, "The KV cache"):
 `prompt(...)` after the prompt's attention and `decode(...)` after each new token's attention,
 handing it the attention logits and probabilities; the policy updates its per-slot state and
 writes the token into the slot it chooses. Evicting policies share one rule and differ only in

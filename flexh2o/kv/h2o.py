@@ -1,5 +1,5 @@
 """H2O (Zhang et al. 2023): keep the recent window and the heavy hitters, the older tokens that
-have received the most attention so far (DESIGN.md, "H2O, exactly")."""
+have received the most attention so far (docs/design.md, "H2O and the other policies")."""
 
 from flexh2o.kv.eviction import Evicting
 

@@ -1,4 +1,4 @@
-"""The interface every layer offers the schedule (DESIGN.md, 'The layer interface').
+"""The interface every layer offers the schedule (docs/design.md, "The layer interface").
 
 The schedule drives input embedding, attention, MLP and output embedding through the same
 operations and never asks what kind of layer it holds.
@@ -9,7 +9,7 @@ import functools
 import torch
 
 from flexh2o.common.errors import UsageError
-from flexh2o.compression.gguf_blocks import sixteen_bit_at_rest
+from flexh2o.compression.gguf_blocks import keeps_16_bit
 from flexh2o.compression.quant import Packed, compressible, join, quantize, stored_row_bytes
 from flexh2o.offload.placed import split_rows
 
@@ -91,7 +91,7 @@ class Layer:
         as_stored = getattr(source, "get_as_stored", None) if policy.compress_weight and tiers.dtype == torch.float32 \
             else None
         sixteen_bit = getattr(source, "get_sixteen_bit", None) \
-            if sixteen_bit_at_rest(policy, tiers.dtype.itemsize) else None
+            if keeps_16_bit(policy, tiers.dtype.itemsize) else None
         raw = []
         for name, shape in self.weight_specs():
             tensor = packed(name, shape, tiers.dtype) if packed is not None and compressible(shape) else None

@@ -1,8 +1,8 @@
-"""The layers' matrix product: F.linear, or a 4-bit weight multiplied unwidened: torch's int4 kernel
+"""The layers' matrix product: F.linear, or a 4-bit weight multiplied as stored: torch's int4 kernel
 on a tiled one (int4_tiles.py, bfloat16), flexh2o's own on quant.py's groups (grouped_weight.py,
 float32).
 
-A step of few rows (decode) multiplies the 4-bit weight unwidened; a step of many (a prompt) widens
+A step of few rows (decode) multiplies the 4-bit weight as stored; a step of many (a prompt) widens
 it once per load and multiplies in full width, which is faster there (results/int4_kernels.md: the
 int4 kernel beats dequantize-then-multiply up to 128 rows, 1.5-1.8x, and loses at 512, 0.5x).
 """

@@ -7,7 +7,7 @@ caller gets a `Pending` to wait on. Where the compute device is the CPU, a tenso
 the gpu or cpu tier is used in place, never copied. A compressed tensor (quant.py) is placed, and
 moved, as its uint8 groups, and dequantized into a compute buffer at the end of every load; where
 the CPU computes in bfloat16, a matrix placed in the int4 kernel's layout (int4_tiles.py) is handed
-over as it is, to be multiplied unwidened (models/linear.py), and so is, in float32, a matrix in
+over as it is, to be multiplied as stored (models/linear.py), and so is, in float32, a matrix in
 quant.py's groups that flexh2o's own kernel takes (grouped_weight.py). The
 moves themselves (run_io, to_device, copy_on_device, read_disk) and the buffer pool are Tiers'.
 """
@@ -26,23 +26,23 @@ from flexh2o.offload.io_tasks import IOTaskError, Pending
 from flexh2o.offload.placed import Placed, Segment
 from flexh2o.compression.quant import Packed, dequantize_as, quantize
 from flexh2o.offload.held_weights import most_held
-from flexh2o.compression.kernel_choice import kernel_for, never_widened
+from flexh2o.compression.kernel_choice import kernel_for, multiplied_as_stored
 
 
 class WeightIO:
-    def unwidened_kernel(self, shape, fmt: str = "groups") -> str | None:
-        """The kernel that multiplies a compressed matrix of this shape as it is (unwidened.py)."""
+    def as_stored_kernel(self, shape, fmt: str = "groups") -> str | None:
+        """The kernel that multiplies a compressed matrix of this shape as it is (kernel_choice.py)."""
         return kernel_for(shape, self.dtype, not self.on_cuda, native.library() is not None, fmt)
 
-    def never_widened(self, placed: Placed) -> bool:
+    def multiplied_as_stored(self, placed: Placed) -> bool:
         """Whether a compressed matrix is multiplied as stored at every row count: no compute
         buffer of its values is made (Placed.any_rows, where flexh2o's kernel takes it)."""
         return placed.any_rows and not placed.tiled and \
-            never_widened(placed.decoded_shape, self.dtype, not self.on_cuda, placed.fmt)
+            multiplied_as_stored(placed.decoded_shape, self.dtype, not self.on_cuda, placed.fmt)
 
     def tiles_for(self, shape) -> bool:
         """Whether a compressed matrix of this shape is placed in the int4 kernel's layout."""
-        return self.unwidened_kernel(shape) == "tiles"
+        return self.as_stored_kernel(shape) == "tiles"
 
     def place(self, tensor: torch.Tensor, rows: dict, compressed: bool = False, tiled: bool = False) -> Placed:
         """Puts a tensor's rows at their home tiers (rows: tier -> number of rows, in tier order),
@@ -141,7 +141,7 @@ class WeightIO:
         if placed.decoded_shape is None:
             return [] if in_place else [(placed.shape, placed.dtype, False)]
         groups = [] if in_place else [(placed.shape, placed.dtype, self.on_cuda)]
-        return ([] if self.never_widened(placed) else [(placed.decoded_shape, self.dtype, False)]) + groups
+        return ([] if self.multiplied_as_stored(placed) else [(placed.decoded_shape, self.dtype, False)]) + groups
 
     def reserve_loads(self, layers):
         """Makes, before a run, every pooled buffer the layers' weight loads take. The layers of each
@@ -221,7 +221,7 @@ class WeightIO:
     def _load_compressed(self, placed: Placed, whole) -> Pending:
         """Its groups, moved to the compute device unless they are there, dequantized into a buffer
         (none for a matrix never widened)."""
-        out = None if self.never_widened(placed) else self.buffer(placed.decoded_shape)
+        out = None if self.multiplied_as_stored(placed) else self.buffer(placed.decoded_shape)
         if not self.on_cuda:
             return self._load_compressed_for_cpu(placed, whole, out)
         fmt = placed.fmt
@@ -250,16 +250,16 @@ class WeightIO:
         weights on disk: decode as slow as with overlap off, the dequantizing itself 2.5x slower).
         The groups' buffer is taken and given back on the compute thread, in program order, so
         how many the pool makes does not depend on timing."""
-        if placed.tiled or self.unwidened_kernel(placed.decoded_shape, placed.fmt) == "groups":
+        if placed.tiled or self.as_stored_kernel(placed.decoded_shape, placed.fmt) == "groups":
             # multiplied as it is: nothing to dequantize now (models/linear.py)
             k = placed.decoded_shape[-1]
 
-            def unwidened(data):
+            def as_stored(data):
                 return int4_tiles.TiledWeight(data, k, out) if placed.tiled else GroupedWeight(data, k, out, placed.fmt)
             if whole is not None:
-                return Pending(unwidened(whole))
+                return Pending(as_stored(whole))
             packed = self.buffer(placed.shape, placed.dtype)
-            return self.run_io(lambda: self.fill(packed, placed.segments), unwidened(packed),
+            return self.run_io(lambda: self.fill(packed, placed.segments), as_stored(packed),
                                "loading compressed weights")
         if whole is not None:  # nothing to move: no I/O task at all
             return Pending(out, then=lambda: self.dequantize(whole, out, placed.fmt))

@@ -8,8 +8,8 @@ longest of its compute and of each I/O channel's busy time, and without overlap 
 - compute: the matrix products at the rate the profile measured for their rows, the engine's
   attention calls as the profile timed them (attention_costs.py; a profile without them: the
   prompt's products at attention_flops, decode reading K and V at the device's bandwidth), 4-bit
-  weights multiplied unwidened at the rate the profile timed its kernel, or dequantized once per
-  load, a 16-bit checkpoint's matrices kept 16-bit (gguf_blocks.sixteen_bit_at_rest) widened per
+  weights multiplied as stored at the rate the profile timed its kernel, or dequantized once per
+  load, a 16-bit checkpoint's matrices kept 16-bit (gguf_blocks.keeps_16_bit) widened per
   load where the kernel does not take the step's rows (on CUDA both are widened on the load stream,
   behind their copies, and count as h2d), a fixed cost per (layer, gpu-batch) call,
   and, where the CPU computes, the memory copies the I/O threads make: a thread copying takes a
@@ -35,7 +35,7 @@ import numpy as np
 from flexh2o.host.devices import DTYPES
 from flexh2o.kv import POLICIES, budget, slot_bytes
 from flexh2o.kv.home import batch_split, cpu_attention_dtype
-from flexh2o.compression.gguf_blocks import SIXTEEN_BIT, sixteen_bit_at_rest
+from flexh2o.compression.gguf_blocks import SIXTEEN_BIT, keeps_16_bit
 from flexh2o.engine.preflight import DTYPE_OF, split_as_placed, stored_formats
 from flexh2o.compression.kernel_choice import MAX_ROWS, kernel_for
 from flexh2o.planning.attention_costs import decode_units, prompt_units
@@ -152,7 +152,7 @@ class CostModel:
         self.kinds = [type(layer).__name__ for layer in self.layers]
         # The 2-D weights each layer multiplies by, as (out, in).
         self.matrices = [[shape for _, shape in layer.weight_specs() if len(shape) == 2] for layer in self.layers]
-        # Per matrix, whether its checkpoint stores it 16-bit (kept so where sixteen_bit_at_rest holds).
+        # Per matrix, whether its checkpoint stores it 16-bit (kept so where keeps_16_bit holds).
         self.stored_16_bit = [[fmt in SIXTEEN_BIT for (_, shape), fmt in zip(layer.weight_specs(), layer.stored_formats())
                                if len(shape) == 2] for layer in self.layers]
         self.stages = self._distinct_stages()
@@ -207,7 +207,7 @@ class CostModel:
         for shape, _, row_bytes, rows in split_as_placed(layer, self.dtype_bytes, policy)[layer.gathered:]:
             whole = [tier for tier, n in rows.items() if n == shape[0]]
             in_place = bool(whole) and (whole[0] == "gpu" or (whole[0] == "cpu" and not self.on_cuda))
-            if in_place:  # (compressed, it is still dequantized or multiplied unwidened: see compute())
+            if in_place:  # (compressed, it is still dequantized or multiplied as stored: see compute())
                 continue
             moved = {tier: n * row_bytes for tier, n in rows.items()}
             if moved["disk"]:
@@ -304,8 +304,8 @@ class CostModel:
 
     def compute(self, policy, step: Step, j: int) -> Channels:
         """Layer j's matrix products for every gpu-batch of the step, and the fixed cost of each call.
-        Compressed (weight_io moves the groups), a matrix is multiplied unwidened where a kernel takes
-        it at this many rows (unwidened.py), else dequantized once per load, on the compute device,
+        Compressed (weight_io moves the groups), a matrix is multiplied as stored where a kernel takes
+        it at this many rows (kernel_choice.py), else dequantized once per load, on the compute device,
         wherever its groups are (on CUDA on the load stream: _layer_weight_io), and multiplied in full
         width."""
         b, spec, hw = policy.gpu_batch_size, self.spec, self.hw
@@ -317,11 +317,11 @@ class CostModel:
         elif self.kinds[j] == "OutputEmbed":
             rows = b  # only the last position predicts
         full_width, seconds, widened, widened_16_bit = 0, hw.layer_overhead, 0, 0
-        sixteen_bit = self.kinds[j] != "InputEmbed" and sixteen_bit_at_rest(policy, self.dtype_bytes)
-        any_rows = self.layers[j].one_of_a_kind and not self.on_cuda  # the head: never widened (WeightIO.never_widened)
+        sixteen_bit = self.kinds[j] != "InputEmbed" and keeps_16_bit(policy, self.dtype_bytes)
+        any_rows = self.layers[j].one_of_a_kind and not self.on_cuda  # the head: never widened (WeightIO.multiplied_as_stored)
         for shape, stored_16_bit in zip(matrices, self.stored_16_bit[j] if sixteen_bit else [False] * len(matrices)):
             flops = 2 * rows * shape[0] * shape[1]
-            rate = self.unwidened_rate(shape, rows, any_rows) if policy.compress_weight else None
+            rate = self.as_stored_rate(shape, rows, any_rows) if policy.compress_weight else None
             if rate is not None:
                 seconds += flops / rate
                 continue
@@ -337,8 +337,8 @@ class CostModel:
             ch.add("compute", "weight I/O", widened_16_bit * 6 / hw.memcpy)
         return ch.add("compute", "weight I/O", widened / hw.dequant) if widened else ch
 
-    def unwidened_rate(self, shape, rows: int, any_rows: bool = False) -> float | None:
-        """FLOP/s of a compressed matrix multiplied unwidened in a step of `rows` rows; None where it
+    def as_stored_rate(self, shape, rows: int, any_rows: bool = False) -> float | None:
+        """FLOP/s of a compressed matrix multiplied as stored in a step of `rows` rows; None where it
         is widened instead (no kernel for it, more rows than its kernel's limit unless `any_rows`
         (the LM head, with flexh2o's own kernel), or not measured)."""
         measured = self.hw.int4_matmul_rate(1, self.dtype) is not None

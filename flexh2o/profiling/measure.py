@@ -92,8 +92,8 @@ def rows_table(row_counts, weights: list, product, device: torch.device, dtype: 
 
 
 def int4_matmul_table(device: torch.device, dtype: torch.dtype, sizes: Sizes, sync) -> dict | None:
-    """FLOP/s of [rows, K] times a 4-bit [N, K] weight multiplied unwidened, by rows up to its kernel's
-    limit (unwidened.py); None where no kernel takes `dtype` here. The weights cycle through
+    """FLOP/s of [rows, K] times a 4-bit [N, K] weight multiplied as stored, by rows up to its kernel's
+    limit (kernel_choice.py); None where no kernel takes `dtype` here. The weights cycle through
     sizes.stream_bytes of groups, as matmul_table's do."""
     k, n = sizes.matmul_k, sizes.matmul_n
     kernel = kernel_for((n, k), dtype, device.type == "cpu", native.library() is not None)

@@ -97,10 +97,8 @@ def load_engine(args, spec, policy, device, dtype, caps: dict, dummy: bool, prof
                              profile), file=sys.stderr, flush=True)
     off_device = any(policy.disk_percent(kind) > 0 or getattr(policy, f"{kind}_cpu_percent") > 0
                      for kind in ("w", "cache"))
-    return Engine.from_pretrained(args.model, policy=policy, device=device, dtype=dtype, dummy=dummy,
-                                  path=args.path, offload_dir=args.offload_dir, progress=args.verbose,
-                                  seed=args.seed, bypass_page_cache=args.no_page_cache,
-                                  prompt_len=args.prompt_len, gen_len=args.gen_len,
-                                  placement_flag=placement_flag(args) or "--weights/--cache/--act",
-                                  before_loading=announce if off_device and stage is None else None, stage=stage,
-                                  **caps)
+    return Engine.load(args.model, policy=policy, device=device, dtype=dtype, dummy=dummy, path=args.path,
+                       offload_dir=args.offload_dir, progress=args.verbose, seed=args.seed,
+                       bypass_page_cache=args.no_page_cache, prompt_len=args.prompt_len, gen_len=args.gen_len,
+                       placement_flag=placement_flag(args) or "--weights/--cache/--act",
+                       before_loading=announce if off_device and stage is None else None, stage=stage, **caps)

@@ -1,12 +1,10 @@
 """A 16-bit checkpoint kept 16-bit in a float32 run whose weights do not all sit on the compute
-tier (gguf_blocks.sixteen_bit_at_rest): placed as stored on every tier, widened exactly at each
+tier (gguf_blocks.keeps_16_bit): placed as stored on every tier, widened exactly at each
 load or multiplied as it is (native/blocks.c), the pre-flight counting the bytes placed; a run
 gives the tokens of the same checkpoint widened and used in place."""
 
 import dataclasses
 import math
-import os
-import sys
 
 import pytest
 import torch
@@ -22,7 +20,6 @@ from flexh2o.host.process_memory import DEFAULT_GROWTH
 from flexh2o.planning.search import search
 from flexh2o.planning.placement import fits
 
-sys.path.insert(0, os.path.dirname(__file__))
 from conftest import TEST_CPU_PROFILE, sixteen_bit_opt  # noqa: E402
 from test_gguf import write_tiny  # noqa: E402
 
@@ -102,7 +99,7 @@ def test_a_16_bit_checkpoint_is_placed_as_stored_and_runs_as_widened(tmp_path, f
                        and (p.decoded_shape or p.shape)[-1] % 32 == 0)
         assert kept(engine) == {fmt: matrices}
         head = engine.layers[-1].home[-1]  # the LM head: 16-bit too, never widened
-        assert head.fmt == fmt and head.any_rows and engine.tiers.never_widened(head)
+        assert head.fmt == fmt and head.any_rows and engine.tiers.multiplied_as_stored(head)
         assert sum(layer_bytes(engine.layers, 4, policy)) == placed_bytes(engine)
     sixteen = run(model, policy, tmp_path, inspect)
     widened = run(model, Policy(2, 2, 100, 0, **h2o), tmp_path,

@@ -4,7 +4,7 @@ torch's own, nothing is lost on the way back, and the kernel multiplies them as 
 import pytest
 import torch
 
-from flexh2o.compression import int4_tiles, kernel_choice as unwidened
+from flexh2o.compression import int4_tiles, kernel_choice
 from flexh2o.compression.quant import dequantize, quantize
 
 TORCH_LAYOUT = pytest.mark.skipif(not int4_tiles.torch_lays_codes_so(),
@@ -71,9 +71,9 @@ def test_rows_that_are_a_slice_multiply_as_contiguous_ones():
 
 def test_tiles_are_used_only_where_torch_lays_codes_out_so(monkeypatch):
     """On a CPU where torch's kernel takes another layout, a bfloat16 run widens compressed matrices."""
-    assert unwidened.kernel_for((64, 128), torch.bfloat16, True, True) == \
+    assert kernel_choice.kernel_for((64, 128), torch.bfloat16, True, True) == \
         ("tiles" if int4_tiles.torch_lays_codes_so() else None)
-    monkeypatch.setattr(unwidened, "torch_lays_codes_so", lambda: False)
-    assert unwidened.kernel_for((64, 128), torch.bfloat16, True, True) is None
-    monkeypatch.setattr(unwidened, "torch_lays_codes_so", lambda: True)
-    assert unwidened.kernel_for((64, 128), torch.bfloat16, True, True) == "tiles"
+    monkeypatch.setattr(kernel_choice, "torch_lays_codes_so", lambda: False)
+    assert kernel_choice.kernel_for((64, 128), torch.bfloat16, True, True) is None
+    monkeypatch.setattr(kernel_choice, "torch_lays_codes_so", lambda: True)
+    assert kernel_choice.kernel_for((64, 128), torch.bfloat16, True, True) == "tiles"

@@ -1,4 +1,4 @@
-"""Compressed weights multiplied unwidened in float32 by flexh2o's own kernel (grouped_weight.py,
+"""Compressed weights multiplied as stored in float32 by flexh2o's own kernel (grouped_weight.py,
 native/quant4.c): the product equals dequantize-then-multiply within float32 summation error, and a
 compressed run agrees with the same run through the dequantize path on every tier, full and H2O,
 with the prompt step widening or not, allocating nothing after its first decode step."""
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flexh2o import native
-from flexh2o.compression import grouped_weight, quant, kernel_choice as unwidened
+from flexh2o.compression import grouped_weight, quant, kernel_choice
 from conftest import COMPRESSED_TIERS, FORCED_BATCH, FORCED_PROMPT, compressed_policy, count_calls, forced_logprobs
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler: the kernels cannot be built here")
@@ -43,8 +43,8 @@ def test_split_over_threads_and_leading_dimensions(monkeypatch):
 
 
 def test_which_matrices_each_kernel_takes(monkeypatch):
-    kernel_for = unwidened.kernel_for
-    monkeypatch.setattr(unwidened, "torch_lays_codes_so", lambda: True)  # a CPU whose torch takes our tiles
+    kernel_for = kernel_choice.kernel_for
+    monkeypatch.setattr(kernel_choice, "torch_lays_codes_so", lambda: True)  # a CPU whose torch takes our tiles
     assert kernel_for((96, 128), torch.float32, True, True) == "groups"
     assert kernel_for((96, 100), torch.float32, True, True) is None  # a partial last group
     assert kernel_for((96, 128), torch.float32, True, False) is None  # no kernels built: widened
@@ -60,7 +60,7 @@ def test_which_matrices_each_kernel_takes(monkeypatch):
 def test_a_compressed_run_agrees_with_the_dequantize_path(tileable_model, tmp_path, monkeypatch, tier, kv, fused_rows):
     policy = compressed_policy(tier, kv)
     calls = count_calls(monkeypatch, grouped_weight.GroupedWeight, ["matmul", "widened"])
-    monkeypatch.setitem(unwidened.MAX_ROWS, "groups", fused_rows)
+    monkeypatch.setitem(kernel_choice.MAX_ROWS, "groups", fused_rows)
     fused, _ = forced_logprobs(tileable_model, policy, tmp_path / "a", torch.float32)
     assert calls["matmul"] > 0
     assert (calls["widened"] > 0) == (fused_rows < FORCED_BATCH // 2 * FORCED_PROMPT)

@@ -253,7 +253,7 @@ def test_every_stage_slices_the_model_alike_whatever_it_compresses():
     planned = [piece for _, _, piece in stage_parts(spec, 3, 4)]
     held = []
     for compress in (False, True):
-        with Engine.from_pretrained("opt-125m", policy=Policy(compress_weight=compress), device="cpu",
-                                    dtype=torch.float32, dummy=True, stage=Stage(0, 3, 0, None)) as engine:
+        with Engine.load("opt-125m", policy=Policy(compress_weight=compress), device="cpu",
+                             dtype=torch.float32, dummy=True, stage=Stage(0, 3, 0, None)) as engine:
             held.append(engine.layer_indices)
     assert held[0] == held[1] == list(planned[0])

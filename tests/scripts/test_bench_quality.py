@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts"))
 import bench_quality  # noqa: E402
 
 PROMPT, EVAL = 40, 6  # 5% of 40 tokens split into heavy and recent is 1 + 1 slots

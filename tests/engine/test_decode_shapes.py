@@ -12,12 +12,11 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from flexh2o.models.cached_attention import CachedAttention
+from flexh2o.kv import POLICIES
 from test_llama import MODELS as LLAMA_MODELS, make_tiny_llama
 from test_simulated_cuda import MATRIX, NEW_TOKENS, assert_same, cpu_reference, simulated_run
 
-KV_POLICIES = {"full": {}, "h2o": dict(hh_ratio=0.3), "local": dict(kv_policy="local", hh_ratio=0.3),
-               "sink": dict(kv_policy="sink", hh_ratio=0.3), "keyformer": dict(kv_policy="keyformer", hh_ratio=0.3),
-               "tova": dict(kv_policy="tova", hh_ratio=0.3)}
+KV_POLICIES = {name: dict(kv_policy=name, hh_ratio=0.3) if name != "full" else {} for name in POLICIES}
 # Every policy with everything on the device; the full cache and H2O also with the cache split
 # across the tiers, compressed, and partly attended by the CPU.
 CASES = [(kv, "all-on-gpu") for kv in KV_POLICIES] + \

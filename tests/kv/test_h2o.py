@@ -3,9 +3,11 @@
 import pytest
 import torch
 
-from conftest import padded_batch, row_budgets
+from conftest import CONFIGS, padded_batch, row_budgets
 from flexh2o import Engine, Policy, UsageError
-from flexh2o.kv import budget, check_budget
+from flexh2o.kv import POLICIES, budget, check_budget
+
+EVICTING = [name for name in POLICIES if name != "full"]
 from h2o_reference import MaskedH2OOPT
 
 PROMPT, NEW = 20, 8
@@ -25,7 +27,7 @@ def run_engine(directory, ids, mask, tmp_path, nb=1, cache=(100, 0), **kv):
 
 
 @pytest.mark.parametrize("ratio", [0.1, 0.2, 0.5])
-@pytest.mark.parametrize("model", ["tiny", "wide", "post_norm_proj"])
+@pytest.mark.parametrize("model", list(CONFIGS))
 def test_engine_matches_the_masked_reference(tiny_models, tmp_path, ratio, model):
     directory, hf = tiny_models[model]
     ids, mask = padded_batch(6, PROMPT, pads=[0, 3, 0, 7, 1, 12], seed=5)
@@ -54,7 +56,7 @@ def test_eviction_changes_the_output(tiny_models, tmp_path):
     assert not all(torch.allclose(a, b, atol=1e-3) for a, b in zip(full.scores, h2o.scores))
 
 
-@pytest.mark.parametrize("kv_policy", ["h2o", "local", "sink", "keyformer", "tova"])
+@pytest.mark.parametrize("kv_policy", EVICTING)
 def test_a_budget_holding_every_token_equals_the_full_cache(tiny_models, tmp_path, kv_policy):
     directory, _ = tiny_models["wide"]
     ids, mask = padded_batch(4, PROMPT, pads=[0, 2, 5, 9], seed=6)

@@ -47,8 +47,8 @@ def run_stage(rank, size, port, directory, policy, placements, ids, mask, new, l
     policy = Policy(**policy, w_gpu_percent=w_gpu, w_cpu_percent=w_cpu, cache_gpu_percent=c_gpu,
                     cache_cpu_percent=c_cpu)
     offload = os.path.join(out_dir, f"offload{rank}")
-    with Engine.from_pretrained(directory, policy=policy, device="cpu", dtype=torch.float32, offload_dir=offload,
-                                stage=Stage(rank, size, 0, Link())) as engine:
+    with Engine.load(directory, policy=policy, device="cpu", dtype=torch.float32, offload_dir=offload,
+                     stage=Stage(rank, size, 0, Link())) as engine:
         out = engine.generate(ids, mask, max_new_tokens=new, output_scores=True, eos_token_id=None,
                               row_max_new_tokens=limits)
         torch.save({"ids": out.sequences, "scores": out.scores, "layers": engine.layer_indices,

@@ -58,7 +58,7 @@ def test_a_tied_embedding_is_read_once_per_token(tiny_models, tmp_path):
 
 
 def test_a_16_bit_checkpoint_moves_half_the_bytes(tiny_models, tmp_path):
-    """The same OPT saved in float16: its matrices stay 16-bit on disk (gguf_blocks.sixteen_bit_at_rest),
+    """The same OPT saved in float16: its matrices stay 16-bit on disk (gguf_blocks.keeps_16_bit),
     and a decode step reads half the bytes of the float32 checkpoint's."""
     steps32, whole32, row32 = decode_step_bytes(tiny_models["tiny"][0], tmp_path / "32")
     steps16, whole16, row16 = decode_step_bytes(sixteen_bit_opt(tmp_path, torch.float16), tmp_path / "16")

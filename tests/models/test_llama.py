@@ -17,6 +17,9 @@ from flexh2o.models.llama_layers import inverse_frequencies
 from flexh2o.planning.cost_model import predict
 from flexh2o.host.hardware import from_dict
 from flexh2o.checkpoints.weights import DummyWeights
+from flexh2o.kv import POLICIES
+
+EVICTING = [name for name in POLICIES if name != "full"]
 from conftest import TEST_CPU_PROFILE, VOCAB, hf_generate, padded_batch, row_budgets
 from llama_reference import MaskedEvictionLlama
 from test_compression import reference as compression_reference, run as compression_run
@@ -208,7 +211,8 @@ PROMPT, NEW = 20, 8
 TIERS = [((100, 0), 1), ((0, 0), 2), ((34, 33), 3)]  # (cache gpu, cache cpu) and gpu-batches
 
 
-@pytest.mark.parametrize("kv_policy", ["h2o", "local", "sink", "tova"])
+# Not Keyformer: its scores take noise from the engine's own generator, which the masked reference lacks
+@pytest.mark.parametrize("kv_policy", [name for name in EVICTING if name != "keyformer"])
 def test_evicting_policies_match_the_masked_reference_with_grouped_heads(llamas, tmp_path, kv_policy):
     _, hf = llamas["wide"]
     ids, mask = padded_batch(6, PROMPT, pads=[0, 3, 0, 7, 1, 12], seed=5)
@@ -227,7 +231,7 @@ def test_eviction_changes_the_output(llamas, tmp_path):
     assert not all(torch.allclose(a, b, atol=1e-3) for a, b in zip(full.scores, h2o.scores))
 
 
-@pytest.mark.parametrize("kv_policy", ["h2o", "local", "sink", "keyformer", "tova"])
+@pytest.mark.parametrize("kv_policy", EVICTING)
 def test_a_budget_holding_every_token_equals_the_full_cache(llamas, tmp_path, kv_policy):
     directory, _ = llamas["gqa"]
     ids, mask = padded_batch(4, PROMPT, pads=[0, 2, 5, 9], seed=6)

@@ -104,7 +104,7 @@ def test_weight_buffers_are_made_before_the_run_as_the_preflight_counts(tiny_mod
     """Every pooled buffer a weight load takes is made before the prompt step (made on first use,
     an LM head's came after it, when the prompt's work was already done), and they add up to the
     pre-flight's compute copies; none of those shapes is made again during the run. 16-bit: a
-    float16 checkpoint, kept 16-bit (gguf_blocks.sixteen_bit_at_rest)."""
+    float16 checkpoint, kept 16-bit (gguf_blocks.keeps_16_bit)."""
     directory = sixteen_bit_opt(tmp_path, torch.float16) if name.startswith("16-bit") else tiny_models["wide"][0]
     name = name.removeprefix("16-bit-")
     made, seen = [], {}

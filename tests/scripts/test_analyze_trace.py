@@ -4,7 +4,7 @@ queued late, and the time a thread spent synchronizing."""
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 from analyze_trace import summarize  # noqa: E402
 
 

@@ -8,6 +8,7 @@ import torch
 
 from flexh2o.compression.quant import (GROUP, GROUP_BYTES, compressible, dequantize, packed_bytes, packed_shape, packed_width,
                            quantize, stored_bytes)
+from flexh2o.compression.formats import NATIVE_DTYPES
 
 
 pytestmark = pytest.mark.usefixtures("kernel_path")  # every test through both paths (conftest.py)
@@ -37,7 +38,7 @@ def assert_within_half_a_step(x, n=None):
     return back
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", list(NATIVE_DTYPES))
 def test_random_groups_come_back_within_half_a_step(dtype):
     x = (torch.randn(7, 5, 256, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
     assert_within_half_a_step(x)

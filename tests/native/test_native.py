@@ -6,6 +6,7 @@ import torch
 
 from flexh2o import native
 from flexh2o.compression import quant
+from flexh2o.compression.formats import NATIVE_DTYPES
 
 needs_kernels = pytest.mark.skipif(native.library() is None, reason="no C compiler: the kernels cannot be built here")
 
@@ -24,7 +25,7 @@ def values(shape, dtype, seed=0):
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", list(NATIVE_DTYPES))
 @pytest.mark.parametrize("shape", [(1, 64), (3, 100), (7, 1), (2, 3, 130), (33, 256), (4, 4097)])
 def test_bytes_and_values_equal_the_torch_path(shape, dtype):
     x = values(shape, dtype)
@@ -105,7 +106,7 @@ def test_the_portable_build_equals_the_torch_path_too(monkeypatch, tmp_path):
 
 
 @needs_kernels
-@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("out_dtype", list(NATIVE_DTYPES))
 def test_a_bad_group_comes_back_non_finite_in_every_width(out_dtype):
     x = values((3, 200), torch.float32)
     x[1, 70], x[2, 3] = float("nan"), float("inf")

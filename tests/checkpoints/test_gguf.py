@@ -13,8 +13,9 @@ import flexh2o.checkpoints.gguf_reader  # noqa: E402
 from flexh2o.common.errors import UsageError  # noqa: E402
 from flexh2o.checkpoints.gguf_reader import read_gguf, tokenizer  # noqa: E402
 from flexh2o.models import resolve_model  # noqa: E402
+from flexh2o.compression.formats import BLOCK_BYTES, SIXTEEN_BIT  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMOL = os.path.join(REPO, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
 needs_smol = pytest.mark.skipif(not os.path.isfile(SMOL), reason=f"{SMOL} is missing: `make setup` downloads it")
 SENTENCE = "Hello world, the quick brown fox jumps over 13 lazy dogs."
@@ -281,7 +282,7 @@ def test_an_impossible_gguf_header_is_one_line(tmp_path, header, says):
     assert e.value.flag == "--model" and says in e.value.message
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", [f for f in BLOCK_BYTES if f not in SIXTEEN_BIT])
 def test_block_types_dequantize_as_the_gguf_package_does(kind):
     """The whole-tensor torch dequantization of the common block types gives the gguf package's values, bit for bit."""
     from flexh2o.checkpoints.gguf_reader import _dequantize_blocks
@@ -318,7 +319,7 @@ def test_tensors_read_through_the_map_leave_no_pages_mapped(tmp_path):
     assert mapped_rss(path) < os.path.getsize(path) // 10
 
 
-@pytest.mark.parametrize("stored", ["F16", "BF16"])
+@pytest.mark.parametrize("stored", list(SIXTEEN_BIT))
 def test_16_bit_matrices_read_for_a_16_bit_run_equal_the_float32_path(tmp_path, monkeypatch, stored):
     """Read a slice of rows at a time straight into the run's 16-bit width (no float32 copy while a
     matrix loads): the same values as dequantizing to float32 and narrowing, q/k rows unpermuted."""

@@ -235,7 +235,7 @@ def test_compressed_weights_in_cpu_memory_move_as_pinned_groups_and_dequantize_o
 
 
 def test_the_benchmark_says_in_one_line_that_it_needs_cuda():
-    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_gpu_dequant.py")
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "bench_gpu_dequant.py")
     done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert done.returncode == 0

@@ -1,4 +1,4 @@
-"""Compressed weights multiplied unwidened (int4_tiles.py, models/linear.py): where the CPU
+"""Compressed weights multiplied as stored (int4_tiles.py, models/linear.py): where the CPU
 computes in bfloat16, a compressed matrix that fits the int4 kernel's tiles is placed in its layout
 and decode steps use the kernel; the run agrees with the same run through quant.py's groups
 (dequantize, then multiply) within bfloat16's rounding, on every tier and with H2O, and allocates
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flexh2o import Engine, Policy
-from flexh2o.compression import int4_tiles, kernel_choice as unwidened
+from flexh2o.compression import int4_tiles, kernel_choice
 from flexh2o.offload.weight_io import WeightIO
 from conftest import COMPRESSED_TIERS, FORCED_BATCH, FORCED_PROMPT, compressed_policy, count_calls, forced_logprobs
 
@@ -27,7 +27,7 @@ def logprobs(directory, policy, tmp_path):
 def test_tiled_weights_agree_with_the_dequantize_path(tileable_model, tmp_path, monkeypatch, tier, kv, fused_rows):
     policy = compressed_policy(tier, kv)
     calls = count_calls(monkeypatch, int4_tiles.TiledWeight, ["matmul", "widened"])
-    monkeypatch.setitem(unwidened.MAX_ROWS, "tiles", fused_rows)
+    monkeypatch.setitem(kernel_choice.MAX_ROWS, "tiles", fused_rows)
     fused, tiled = logprobs(tileable_model, policy, tmp_path / "a")
     assert any(tiled) and calls["matmul"] > 0
     assert (calls["widened"] > 0) == (fused_rows < FORCED_BATCH // 2 * FORCED_PROMPT)

@@ -4,8 +4,6 @@ within float32 summation error of it, and a whole run equal to the widened one o
 full and H2O, with nothing widened while loading and the pre-flight counting the blocks' bytes."""
 
 import math
-import os
-import sys
 
 import gguf
 import numpy as np
@@ -16,8 +14,8 @@ from flexh2o import Engine, Policy, native
 from flexh2o.compression import gguf_blocks, grouped_weight
 from flexh2o.checkpoints.gguf_reader import _dequantize_blocks
 from flexh2o.engine.preflight import layer_bytes
+from flexh2o.compression.formats import NATIVE_DTYPES
 
-sys.path.insert(0, os.path.dirname(__file__))
 from test_gguf import write_tiny  # noqa: E402
 
 FORMATS = ["Q4_0", "Q4_1", "Q8_0"]
@@ -28,7 +26,7 @@ def blocks_of(values: np.ndarray, fmt: str) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", list(NATIVE_DTYPES))
 def test_dequantized_blocks_are_gguf_readers_values_bit_for_bit(kernel_path, fmt, dtype):
     values = np.random.default_rng(1).standard_normal((37, 96)).astype(np.float32) * 3
     blocks = blocks_of(values, fmt)
