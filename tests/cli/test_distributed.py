@@ -83,7 +83,8 @@ def job_prompts(tmp_path):
     return path
 
 
-@pytest.mark.parametrize("flags", [[], ["--hh-ratio", "0.3", "--weights", "gpu=0,cpu=50,disk=50"]])
+@pytest.mark.parametrize("flags", [pytest.param([], marks=pytest.mark.slow),  # make test-all
+                                   ["--hh-ratio", "0.3", "--weights", "gpu=0,cpu=50,disk=50"]])
 def test_two_replicas_merge_into_what_one_process_writes(model_with_tokenizer, job_prompts, tmp_path, flags):
     alone, merged = tmp_path / "alone.jsonl", tmp_path / "merged.jsonl"
     assert run(model_with_tokenizer, job_prompts, alone, *JOB[3:], *flags) == 0
@@ -107,6 +108,7 @@ def test_ranks_given_other_settings_refuse_before_loading(model_with_tokenizer, 
                                  "with the same"
 
 
+@pytest.mark.slow  # out of make test's 10 minutes (make test-all): a killed stage below covers the ground
 def test_a_rank_that_fails_stops_the_other_naming_it(model_with_tokenizer, job_prompts, tmp_path):
     off = tmp_path / "off"
     results = finish(start_world(model_with_tokenizer, job_prompts, tmp_path / "out.jsonl", 2,

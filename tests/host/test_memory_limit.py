@@ -88,7 +88,8 @@ def test_a_bad_max_memory_is_one_line(value, capsys):
 
 @pytest.mark.parametrize("flags", [
     ["--weights", "gpu=100", "--cache", "gpu=100", "--gpu-batch-size", "4"],
-    ["--weights", "gpu=50,disk=50", "--cache", "gpu=50,disk=50", "--gpu-batch-size", "4", "--num-gpu-batches", "2"],
+    pytest.param(["--weights", "gpu=50,disk=50", "--cache", "gpu=50,disk=50", "--gpu-batch-size", "4",
+                  "--num-gpu-batches", "2"], marks=pytest.mark.slow),  # make test-all
     ["--weights", "disk=100", "--cache", "disk=100", "--gpu-batch-size", "8", "--hh-ratio", "0.2"],
 ], ids=["in-memory", "split", "on-disk-h2o"])
 def test_a_run_stays_under_its_max_memory(tmp_path, flags):

@@ -295,7 +295,7 @@ def many_prompts(tmp_path):
     return path
 
 
-@pytest.mark.parametrize("after", [1, 20])
+@pytest.mark.parametrize("after", [1, pytest.param(20, marks=pytest.mark.slow)])  # 20: make test-all
 def test_a_job_killed_with_sigkill_finishes_on_the_same_command(model_with_tokenizer, many_prompts, tmp_path, after):
     flags = ["--gpu-batch-size", "2", "--gen-len", "12", "--weights", "gpu=0,cpu=50,disk=50",
              "--offload-dir", str(tmp_path / "off")]
