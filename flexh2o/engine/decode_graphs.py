@@ -34,8 +34,7 @@ def why_not(schedule) -> str | None:
         return "activations leave the GPU"
     for layer in layers:
         tables = layer.home[:layer.gathered]
-        if not all(tiers.used_in_place(h) for h in tables) or \
-                (len(layer.home) > layer.gathered and layer._in_place is None):
+        if not all(tiers.used_in_place(h) for h in tables) or not layer.weights_in_place:
             return "weights are loaded anew each step (streamed, or compressed)"
         for home in getattr(layer, "homes", ()):
             if any(not part.in_place(prefill=False) or part.cpu_attends for part in home.parts):

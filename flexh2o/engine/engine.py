@@ -16,7 +16,8 @@ from flexh2o.offload.offload_dir import check_offload_dir
 from flexh2o.common.errors import UsageError
 from flexh2o.kv import make_policy
 from flexh2o.host.devices import default_device, default_dtype, parse_device, parse_dtype
-from flexh2o.engine.preflight import add, capacities, check_fits, load_transient, projected_need, run_need, weight_need, with_loading
+from flexh2o.engine.preflight import (add, capacities, check_fits, load_transient, projected_need, run_need,
+                                      weight_need, with_loading)
 from flexh2o.models import eos_ids, is_gguf, resolve_model, with_stored_formats
 from flexh2o.models.cached_attention import CachedAttention
 from flexh2o.engine.pipeline import StageSchedule, model_slices
@@ -134,7 +135,7 @@ class Engine:
         dummy: deterministic random weights of the model's real size instead of reading any.
         device: "cuda", "cuda:N" or "cpu" (default: cuda when torch sees one).
         dtype: torch.float16, torch.bfloat16 or torch.float32, or their names (default: float16 on
-            CUDA, the CPU's fastest exact choice on a CPU).
+            CUDA; on a CPU, bfloat16 where it has bfloat16 units, else float32).
         offload_dir: the directory under which tensors placed on disk go, in a fresh sub-directory
             removed by close(); needed when the policy puts anything on disk.
         gpu_mem, cpu_mem, disk_mem: bytes each tier may use (default: what is free), and

@@ -122,7 +122,8 @@ class LLM:
             in offload_dir.
         kv_policy, hh_ratio, recent_ratio, compress_weight, compress_cache: as Policy's fields.
         device, dtype: as Engine.from_pretrained's.
-        chat: prompts are chat messages, rendered with the model's chat template.
+        chat: a plain-string prompt goes through the model's chat template as a user turn (a list
+            of chat messages always does).
         seed: the seed every prompt's sampling seed comes from (with its index)."""
         model, path = text("model", model), text("path", path, none=True)
         for name, value in (("gpu_batch_size", gpu_batch_size), ("num_gpu_batches", num_gpu_batches)):

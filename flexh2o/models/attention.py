@@ -12,6 +12,7 @@ the same shapes, or a fused attention backend plans anew for each cache length (
 of an H200's CPU time at OPT-6.7B's decode) and no CUDA graph can replay the step.
 """
 
+import functools
 import os
 
 import torch
@@ -121,8 +122,13 @@ DEFAULT_DECODE_BACKENDS = ("efficient", "math")
 
 
 def decode_backends() -> list:
-    """The SDPA backends of a CUDA decode step's attention (FLEXH2O_DECODE_ATTENTION, or the default)."""
-    chosen = os.environ.get("FLEXH2O_DECODE_ATTENTION", "")
+    """The SDPA backends of a CUDA decode step's attention (FLEXH2O_DECODE_ATTENTION, or the default);
+    read once per value of the variable, not at every layer of every step."""
+    return _backends_for(os.environ.get("FLEXH2O_DECODE_ATTENTION", ""))
+
+
+@functools.lru_cache(maxsize=4)
+def _backends_for(chosen: str) -> list:
     names = [n.strip() for n in chosen.split(",") if n.strip()] or list(DEFAULT_DECODE_BACKENDS)
     unknown = [n for n in names if n not in DECODE_BACKENDS]
     if unknown:

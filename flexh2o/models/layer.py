@@ -123,6 +123,11 @@ class Layer:
         loaded = self.home[self.gathered:]
         self._in_place = [tiers.load(h) for h in loaded] if all(tiers.used_in_place(h) for h in loaded) else None
 
+    @property
+    def weights_in_place(self) -> bool:
+        """Whether every weight but the gathered tables is used where it lives: no step loads any."""
+        return len(self.home) == self.gathered or self._in_place is not None
+
     def load_weight(self, k: int):
         """Starts bringing the weights to the compute device; once per token, at gpu-batch 0."""
         if k == 0:
