@@ -132,8 +132,8 @@ def test_streamed_context_tokens_score_as_prefilled_ones_with_the_full_cache(wor
 @pytest.mark.slow  # out of make test's 10 minutes (make test-all runs it)
 def test_h2o_evicts_through_the_harness_and_the_weights_load_once(word_models, monkeypatch):
     loads = []
-    real = Engine.from_pretrained.__func__
-    monkeypatch.setattr(Engine, "from_pretrained", classmethod(lambda cls, *a, **k: loads.append(1) or real(cls, *a, **k)))
+    real = Engine.load.__func__  # the harness loads through the commands' constructor
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, *a, **k: loads.append(1) or real(cls, *a, **k)))
     lm = flexh2o_model(word_models["llama"], streamed=16)
     full = loglikelihoods(samples(lm, ["flexh2o_cloze"], 3)["flexh2o_cloze"])
     lm.use_kv(kv_policy="h2o", hh_ratio=0.1, recent_ratio=0.1)
@@ -155,7 +155,7 @@ def test_h2o_evicts_through_the_harness_and_the_weights_load_once(word_models, m
     pytest.param("kv_policy=h2o", "model_args hh_ratio", marks=pytest.mark.slow),
 ])
 def test_bad_input_is_one_line_before_any_weight_loads(word_models, monkeypatch, capsys, model_args, flag):
-    monkeypatch.setattr(Engine, "from_pretrained", lambda *a, **k: pytest.fail("weights loaded"))
+    monkeypatch.setattr(Engine, "load", lambda *a, **k: pytest.fail("weights loaded"))  # from_pretrained too
     code = command.main(["--model_args", f"model={word_models['llama']},{model_args}", "--tasks",
                          "flexh2o_lastword", "--limit", "2"])
     err = capsys.readouterr().err.strip().splitlines()
@@ -214,7 +214,7 @@ def test_lm_evals_own_batch_size_and_device_are_taken_and_values_typed():
 ], ids=lambda v: v if isinstance(v, str) else " ".join(v) or "no tasks")
 def test_tasks_limit_and_device_are_one_line_before_any_weight_loads(word_models, monkeypatch, capsys, argv, flag,
                                                                      says):
-    monkeypatch.setattr(Engine, "from_pretrained", lambda *a, **k: pytest.fail("weights loaded"))
+    monkeypatch.setattr(Engine, "load", lambda *a, **k: pytest.fail("weights loaded"))  # from_pretrained too
     code = command.main(["--model_args", f"model={word_models['llama']},device=cpu", *argv])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err[-1].startswith(f"error: {flag}: ") and says in err[-1], err[-1]
@@ -239,8 +239,8 @@ def test_one_device_reaches_lm_eval(monkeypatch, argv, device):
 def test_the_readme_command_runs_without_cuda_and_without_device(word_models, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     loaded = []
-    real = Engine.from_pretrained
-    monkeypatch.setattr(Engine, "from_pretrained", lambda *a, **k: (loaded.append(k.get("device")), real(*a, **k))[1])
+    real = Engine.load
+    monkeypatch.setattr(Engine, "load", lambda *a, **k: (loaded.append(k.get("device")), real(*a, **k))[1])
     code = command.main(["--model_args", f"model={word_models['llama']},dtype=float32,kv_policy=h2o,hh_ratio=0.2,"
                          "recent_ratio=0.2", "--tasks", "flexh2o_lastword", "--limit", "2"])
     assert code == 0, capsys.readouterr().err
