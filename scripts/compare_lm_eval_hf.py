@@ -96,7 +96,7 @@ def main():
         "float32, and over a vocabulary of 49,152 that moves a token's log-probability by a few 1e-6, the same way "
         "each time, so the sums of the cloze task's 35-token sentences move by more than 1e-4 (the last row: the hf "
         "model against itself). Answers: the choice of highest loglikelihood per cloze item, the task's accuracy "
-        "decision. The 2-layer models of tests/test_lm_eval.py (vocabulary of a few hundred words) agree within "
+        "decision. The 2-layer models of tests/harness/test_lm_eval.py (vocabulary of a few hundred words) agree within "
         "1e-4 with lm-eval's default on every request.", "",
         f"Time: flexh2o {mid - began:.0f} s, hf {end - mid:.0f} s (each with its loading; the machine shared with "
         "other work, so not a speed comparison; lm-eval's hf model scores a context and its continuation in one "

@@ -3,7 +3,7 @@ $GPU_CHECK_OUT/gpu.{json,md} when set), written after every section and row; exi
 test, a section or a target failed. Sections, with their budgets on one H100 (7 minutes in all;
 check_sections.py says what happens past one):
 
-1. tests: tests/test_cuda.py under pytest, 120 s a test. Its failures do not stop the rest.
+1. tests: tests/offload/test_cuda.py under pytest, 120 s a test. Its failures do not stop the rest.
 2. allocator: a matrix of placements (weights and cache on gpu / cpu / disk / mixed, activations
    on gpu and cpu, 1 and 3 gpu-batches, full and H2O, --cpu-cache-compute, compressed) of OPT-1.3B
    dummy float16, 512+4, each at the largest batch whose projection fits a T4's 16 GB, and each run
@@ -36,6 +36,7 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 GB = 1 << 30
 MODEL = "opt-1.3b"
 T4_BYTES = 16 * GB
+CUDA_TESTS = "tests/offload/test_cuda.py"  # the tests section runs these, from the checkout
 BUDGETS = {"tests": 150, "allocator": 150, "bandwidth": 60, "prefill": 45, "cpu-attention": 30}
 TOTAL_BUDGET_S = 8 * 60
 DISK_LIMIT, CPU_LIMIT, MAX_BATCH = 8 * GB, 24 * GB, 256  # what one allocator row may use off the GPU
@@ -80,7 +81,7 @@ def tests_section(section):
     if importlib.util.find_spec("pytest") is None:
         section.target("CUDA tests", "not run: pytest is missing", "all pass", False)
         return
-    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"]
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", CUDA_TESTS]
     if importlib.util.find_spec("pytest_timeout") is not None:
         argv += ["--timeout", "120"]
     try:

@@ -3,7 +3,7 @@ flexh2o's groups of 64 straddle two of those groups, so --compress-weight quanti
 
     python scripts/weight_requantization.py    # writes results/weight_requantization.{json,md}; ~2 min
 
-Teacher-forced perplexity, from one transformers forward pass per window (tests/test_eval.py holds
+Teacher-forced perplexity, from one transformers forward pass per window (tests/cli/test_eval.py holds
 the engine's teacher forcing equal to that within 1e-4), of SmolLM2-135M-Instruct loaded from its
 GGUF in float32, the KV cache full, on the windows bench_quality.py scores (2 of each play, 2000
 tokens in) at --prompt-len + --eval-len, with every weight matrix:

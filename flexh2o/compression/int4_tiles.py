@@ -14,7 +14,7 @@ the kernel's codes, then its bfloat16 scales and zeros, made once (made at every
 values. A prompt step, which multiplies many rows at once and is faster widened, widens from those
 (TiledWeight), so prompt and decode steps use the same values. Tiles, which also keep quant.py's
 exact float16 scale and minimum, measure the layout against quant.py: it dequantizes back exactly,
-and as fast (37 ms into bfloat16 for that fc1 either way, on this CPU; tests/test_int4_tiles.py).
+and as fast (37 ms into bfloat16 for that fc1 either way, on this CPU; tests/compression/test_int4_tiles.py).
 """
 
 import functools

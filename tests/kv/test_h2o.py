@@ -69,7 +69,7 @@ def test_a_budget_holding_every_token_equals_the_full_cache(tiny_models, tmp_pat
 
 def test_a_budget_that_rounds_to_zero_keeps_one_slot_of_each():
     """The engine (and a dataset job's short records) keep at least one heavy and one recent slot;
-    the command line refuses such ratios for its one block (tests/test_bad_input.py)."""
+    the command line refuses such ratios for its one block (tests/cli/test_bad_input.py)."""
     assert budget(Policy(hh_ratio=0.01), 20, 4) == (2, 1)
     assert budget(Policy(hh_ratio=0.5, recent_ratio=0.01), 20, 4) == (11, 1)
     with pytest.raises(UsageError, match="--hh-ratio.*rounds to 0"):
@@ -89,7 +89,7 @@ def test_bad_kv_settings_name_their_flag(kwargs, flag):
 
 
 def test_the_reference_evicts_the_older_of_equal_scores():
-    """The tie-break the engine follows too (tests/test_kv_policies.py): lowest position goes first."""
+    """The tie-break the engine follows too (tests/kv/test_kv_policies.py): lowest position goes first."""
     ref = MaskedH2OOPT.__new__(MaskedH2OOPT)
     ref.heavy, ref.recent = [2], [2]
     ref.kept, ref.score = [torch.ones(1, 1, 8, dtype=torch.bool)], [torch.zeros(1, 1, 8)]

@@ -179,7 +179,7 @@ def test_of_equal_scores_the_older_token_is_evicted():
 
 def test_keyformer_keeps_one_advancing_generator_per_device():
     """A split cache attends on two devices in turn; each device's noise must go on, not restart.
-    (tests/test_cuda.py alternates real devices.)"""
+    (tests/offload/test_cuda.py alternates real devices.)"""
     policy = make_policy(Policy(kv_policy="keyformer", hh_ratio=0.25), PROMPT, GEN, 0)
     logits, step = torch.zeros(1, 1, 1, 64), step_at(1)
     first, second = (policy.contribution(logits, None, None, step) for _ in range(2))

@@ -117,3 +117,8 @@ def test_the_allocator_rows_batch_is_the_largest_that_fits(tiny_models, monkeypa
         assert gpu_check.largest_batch(engine, 64, 4) == (10, "gpu")
         monkeypatch.setattr(gpu_check, "T4_BYTES", cuda_own + one - 1)
         assert gpu_check.largest_batch(engine, 64, 4) == (0, "gpu")
+
+
+def test_the_gpu_checks_tests_section_names_a_file_that_exists():
+    import gpu_check
+    assert os.path.isfile(os.path.join(REPO, gpu_check.CUDA_TESTS))
