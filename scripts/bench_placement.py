@@ -3,7 +3,7 @@
     python scripts/bench_placement.py        # OPT-1.3B in float32: about 3 minutes
 
 Each case builds an Engine with every weight it may place off the compute device on disk (the LM
-head stays on the compute device, memory.py), timed from the call to the engine being ready, and
+head stays on the compute device, engine/preflight.py), timed from the call to the engine being ready, and
 reports the bytes written to the offload directory per second beside the disk's write speed as the
 local profile measured it (the issue's bar: at least half of it). Real weights come from a
 safetensors checkpoint this script writes once (float32 and float16, the widths users download),

@@ -21,7 +21,7 @@ Each engine gets its best configuration under that budget:
   into the generation it got) until a run completes. The reported figure is the best measured run.
 - flexh2o: `python -m flexh2o.run` as a user runs it, with no caps, no reserve and no placement: it
   finds its cgroup's limit, allows its process's growth as its local profile calibrated it, and
-  plans batch and placement from what is left (memory.py, overhead.py). It runs once before
+  plans batch and placement from what is left (engine/preflight.py, host/process_memory.py). It runs once before
   accelerate's search and once right after accelerate's last run (interleaved).
 Throughput is batch x gen_len / (prefill + decode time), as in FlexGen; the per-token decode step
 shows how much of the ratio is batch and how much speed per step. One full run per engine, so
@@ -400,7 +400,7 @@ def markdown(r, args) -> str:
               "itself and planned batch and placement from it and this machine's profile; it ran once before "
               "accelerate's search and once more right after accelerate's last run (interleaved), and its best "
               "run is compared with accelerate's best. It was given no reserve: the growth it allowed itself "
-              "beyond its pre-flight's projection is what its local profile calibrated (overhead.py), "
+              "beyond its pre-flight's projection is what its local profile calibrated (host/process_memory.py), "
               f"{'; '.join(sorted({x['growth_source'] for x in r['flexh2o_runs'] if 'growth_source' in x}))}.", ""]
     lines += [
               "accelerate (with transformers 5) keeps its resident weights as memory-mapped checkpoint pages: they "

@@ -4,7 +4,7 @@
 
 Each stage is a machine like configs/hardware/t4.json (a T4 16 GB, 208 GB DRAM, 1.5 TB SSD), the
 link between stages its link_bandwidth (an assumption the profile states). For every stage count
-the planner (optimizer/pipeline_plan.py) picks the batch and each stage's placement with the best
+the planner (planning/pipeline_plan.py) picks the batch and each stage's placement with the best
 projected throughput, 512 + 32 tokens (FlexGen's setting), full cache, nothing compressed; one
 stage is the single-GPU plan. Writes results/pipeline_t4.{json,md}. These are projections of the
 cost model, not measurements (no multi-GPU machine here).
@@ -55,7 +55,7 @@ def main():
              f"`python scripts/project_pipeline.py`: {args.prompt_len} + {args.gen_len} tokens, full cache, nothing "
              f"compressed; each stage a machine like configs/hardware/t4.json, linked at "
              f"{t4.link_bandwidth / 1e9:.2f} GB/s (assumed: a 10 Gb/s network). Projections of the cost model "
-             "(optimizer/pipeline_plan.py), not measurements.", "",
+             "(planning/pipeline_plan.py), not measurements.", "",
              "| model | T4 stages | batch (micro-batches) | projected tok/s | per T4 | vs 1 T4 | busiest stage idle | "
              "each stage's placement |", "|---|---|---|---|---|---|---|---|"]
     for model in args.models:

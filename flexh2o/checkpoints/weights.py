@@ -2,7 +2,7 @@
 
 Each hands out one tensor at a time by its checkpoint name (without the leading `model.`), in the
 run's dtype, so a model larger than memory is never read whole, and a checkpoint tensor stored in
-another width is not held in both (memory.load_transient counts one layer's tensors in the run's
+another width is not held in both (preflight.load_transient counts one layer's tensors in the run's
 width; a GGUF tensor is dequantized to float32 first, unless it is kept as its own low-bit blocks:
 GGUFWeights.get_packed), and a float32 run may keep a 16-bit matrix as it is (get_sixteen_bit,
 gguf_blocks.keeps_16_bit). `check` validates names and shapes up front, so a wrong

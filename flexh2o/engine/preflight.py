@@ -61,7 +61,7 @@ def capacities(device: torch.device, offload_dir: str | None, gpu_mem=None, cpu_
     anything is loaded, so a later check does not count the loaded weights twice), within the
     process's memory limit where one applies (its cgroup's, or max_memory: "limit", memory_limit.py);
     "given", the tiers whose cap was given (a tier over a given cap is blamed on its --<tier>-mem flag);
-    "process", its RSS now; and "growth", what it may grow by beyond the projection (overhead.py)
+    "process", its RSS now; and "growth", what it may grow by beyond the projection (host/process_memory.py)
     for a run in `dtype` (default: the device's) with torch's threads."""
     limit = process_limit(max_memory)
     available = psutil.virtual_memory().available
@@ -202,7 +202,7 @@ def buffered(layer, dtype_bytes: int, policy, device) -> Counter:
 
 def compute_copy_bytes(layers, dtype_bytes: int, policy, device) -> int:
     """Bytes of the pooled compute buffers. The pool keeps buffers per shape, and at any time the
-    layer computing, the next one loading and any loaded ahead (schedule.held_together) hold one
+    layer computing, the next one loading and any loaded ahead (offload/held_weights.py) hold one
     each, so a shape needs as many buffers as such a group ever holds. On CUDA a buffer
     of groups goes back as soon as its dequantizing is queued, on its I/O thread: one per thread is made;
     where the CPU computes, the compute thread dequantizes when it waits, so they count as values

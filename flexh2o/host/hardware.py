@@ -50,7 +50,7 @@ class HardwareProfile:
     # project has not run on): the cost model then goes by attention_flops and device_bandwidth.
     attention_costs: dict | None = None
     # Bytes a run's process grows by beyond the pre-flight's projection, per dtype and torch thread
-    # count ({"float32": {"2": bytes}}), measured by overhead.py's probes; None where not measured.
+    # count ({"float32": {"2": bytes}}), measured by profiling/memory_growth.py's probes; None where not measured.
     process_growth: dict | None = None
     # The share of all cores other processes kept busy while it was measured (machine.LoadMeter);
     # None where not recorded. A busy measurement is re-done once the machine is quiet (profile.py).
@@ -66,7 +66,7 @@ class HardwareProfile:
     # to the kernel's limit; None (or a dtype missing) where no kernel takes it: the cost model then
     # charges dequantizing, then the full-width product.
     int4_matmul_flops: dict | None = None
-    # Bytes/s between two pipeline stages' processes (optimizer/link.py: two local processes over
+    # Bytes/s between two pipeline stages' processes (profiling/link.py: two local processes over
     # gloo); None where not measured. Between machines it is the network's.
     link_bandwidth: float | None = None
 

@@ -9,7 +9,7 @@ The weights load once, in the constructor; generate() runs the same scheduler as
 line's --input (jobs/job.py: length-sorted blocks, each padded to its own longest prompt) and returns
 one Completion per prompt in input order, with a progress bar (progress=False: none). stream()
 takes any iterable and yields Completions as blocks finish, reading CHUNK prompts ahead at a time,
-for jobs that do not fit in memory. Every argument is checked (api_checks.py) when the call is made.
+for jobs that do not fit in memory. Every argument is checked (common/arguments.py) when the call is made.
 """
 
 import itertools

@@ -27,7 +27,7 @@ def quantized(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> Packed:
 @functools.cache
 def format_table(stored_formats: tuple) -> dict:
     """A spec's (name, format) pairs as a lookup, made once per spec: the pre-flight asks every
-    layer for its formats at every placement it tries (memory.per_layer)."""
+    layer for its formats at every placement it tries (preflight.per_layer)."""
     return dict(stored_formats)
 
 
@@ -78,7 +78,7 @@ class Layer:
 
     def prepare(self, tensors: list, cat=torch.cat) -> list:
         """Turns checkpoint tensors into the ones forward uses (e.g. fusing q/k/v), joining them only
-        with `cat` (the pre-flight passes shapes and a cat of shapes, memory.stored_shapes)."""
+        with `cat` (the pre-flight passes shapes and a cat of shapes, preflight.stored_shapes)."""
         return tensors
 
     def init_weight(self, source, tiers, policy):

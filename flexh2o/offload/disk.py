@@ -17,7 +17,7 @@ first flushes the dirty pages of its range, so it sees buffered writes.
 With `flush_writes` (a memory limit applies: a cgroup charges the process for its dirty pages until
 they reach the disk), written pages are flushed whenever the store has DIRTY_WINDOW bytes not yet
 flushed, and large writes go out a window at a time: each writing thread holds at most a window
-dirty (overhead.py counts that).
+dirty (host/process_memory.py counts that).
 """
 
 import errno

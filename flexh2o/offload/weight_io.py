@@ -98,7 +98,7 @@ class WeightIO:
 
     def start_placing_layer(self):
         """Before a layer's tensors are placed: waits for the writes of the layers before it but the
-        last, so loading holds two layers' groups beyond the one placed at most (memory.load_transient
+        last, so loading holds two layers' groups beyond the one placed at most (preflight.load_transient
         counts them). Waiting for the last layer's too left the writer idle while a small layer (attention)
         was quantized after a large one (MLP)."""
         self._wait_placed(keep=1)
@@ -145,9 +145,9 @@ class WeightIO:
 
     def reserve_loads(self, layers):
         """Makes, before a run, every pooled buffer the layers' weight loads take. The layers of each
-        group of schedule.held_together (the one computing, the next one loading, and any loaded
+        group of held_weights.held_together (the one computing, the next one loading, and any loaded
         ahead) hold theirs at once, so a shape gets as many as a group ever holds (the pre-flight's
-        count, memory.compute_copy_bytes). Made lazily, the largest (an LM head's) came only after
+        count, preflight.compute_copy_bytes). Made lazily, the largest (an LM head's) came only after
         the prompt step: a run that cannot hold them failed after its prompt."""
         counts = [Counter(key for p in layer.home[layer.gathered:] for key in self.pooled(p)) for layer in layers]
         for (shape, dtype, per_thread), n in most_held(counts, layers).items():

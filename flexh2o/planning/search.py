@@ -5,7 +5,7 @@ memory, CPU attention, compression) it scores every placement of the weights aga
 placement of the cache at once: the weights' memory and I/O depend only on the weights' shares,
 the cache's only on the cache's, so both are computed once per share and combined as numpy arrays
 (cost_model.py writes every term with + and maximum for this). A placement counts only if
-memory.py's projection fits the capacities, the same check the engine makes before it runs.
+engine/preflight.py's projection fits the capacities, the same check the engine makes before it runs.
 
 Among the policies within `tolerance` of the best predicted total throughput it picks the smallest
 batch: past the point where the device is busy a larger batch buys little and costs memory and latency.
@@ -64,7 +64,7 @@ def stacked(channels: list[Channels], shape: tuple) -> Channels:
 
 
 def fits(need: dict, caps: dict, on_cuda: bool):
-    """memory.check_fits as a mask over candidates (need: tier -> array)."""
+    """preflight.check_fits as a mask over candidates (need: tier -> array)."""
     ok = np.ones(np.broadcast(*need.values()).shape, dtype=bool)
     for tier in TIERS:
         ok &= need[tier] <= caps[tier]
@@ -88,7 +88,7 @@ class Search:
 
     def weights(self, policy):
         """Per distinct weight-compression: the weights' memory need, per-layer I/O and loading's
-        transient (memory.load_transient) for every share."""
+        transient (preflight.load_transient) for every share."""
         key = policy.compress_weight
         if key not in self._weights:
             policies = [replace(policy, w_gpu_percent=g, w_cpu_percent=c) for g, c in self.weight_shares]
@@ -188,7 +188,7 @@ def search(spec, prompt_len: int, gen_len: int, profile, caps: dict, base, dtype
 
 
 def caps_of(profile, gpu_mem=None, cpu_mem=None, disk_mem=None) -> dict:
-    """A profile's capacities as memory.capacities gives them, with the caps given in their place."""
+    """A profile's capacities as preflight.capacities gives them, with the caps given in their place."""
     device_total = profile.gpu_mem - (outside_allocator(False) if profile.device == "cuda" else 0)
     caps = {"gpu": device_total if gpu_mem is None else gpu_mem,
             "cpu": profile.cpu_mem if cpu_mem is None else cpu_mem,

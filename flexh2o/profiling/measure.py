@@ -314,7 +314,7 @@ def source_line(device: torch.device, quick: bool) -> str:
 
 def process_growth(device: torch.device, offload_dir: str, quick: bool, log) -> dict | None:
     """What a run's process grows by beyond its projection, per dtype, at torch's thread count
-    (overhead.py); where the CPU computes, as only there do the tiers share the process's memory.
+    (host/process_memory.py); where the CPU computes, as only there do the tiers share the process's memory.
     quick: one probe, of the default dtype."""
     if device.type != "cpu":
         return None

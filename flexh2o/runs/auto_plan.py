@@ -76,7 +76,7 @@ def planned_policy(args, policy, spec, dtype: str, caps: dict, profile, offload_
 
 def planned_stage_policy(args, policy, spec, dtype: str, caps: dict, profile, offload_dir: str, stage):
     """A pipeline stage's policy (pipeline.py): the replica's first stage plans every stage of it as a
-    machine like its own within the same caps, for the replica's own records (optimizer/pipeline_plan.py),
+    machine like its own within the same caps, for the replica's own records (planning/pipeline_plan.py),
     and hands the plan to its other stages through the store; each takes its own stage's placement
     and the common batch shape. (A replica with nothing left to do plans nothing: none of its stages
     asks.)"""

@@ -35,7 +35,7 @@ def peak_memory(engine) -> dict:
         "peak_disk_bytes": tiers.peak["disk"],
         "memory_limit": None if limit is None else {"bytes": limit.limit, "room_bytes": limit.room, "source": limit.source},
         # The process itself: in use when the pre-flight read the free memory; what loading held
-        # beyond the placed weights; what it may grow by beyond the projection (overhead.py), and
+        # beyond the placed weights; what it may grow by beyond the projection (host/process_memory.py), and
         # where that figure came from; against what its peak RSS did.
         "process_at_preflight_bytes": engine.caps.get("process"),
         "load_transient_bytes": engine.load_transient,

@@ -1,5 +1,5 @@
 """Planning a pipeline: each stage placed within its own memory, the pipeline's throughput projected
-from the stages' predicted times, the bubble and the link (optimizer/pipeline_plan.py)."""
+from the stages' predicted times, the bubble and the link (planning/pipeline_plan.py)."""
 
 import json
 
