@@ -90,7 +90,7 @@ def evaluate(args) -> dict:
     from flexh2o.models import resolve_model
     from flexh2o.engine.policy import Policy
     from flexh2o.runs.prompts import load_tokenizer
-    from flexh2o.runs.setup import default_offload_dir
+    from flexh2o.offload.offload_dir import default_offload_dir
     for flag in ("prompt_len", "eval_len", "windows", "num_gpu_batches"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')}", f"must be a positive integer, got {getattr(args, flag)}")

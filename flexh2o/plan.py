@@ -72,7 +72,7 @@ def plan(args) -> int:
     from flexh2o.planning.search import search
     from flexh2o.engine.policy import Policy
     from flexh2o.cli.run_main import check_positive, save_json
-    from flexh2o.runs.setup import default_offload_dir
+    from flexh2o.offload.offload_dir import default_offload_dir
     check_positive(args)
     for flag in ("max_batch", "batch"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:

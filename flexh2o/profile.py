@@ -16,8 +16,8 @@ import sys
 from flexh2o.common.errors import OneLineErrorParser, UsageError
 from flexh2o.common.names import tier_label
 from flexh2o.host.hardware import BUSY_SHARE, HardwareProfile, local_cache_path, save_local
-from flexh2o.profiling.local_profile import (KERNEL_NAMES, cached_profile, default_offload_dir,
-                                            measure_here)
+from flexh2o.offload.offload_dir import default_offload_dir
+from flexh2o.profiling.local_profile import KERNEL_NAMES, cached_profile, measure_here
 from flexh2o.common.output_files import check_output_file, write_json_atomic
 
 def build_parser() -> argparse.ArgumentParser:

@@ -35,7 +35,8 @@ from flexh2o.compression import quant
 from flexh2o.host.machine import describe_machine  # noqa: E402
 from flexh2o.models.opt import PRESETS  # noqa: E402
 from flexh2o.common.output_files import write_json_atomic, write_text_atomic  # noqa: E402
-from flexh2o.profiling.local_profile import default_offload_dir, ensure_local_profile  # noqa: E402
+from flexh2o.offload.offload_dir import default_offload_dir  # noqa: E402
+from flexh2o.profiling.local_profile import ensure_local_profile  # noqa: E402
 from bench_vs_accelerate import drop_page_cache  # noqa: E402
 
 GB = 1e9

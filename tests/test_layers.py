@@ -28,39 +28,29 @@ def modules() -> dict[str, pathlib.Path]:
     return found
 
 
-def imported_names(module: str, path: pathlib.Path):
-    """The dotted names a module imports, wherever in it the import stands."""
+def imported_modules(module: str, path: pathlib.Path, known) -> set[str]:
+    """The modules of `known` that a module imports, wherever in it the import stands."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            yield from (alias.name for alias in node.names)
+            found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([node.module] if node.module else []))
-            yield base
-            yield from (f"{base}.{alias.name}" for alias in node.names)
+            # `from P import M`: the module P.M where M is one, else (a name defined in P) P itself
+            found.update(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names)
         elif (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module"
               and node.args and isinstance(node.args[0], ast.Constant)):
-            yield node.args[0].value
+            found.add(node.args[0].value)
+    return (found & set(known)) - {module}
 
 
 def import_graph() -> dict[str, set[str]]:
     known = modules()
-    graph = {}
-    for module, path in known.items():
-        names = set(imported_names(module, path))
-        # `from P import M`: the module P.M alone where M is a module, not P besides
-        submodules = {name for name in names if name in known}
-        parents = {name.rpartition(".")[0] for name in submodules}
-        graph[module] = submodules - parents
-        # a name imported from a module (`from P.M import f`) stands for P.M
-        for name in names:
-            if name.startswith("flexh2o.") and name not in known and name.rpartition(".")[0] in known:
-                graph[module].add(name.rpartition(".")[0])
-        graph[module] -= {module}
-    return graph
+    return {module: imported_modules(module, path, known) for module, path in known.items()}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:

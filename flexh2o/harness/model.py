@@ -153,7 +153,7 @@ class FlexH2OLM(TemplateLM):
         """The loaded engine (loaded at the first call, its pre-flight counting this call's longest shape)."""
         if self.engine is None:
             from flexh2o.engine.engine import Engine
-            from flexh2o.runs.setup import default_offload_dir
+            from flexh2o.offload.offload_dir import default_offload_dir
             s = self.settings
             self.engine = Engine.load(
                 s.model, policy=s.policy(s.gpu_batch_size), device=s.device, dtype=s.dtype, path=s.path,

@@ -20,7 +20,8 @@ from flexh2o.planning.planner import plan_capacities
 from flexh2o.common.output_files import identity, write_json_atomic
 from flexh2o.engine.policy import placement_flag
 from flexh2o.runs.prompts import load_tokenizer
-from flexh2o.runs.setup import choose_policy, default_offload_dir, dtype_name, load_engine
+from flexh2o.offload.offload_dir import default_offload_dir
+from flexh2o.runs.setup import choose_policy, dtype_name, load_engine
 from flexh2o.common.signals import set_stop_outcome
 from flexh2o.jobs.blocks import ROUND_TO, round_up
 from flexh2o.jobs.files import OutputLock, WriteFailed, check_written_names

@@ -18,6 +18,11 @@ from flexh2o.common.errors import UsageError
 from flexh2o.common.signals import deferred
 
 
+def default_offload_dir() -> str:
+    """Where runs put their disk tier when given no --offload-dir."""
+    return os.path.join(tempfile.gettempdir(), "flexh2o_offload")
+
+
 def existing_ancestor(path: str) -> str:
     """`path` itself if it exists, else the nearest folder above it that does."""
     path = os.path.abspath(path)

@@ -2,8 +2,6 @@
 no longer describes the machine (another device, another dequantizing kernel or C build, or taken
 while the machine was busy and it is quiet now)."""
 
-import os
-import tempfile
 from typing import TYPE_CHECKING
 
 from flexh2o.common.errors import UsageError
@@ -12,11 +10,7 @@ from flexh2o.host.hardware import BUSY_SHARE, LOCAL, HardwareProfile, load_profi
 if TYPE_CHECKING:
     import torch
 
-QUIET_SHARE = 0.05  # ... now: quiet enough to measure again
-
-
-def default_offload_dir() -> str:
-    return os.path.join(tempfile.gettempdir(), "flexh2o_offload")
+QUIET_SHARE = 0.05  # others' CPU share now low enough to measure a busy profile again (BUSY_SHARE)
 
 
 # -- the cache ---------------------------------------------------------------------------------
@@ -79,9 +73,10 @@ def ensure_local_profile(device, offload_dir: str, log=None, fresh: bool = False
     """The cached local profile, or one measured now (and cached) when there is none for this
     device or `fresh` asks for it. `log` takes its notes (default: stderr)."""
     import torch
+    from flexh2o.host.devices import default_device
     from flexh2o.profiling.measure import print_to_stderr
     log = log or print_to_stderr
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(device or default_device())
     profile = None if fresh else cached_profile(device, log)
     if profile is None:
         profile = measure_here(device, offload_dir, False, log)

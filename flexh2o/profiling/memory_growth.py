@@ -20,6 +20,7 @@ PROBES = {
 PROBE_CONFIG = {"model_type": "opt", "hidden_size": 768, "num_hidden_layers": 4, "num_attention_heads": 12,
                 "ffn_dim": 3072, "vocab_size": 50272, "max_position_embeddings": 2048}  # opt-125m's widths, 4 layers
 PROBE_BATCH, PROBE_PROMPT, PROBE_GEN = 16, 256, 8
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the probes run from here
 
 
 def calibrate(dtype: str, threads: int, offload_dir: str, log=None, quick: bool = False) -> int:
@@ -29,7 +30,7 @@ def calibrate(dtype: str, threads: int, offload_dir: str, log=None, quick: bool 
     for label in list(PROBES)[:1] if quick else PROBES:
         cmd = [sys.executable, "-m", "flexh2o.cli.memory_probe", "--dtype", dtype, "--threads", str(threads),
                "--offload-dir", offload_dir, "--probe", label]
-        done = subprocess.run(cmd, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
         if done.returncode != 0:
             raise RuntimeError(f"the memory probe '{label}' failed: {done.stderr.strip().splitlines()[-1:]}")
         growth = json.loads(done.stdout.strip().splitlines()[-1])["growth_bytes"]

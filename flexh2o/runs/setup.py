@@ -4,11 +4,9 @@ flexh2o.run's one-block mode and its dataset jobs (jobs/cli.py) share these.
 """
 
 import functools
-import os
 import sys
-import tempfile
 
-from flexh2o.offload.offload_dir import check_offload_dir
+from flexh2o.offload.offload_dir import check_offload_dir, default_offload_dir
 from flexh2o.engine.engine import Engine
 from flexh2o.host.devices import default_dtype
 from flexh2o.offload.buffers import TIERS
@@ -17,10 +15,6 @@ from flexh2o.common.names import tier_label
 from flexh2o.planning.placement import WeightNeeds, describe as describe_placement, fits, fitted_placement, no_fit_error
 from flexh2o.engine.policy import Policy, placement_flag
 from flexh2o.runs.auto_plan import cached_local_profile, duration, local_profile, planned_policy, planned_stage_policy
-
-
-def default_offload_dir() -> str:
-    return os.path.join(tempfile.gettempdir(), "flexh2o_offload")
 
 
 def choose_policy(args, policy, spec, device, dtype, caps, planning, stage=None):
