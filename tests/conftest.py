@@ -111,6 +111,21 @@ def forced_logprobs(directory, policy, tmp_path, dtype, inspect=lambda engine: N
     return out.forced_logprobs, seen
 
 
+def generate_leaving_nothing(directory, policy, ids, mask, tmp_path, new_tokens, dtype=torch.float32, **engine_kw):
+    """Greedy tokens and scores of a CPU run, checking that the run gives back every buffer and
+    cache, leaves the offload dir empty once closed, and allocates nothing after the first decode step."""
+    from flexh2o import Engine
+    with Engine.from_pretrained(directory, policy=policy, device="cpu", dtype=dtype, offload_dir=str(tmp_path),
+                                **engine_kw) as engine:
+        before = dict(engine.tiers.bytes)
+        out = engine.generate(ids, mask, max_new_tokens=new_tokens, output_scores=True, eos_token_id=None)
+        assert engine.tiers.bytes == before, "every buffer and cache of the run is given back"
+        allocations = engine.last_stats.step_allocations
+    assert os.listdir(tmp_path) == [], "the offload dir must be empty after close()"
+    assert allocations[2:] == [0] * (new_tokens - 2), allocations  # pooled: nothing new after the first decode step
+    return out
+
+
 def count_calls(monkeypatch, owner, names) -> dict:
     """How often each method `names` of class `owner` is called from now on (it still runs)."""
     calls = dict.fromkeys(names, 0)

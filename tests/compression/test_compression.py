@@ -2,7 +2,6 @@
 on quantized-then-dequantized tensors, on every tier, with every kind of policy; it stores and
 moves compressed bytes; a decode step quantizes only the slots it wrote."""
 
-import os
 from collections import Counter
 
 import pytest
@@ -17,7 +16,7 @@ from flexh2o.kv.cache import KVCache
 from flexh2o.kv.eviction import FullCache
 from flexh2o.compression.quant import compressible, dequantize, packed_width, quantize, stored_bytes
 from flexh2o.checkpoints.weights import CheckpointWeights
-from conftest import make_tiny_opt, padded_batch
+from conftest import generate_leaving_nothing, make_tiny_opt, padded_batch
 
 TIERS = {"gpu": (100, 0), "cpu": (0, 100), "disk": (0, 0), "mixed": (34, 33)}
 KV = {"full": {}, "h2o": {"hh_ratio": 0.3}, "local": {"kv_policy": "local", "hh_ratio": 0.2, "recent_ratio": 0.4}}
@@ -30,15 +29,7 @@ def round_trip(t):
 
 def run(directory, policy, tmp_path, dtype=torch.float32):
     ids, mask = padded_batch(BATCH, PROMPT, pads=[(r * 3) % 8 for r in range(BATCH)], seed=5)
-    with Engine.from_pretrained(directory, policy=policy, device="cpu", dtype=dtype,
-                                offload_dir=str(tmp_path)) as engine:
-        before = dict(engine.tiers.bytes)
-        out = engine.generate(ids, mask, max_new_tokens=NEW, output_scores=True, eos_token_id=None)
-        assert engine.tiers.bytes == before, "every buffer and cache of the run is given back"
-        allocations = engine.last_stats.step_allocations
-    assert os.listdir(tmp_path) == [], "the offload dir must be empty after close()"
-    assert allocations[2:] == [0] * (NEW - 2), allocations  # nothing allocated after the first decode step
-    return out
+    return generate_leaving_nothing(directory, policy, ids, mask, tmp_path, NEW, dtype)
 
 
 def reference(directory, policy, tmp_path, monkeypatch):

@@ -3,7 +3,6 @@
 KV policy and compression runs through the same schedule and cache as OPT."""
 
 import json
-import os
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from flexh2o.checkpoints.weights import DummyWeights
 from flexh2o.kv import POLICIES
 
 EVICTING = [name for name in POLICIES if name != "full"]
-from conftest import TEST_CPU_PROFILE, VOCAB, hf_generate, padded_batch, row_budgets
+from conftest import TEST_CPU_PROFILE, VOCAB, generate_leaving_nothing, hf_generate, padded_batch, row_budgets
 from llama_reference import MaskedEvictionLlama
 from test_compression import reference as compression_reference, run as compression_run
 
@@ -65,15 +64,7 @@ def llamas(tmp_path_factory):
 
 def run_engine(directory, ids, mask, tmp_path, new_tokens, nb=1, **policy):
     policy = Policy(gpu_batch_size=ids.shape[0] // nb, num_gpu_batches=nb, **policy)
-    with Engine.from_pretrained(directory, policy=policy, device="cpu", dtype=torch.float32,
-                                offload_dir=str(tmp_path)) as engine:
-        before = dict(engine.tiers.bytes)
-        out = engine.generate(ids, mask, max_new_tokens=new_tokens, output_scores=True, eos_token_id=None)
-        assert engine.tiers.bytes == before, "every buffer and cache of the run is given back"
-        allocations = engine.last_stats.step_allocations
-    assert os.listdir(tmp_path) == [], "the offload dir must be empty after close()"
-    assert allocations[2:] == [0] * (new_tokens - 2), allocations  # nothing allocated after the first decode step
-    return out
+    return generate_leaving_nothing(directory, policy, ids, mask, tmp_path, new_tokens)
 
 
 def assert_same(out, tokens, logits, atol=1e-4):

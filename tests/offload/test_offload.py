@@ -10,7 +10,7 @@ import torch
 
 from flexh2o import Engine, Policy, UsageError
 from flexh2o.offload.buffers import TIERS
-from conftest import REPO, hf_generate, padded_batch
+from conftest import REPO, generate_leaving_nothing, hf_generate, padded_batch
 
 WEIGHTS = [(100, 0), (50, 50), (50, 0), (0, 100), (0, 50), (0, 0)]
 CACHE = {"gpu": (100, 0), "cpu": (0, 100), "disk": (0, 0), "mixed": (34, 33)}
@@ -18,16 +18,7 @@ CACHE = {"gpu": (100, 0), "cpu": (0, 100), "disk": (0, 0), "mixed": (34, 33)}
 
 def generate(directory, policy, tmp_path, new_tokens=6, **kw):
     ids, mask = padded_batch(policy.batch_size, 10, pads=[(r * 3) % 8 for r in range(policy.batch_size)], seed=5)
-    with Engine.from_pretrained(directory, policy=policy, device="cpu", dtype=torch.float32,
-                                offload_dir=str(tmp_path), **kw) as engine:
-        before = dict(engine.tiers.bytes)
-        out = engine.generate(ids, mask, max_new_tokens=new_tokens, output_scores=True, eos_token_id=None)
-        allocations = engine.last_stats.step_allocations
-        assert engine.tiers.bytes == before, "every buffer and cache of the run is given back"
-    assert os.listdir(tmp_path) == [], "the offload dir must be empty after close()"
-    # Buffers come from the pool: once the first decode step has run, nothing new is allocated.
-    assert allocations[2:] == [0] * (new_tokens - 2), allocations
-    return out
+    return generate_leaving_nothing(directory, policy, ids, mask, tmp_path, new_tokens, **kw)
 
 
 @pytest.fixture(scope="module")
