@@ -19,6 +19,7 @@ import torch
 from flexh2o.common.errors import UsageError, check_regular_file
 from flexh2o.checkpoints.gguf_config import FLAG, ROPE_FREQS, hf_config, string
 from flexh2o.checkpoints.gguf_file import Layout, read_layout
+from flexh2o.compression.formats import LAYOUTS
 
 SLICE_BYTES = 16 << 20  # rows read at a time by GGUFModel.sixteen_bit
 
@@ -248,7 +249,7 @@ def unmap_pages(gguf_tensor):
 def _dequantize(gguf_tensor):
     """float32 values of a tensor: the common 4- and 8-bit block types by whole-tensor torch ops
     (the gguf package's numpy loops took 1.2 s of SmolLM2's start), the others by the gguf package."""
-    if gguf_tensor.tensor_type.name in BLOCK_LAYOUTS:
+    if gguf_tensor.tensor_type.name in DEQUANTIZED_HERE:
         return _dequantize_blocks(gguf_tensor.data, gguf_tensor.tensor_type.name)
     from gguf import dequantize
 
@@ -259,26 +260,24 @@ def _dequantize(gguf_tensor):
                                f"{gguf_tensor.tensor_type.name}") from None
 
 
-# Block of 32 values: byte offsets of its float16 scale d, of its float16 minimum m (Q4_1), of its
-# quants, and the quants' kind. Q4_0: d * (q - 8); Q4_1: d * q + m; Q8_0: d * q (q signed).
-BLOCK_LAYOUTS = {"Q4_0": (0, None, 2, "nibbles"), "Q4_1": (0, 2, 4, "nibbles"), "Q8_0": (0, None, 2, "int8")}
-BLOCK_VALUES = 32
+# Dequantized here by whole-tensor torch ops: Q4_0 d * (q - 8); Q4_1 d * q + m; Q8_0 d * q (q signed).
+DEQUANTIZED_HERE = ("Q4_0", "Q4_1", "Q8_0")
 
 
 def _dequantize_blocks(data, kind):
-    scale_at, min_at, quants_at, quants = BLOCK_LAYOUTS[kind]
-    block_bytes = quants_at + (BLOCK_VALUES // 2 if quants == "nibbles" else BLOCK_VALUES)
-    blocks = torch.from_numpy(np.array(data)).reshape(-1, block_bytes)  # a copy: the file's map is read-only
+    layout = LAYOUTS[kind]
+    blocks = torch.from_numpy(np.array(data)).reshape(-1, layout.record)  # a copy: the file's map is read-only
 
     def half(at):
         return blocks[:, at: at + 2].contiguous().view(torch.float16).float()
-    q = blocks[:, quants_at:]
-    if quants == "nibbles":
+    q = blocks[:, layout.codes_at:]
+    if layout.bits == 4:
         q = torch.cat([q & 0x0F, q >> 4], dim=1).float()
-        q = q - 8 if min_at is None else q
     else:
         q = q.contiguous().view(torch.int8).float()
-    values = q * half(scale_at) + (half(min_at) if min_at is not None else 0)
+    if layout.zero:
+        q = q - layout.zero
+    values = q * half(layout.scale_at) + (half(layout.low_at) if layout.low_at >= 0 else 0)
     return values.reshape(*data.shape[:-1], -1).numpy()
 
 

@@ -2,7 +2,7 @@
 and 16-bit values (F16, BF16; GGUF or safetensors) in a float32 run.
 
 With --compress-weight in a float32 run, a GGUF matrix in one of these formats is placed as its
-own bytes (rows of blocks of 32 values, gguf_reader.py's BLOCK_LAYOUTS) instead of being widened
+own bytes (rows of blocks of 32 values, formats.py's LAYOUTS) instead of being widened
 to float and quantized again into quant.py's groups: no float copy of it is made while loading,
 nothing is lost to requantizing, and it moves as the bytes llama.cpp reads. It is dequantized
 into a compute buffer, or multiplied as stored (grouped_weight.matmul: the C kernels of

@@ -21,30 +21,12 @@ import math
 import os
 import sys
 import threading
-from dataclasses import dataclass
 
 import torch
 
-from flexh2o.compression.formats import BLOCK, BLOCK_BYTES, BLOCK_VALUES, GROUP, GROUP_BYTES, SIXTEEN_BIT
+from flexh2o.compression.formats import BLOCK_VALUES, LAYOUTS, SIXTEEN_BIT, Layout
 
 
-@dataclass(frozen=True)
-class Layout:
-    values: int    # values a record holds
-    record: int    # its bytes
-    codes_at: int  # where its codes start
-    scale_at: int  # where its float16 scale is
-    low_at: int    # where its float16 minimum is (added to every value); -1: none
-    bits: int      # 4: two codes a byte, the record's first half in the low nibbles; 8: one signed code a byte
-    zero: int      # subtracted from every code
-
-
-LAYOUTS = {
-    "groups": Layout(GROUP, GROUP_BYTES, 0, GROUP // 2, GROUP // 2 + 2, 4, 0),
-    "Q4_0": Layout(BLOCK, BLOCK_BYTES["Q4_0"], 2, 0, -1, 4, 8),
-    "Q4_1": Layout(BLOCK, BLOCK_BYTES["Q4_1"], 4, 0, 2, 4, 0),
-    "Q8_0": Layout(BLOCK, BLOCK_BYTES["Q8_0"], 2, 0, -1, 8, 0),
-}
 FORMATS = (*LAYOUTS, *SIXTEEN_BIT)
 WORKSPACE_BYTES = 5 * BLOCK_VALUES  # a Workspace: a block's codes (uint8) and values (float32)
 

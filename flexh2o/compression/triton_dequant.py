@@ -66,7 +66,7 @@ def _dequantize(src, dst, total, per_row, n, size1, size2, stride0, stride1, str
 
 def launch(packed, layout, out, rows: int, sizes: tuple, strides: tuple):
     """out [..., n] <- the values of packed (contiguous: `rows` rows of blocks in `layout`,
-    gpu_dequant.Layout), out's rows being its leading dimensions of `sizes` and `strides` (three):
+    formats.Layout), out's rows being its leading dimensions of `sizes` and `strides` (three):
     one kernel launch."""
     n = out.shape[-1]
     per_row = -(-n // layout.values)
