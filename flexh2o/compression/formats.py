@@ -1,4 +1,4 @@
-"""The low-bit formats' sizes, shared by every module of compression/ (the bottom of it).
+"""The low-bit formats' sizes and record layouts, shared by every module of compression/ (its bottom).
 
 quant.py's groups: GROUP values a record of GROUP_BYTES (4-bit codes, then a float16 scale and
 minimum). A GGUF file's blocks (gguf_blocks.py): BLOCK values a record of BLOCK_BYTES[format].
