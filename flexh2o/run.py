@@ -99,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     job.add_argument("--skip-bad", action="store_true", help="write bad input records as error records and go on "
                      "(default: refuse the input before loading the model)")
     job.add_argument("--ordered", action="store_true", help="at the end, rewrite --output in input order")
+    job.add_argument("--fixed-blocks", action="store_true",
+                     help="run the records in blocks sorted by length, each until its longest member stops, "
+                          "instead of slots that each take the next record as soon as theirs stops")
+    job.add_argument("--join-every", type=int, default=None, metavar="N",
+                     help="free slots take waiting records every N token steps (default 1)")
     job.add_argument("--overwrite", action="store_true",
                      help="start --output again instead of resuming it")
     job.add_argument("--quiet", action="store_true", help="no progress bar")

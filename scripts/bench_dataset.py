@@ -123,7 +123,8 @@ def child_transformers(args):
     for block in blocks:
         prompt_len = max(len(rows[n]) for n in block)  # transformers at its best: no rounding up
         ids, mask = left_padded([rows[n] for n in block], prompt_len, spec.pad_token_id)
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=args.max_tokens, do_sample=False,
+        most = max(requests[n].max_tokens for n in block)  # each record's own max_tokens, where they differ
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=most, do_sample=False,
                              eos_token_id=list(eos), pad_token_id=spec.pad_token_id)
         tally.block(tokenizer, [requests[n] for n in block], [rows[n] for n in block], out[:, prompt_len:],
                     prompt_len, len(block))

@@ -30,6 +30,8 @@ def why_not(schedule) -> str | None:
         return "not on CUDA"
     if os.environ.get("FLEXH2O_CUDA_GRAPHS", "1") == "0":
         return "FLEXH2O_CUDA_GRAPHS=0"
+    if schedule.seqs.refills:
+        return "slots are refilled: each step's joining prompts change its work"
     if schedule.act_tier != "gpu":
         return "activations leave the GPU"
     for layer in layers:

@@ -25,6 +25,7 @@ from flexh2o.engine.policy import Policy
 from flexh2o.engine.sampling import MAX_SEED, Sampler, check_seed
 from flexh2o.engine.schedule import Schedule
 from flexh2o.engine.sequences import Sequences
+from flexh2o.engine.slot_pool import SlotPool
 from flexh2o.offload.tiers import Tiers
 from flexh2o.checkpoints.weights import CheckpointWeights, DummyWeights, GGUFWeights
 
@@ -260,6 +261,80 @@ class Engine:
     def __exit__(self, *exc):
         self.close()
 
+    def _run(self, seqs, prompt_len: int, gen_len: int, steps: int, seed, progress: bool):
+        """Runs up to `steps` token steps of `seqs` over caches sized for prompt_len + gen_len tokens
+        per sequence; notes their figures in last_stats."""
+        policy, spec = self.policy, self.spec
+        batch_sizes = [policy.gpu_batch_size] * policy.num_gpu_batches
+        io_before, read_before = self.tiers.io_seconds, self.tiers.disk.bytes_read if self.tiers.disk else 0
+        try:
+            self.tiers.reserve_loads(self.layers)
+            for j, layer in zip(self.layer_indices, self.layers):
+                layer_seed = ((0 if seed is None else seed) * 100_003 + j) % (1 << 63)
+                layer.init_cache(batch_sizes, make_policy(policy, prompt_len, gen_len, layer_seed), policy,
+                                 refills=seqs.refills)
+            if self.stage is None:
+                schedule = Schedule(self.layers, seqs, policy.num_gpu_batches, self.tiers, act_tier(policy))
+                schedule.use_graphs()
+            else:
+                schedule = StageSchedule(self.layers, seqs, policy.num_gpu_batches, self.tiers, act_tier(policy),
+                                         self.stage, policy.gpu_batch_size, spec.hidden_size, prompt_len)
+            with torch.no_grad():
+                steps_done = schedule.run(steps, progress)
+            if self.tiers.failure is not None:  # an I/O task failed that nothing waited for
+                raise self.tiers.failure
+        except BaseException as error:
+            self.tiers.abandon(error)
+            raise
+        finally:
+            self.tiers.settle()
+            for layer in self.layers:  # after a failure nothing is running any more, and nothing is waited for
+                layer.free_cache()
+            self.tiers.clear_pool()
+        times = schedule.step_seconds
+        read = (self.tiers.disk.bytes_read if self.tiers.disk else 0) - read_before
+        self.last_stats = GenerationStats(policy.batch_size, prompt_len, gen_len, steps_done, times[0],
+                                          sum(times[1:]), schedule.compute_seconds,
+                                          self.tiers.io_seconds - io_before, read, schedule.step_allocations,
+                                          schedule.step_dequant_seconds, schedule.step_io_tasks,
+                                          schedule.step_handoffs, schedule.step_h2d_bytes, schedule.finish_seconds,
+                                          list(times))
+
+    @one_call_at_a_time
+    def generate_refilled(self, requests, on_done, prompt_len: int, gen_len: int, do_sample: bool = False,
+                          temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                          eos_token_id: int | None = -1, pad_token_id: int | None = None,
+                          join_every: int = 1) -> SlotPool:
+        """Generates every request of `requests` (an iterator of slot_pool.Request) in the policy's
+        batch of slots, a stopped sequence's slot taking the next request (continuous batching).
+
+        on_done(request, tokens, reason) receives each one as it stops: its new token ids (ending
+        with the EOS token where one ended it) and "stop" or "length". prompt_len and gen_len: the
+        longest prompt and the largest max_new_tokens among the requests, which size each slot's
+        cache (and the pre-flight). join_every: free slots take new requests every this many token
+        steps. Sampling as generate's, each request from its own seed. Returns the pool, whose
+        counts say how it went; last_stats holds the run's times."""
+        policy, spec = self.policy, self.spec
+        check_generate_arguments(spec.vocab_size, do_sample, temperature, top_k, top_p, None, eos_token_id,
+                                 pad_token_id, False, False, None)
+        whole("join_every", join_every, 1)
+        if self.stage is not None:
+            raise UsageError("--pipeline-stages", "slots are not refilled across pipeline stages")
+        if prompt_len + gen_len > spec.max_positions:
+            raise UsageError("--prompt-len/--gen-len", f"prompt_len + gen_len = {prompt_len + gen_len} exceeds "
+                             f"the {spec.max_positions} positions of {spec.name}")
+        need = run_need(self.cache_spec, policy, self.tiers.dtype.itemsize, prompt_len, gen_len, self.tiers.compute,
+                        False, self.tiers.io_threads)
+        self.projected = add(self.weight_need, need)
+        check_fits(self.projected, self.caps, self.tiers.compute, self.placement_flag)
+        eos = eos_ids(spec) if eos_token_id == -1 else eos_token_id
+        pad = spec.pad_token_id if pad_token_id is None else pad_token_id
+        pool = SlotPool(requests, policy.batch_size, policy.gpu_batch_size,
+                        Sampler(do_sample, temperature, top_k, top_p, 0), eos, pad, self.tiers.compute, on_done,
+                        join_every)
+        self._run(pool, prompt_len, gen_len, 1 << 62, None, False)
+        return pool
+
     @one_call_at_a_time
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  max_new_tokens: int = 32, do_sample: bool = False, temperature: float = 1.0,
@@ -331,41 +406,9 @@ class Engine:
         seqs = Sequences(input_ids.cpu().long(), attention_mask.cpu(), max_new_tokens, policy.gpu_batch_size,
                          sampler, eos, pad, output_scores, self.tiers.compute,
                          None if forced_tokens is None else forced_tokens.cpu().long(), row_max_new_tokens, stop_check)
-        batch_sizes = [policy.gpu_batch_size] * policy.num_gpu_batches
-        io_before, read_before = self.tiers.io_seconds, self.tiers.disk.bytes_read if self.tiers.disk else 0
-        try:
-            self.tiers.reserve_loads(self.layers)
-            for j, layer in zip(self.layer_indices, self.layers):
-                layer_seed = ((0 if seed is None else seed) * 100_003 + j) % (1 << 63)
-                layer.init_cache(batch_sizes, make_policy(policy, prompt_len, max_new_tokens, layer_seed), policy)
-            if self.stage is None:
-                schedule = Schedule(self.layers, seqs, policy.num_gpu_batches, self.tiers, act_tier(policy))
-                schedule.use_graphs()
-            else:
-                schedule = StageSchedule(self.layers, seqs, policy.num_gpu_batches, self.tiers, act_tier(policy),
-                                         self.stage, policy.gpu_batch_size, spec.hidden_size, prompt_len)
-            with torch.no_grad():
-                steps_done = schedule.run(max_new_tokens, progress)
-            if self.tiers.failure is not None:  # an I/O task failed that nothing waited for
-                raise self.tiers.failure
-        except BaseException as error:
-            self.tiers.abandon(error)
-            raise
-        finally:
-            self.tiers.settle()
-            for layer in self.layers:  # after a failure nothing is running any more, and nothing is waited for
-                layer.free_cache()
-            self.tiers.clear_pool()
-        times = schedule.step_seconds
-        read = (self.tiers.disk.bytes_read if self.tiers.disk else 0) - read_before
-        self.last_stats = GenerationStats(policy.batch_size, prompt_len, max_new_tokens, steps_done, times[0],
-                                          sum(times[1:]), schedule.compute_seconds,
-                                          self.tiers.io_seconds - io_before, read, schedule.step_allocations,
-                                          schedule.step_dequant_seconds, schedule.step_io_tasks,
-                                          schedule.step_handoffs, schedule.step_h2d_bytes, schedule.finish_seconds,
-                                          list(times))
+        self._run(seqs, prompt_len, max_new_tokens, max_new_tokens, seed, progress)
         chose = self.stage is None or self.stage.is_last  # scores exist where the LM head ran
-        scores = seqs.score_list(steps_done) if output_scores and chose else None
+        scores = seqs.score_list(self.last_stats.steps_done) if output_scores and chose else None
         if forced_tokens is not None:
             return GenerateOutput(seqs.ids, scores, seqs.forced_logprobs if chose else None,
                                   seqs.greedy if chose else None)

@@ -34,6 +34,11 @@ class Schedule:
         tiers.parked_slots = num_gpu_batches
         self.hidden = [None] * num_gpu_batches
         self.steps = [None] * num_gpu_batches
+        # Where slots are refilled (slot_pool.py): each gpu-batch's prompt step of the sequences
+        # joining at this token step, and its hidden state, computed right after the gpu-batch's
+        # decode on the same weights; a gpu-batch with no running sequence has no decode step (None).
+        self.refills = [None] * num_gpu_batches
+        self.refill_hidden = [None] * num_gpu_batches
         self.loaded_early = []  # layers whose loads were queued ahead of their turn (load_weight)
         self.step_seconds = []
         self.step_io_tasks = []  # I/O tasks queued during each token step (none with everything on the device)
@@ -149,6 +154,7 @@ class Schedule:
     # What a pipeline stage adds (pipeline.py); here, one process runs every layer.
     def begin_token(self, i: int):
         self.steps = self.seqs.steps(i, self.num_gpu_batches, device_counters=self.tiers.on_cuda)
+        self.refills = self.seqs.refill_steps(i, self.num_gpu_batches)
 
     def enter_group(self, i: int, g: int):
         """Before group g of token step i reaches the first layer."""
@@ -200,12 +206,13 @@ class Schedule:
 
     def load_hidden(self, t: int, i: int):
         at = self._at(t)
-        if self.act_tier != "gpu" and at and at[0] == i and at[1] > 0:
+        if self.act_tier != "gpu" and at and at[0] == i and at[1] > 0 and self.steps[at[2]] is not None:
             self.hidden[at[2]] = self.tiers.load_act(self.hidden[at[2]])
 
     def store_hidden(self, t: int, i: int):
         at = self._at(t)
-        if self.act_tier != "gpu" and at and at[0] == i and at[1] < len(self.layers) - 1:
+        if self.act_tier != "gpu" and at and at[0] == i and at[1] < len(self.layers) - 1 and \
+                self.steps[at[2]] is not None:
             self.hidden[at[2]] = self.tiers.store_act(self.hidden[at[2]])
 
     def compute(self, t: int):
@@ -214,7 +221,10 @@ class Schedule:
         hidden = hidden.wait() if hasattr(hidden, "wait") else hidden
         layer.wait_inputs(k)
         start = time.perf_counter()
-        self.hidden[k] = layer.forward(hidden, self.steps[k])
+        if self.steps[k] is not None:
+            self.hidden[k] = layer.forward(hidden, self.steps[k])
+        if self.refills[k] is not None:  # joining sequences' prompt step; its hidden state stays on the device
+            self.refill_hidden[k] = layer.forward(self.refill_hidden[k], self.refills[k])
         self.compute_seconds += time.perf_counter() - start
         if k == self.groups[self.group_of[k]][-1]:
             layer.release_weight()

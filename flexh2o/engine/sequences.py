@@ -6,6 +6,7 @@ feeds forced[:, i] next whatever the logits say, and keeps the log-probability t
 that token and their greedy choice (flexh2o/eval.py scores text with them).
 """
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -32,14 +33,48 @@ class Step:
     slot: torch.Tensor | None = None
     slot_index: int = -1
     before: torch.Tensor | None = None
+    # Where slots are refilled (slot_pool.py) each sequence is at its own token: a decode step's
+    # `before` is then [b], per sequence, and `row_slots` [b] the full cache's slot for each new
+    # token (its position), `fill` the slots in use after the step (the largest row slot + 1). A
+    # refill step (a prompt step of some rows of gpu-batch k) names them: `refill` [(row in the
+    # gpu-batch, left padding of its prompt)].
+    row_slots: torch.Tensor | None = None
+    fill: int = 0
+    refill: list | None = None
 
     def generated_before(self, device):
         """i - 1, the tokens generated before this decode step: the step's device tensor where it
-        is on `device`, else an int."""
-        return self.before if self.before is not None and self.before.device == torch.device(device) else self.i - 1
+        is on `device` (or per sequence), else an int."""
+        if self.before is None:
+            return self.i - 1
+        if self.before.device == torch.device(device):
+            return self.before
+        return self.before.to(device) if self.row_slots is not None else self.i - 1
+
+    def for_rows(self, rows: slice) -> "Step":
+        """This step as seen by sequences `rows` of its gpu-batch (a part of a cache split along the batch)."""
+        if self.row_slots is None:
+            return self
+        return dataclasses.replace(self, row_slots=self.row_slots[rows], before=self.before[rows])
+
+
+def prompt_step(i: int, k: int, ids, valid, choose, device, **extra) -> Step:
+    """The prompt step of left-padded prompts ids [b, s] whose real tokens are valid [b, s]."""
+    padded = not bool(valid.all())
+    positions = valid.long().cumsum(dim=1) * valid - 1
+    mask = None
+    if padded:
+        s = ids.shape[1]
+        causal = torch.ones(s, s, dtype=torch.bool).tril_()
+        # A padding query attends to itself only, so its row stays finite and unused.
+        mask = ((causal & valid[:, None, None, :]) | torch.eye(s, dtype=torch.bool)).to(device)
+    return Step(i, k, True, ids.to(device), positions.to(device), valid.to(device), mask, choose, padded,
+                host_token_ids=ids, host_positions=positions, **extra)
 
 
 class Sequences:
+    refills = False  # a fixed batch: every sequence starts at the prompt step (slot_pool.py refills)
+
     def __init__(self, input_ids, attention_mask, gen_len, gpu_batch_size, sampler,
                  eos_token_id, pad_token_id, keep_scores, device, forced=None, row_limits=None, stop_check=None):
         batch, self.prompt_len = input_ids.shape
@@ -87,17 +122,7 @@ class Sequences:
         valid = self.prompt_valid[rows]
         padded = not bool(valid.all())
         if i == 0:
-            positions = (valid.long().cumsum(dim=1) * valid - 1)
-            mask = None
-            if padded:
-                s = self.prompt_len
-                causal = torch.ones(s, s, dtype=torch.bool).tril_()
-                # A padding query attends to itself only, so its row stays finite and unused.
-                mask = (causal & valid[:, None, None, :]) | torch.eye(s, dtype=torch.bool)
-                mask = mask.to(dev)
-            ids = self.ids[rows, : self.prompt_len]
-            return Step(i, k, True, ids.to(dev), positions.to(dev), valid.to(dev), mask, choose, padded,
-                        host_token_ids=ids, host_positions=positions)
+            return prompt_step(i, k, self.ids[rows, : self.prompt_len], valid, choose, dev)
         col = self.prompt_len + i - 1
         ids, positions = self.ids[rows, col: col + 1], (self.real_prompt_len[rows] + i - 1).unsqueeze(1)
         return Step(i, k, False, ids.to(dev), positions.to(dev), None, None, choose, padded,
@@ -148,6 +173,11 @@ class Sequences:
                 if not self.finished[row] and self.stop_check(row, new[n]):
                     self.finished[row] = True
         return tokens
+
+    def refill_steps(self, i: int, num_gpu_batches: int) -> list:
+        """Prompt steps of sequences that join at token step i, per gpu-batch: none here (a fixed
+        batch; slot_pool.py refills)."""
+        return [None] * num_gpu_batches
 
     def all_finished(self) -> bool:
         return bool(self.finished.all())

@@ -32,7 +32,7 @@ from flexh2o.jobs.output import JobOutput, settings_path
 from flexh2o.jobs.plans import FixedPlan, SearchedPlans
 from flexh2o.jobs.replicas import merge, part_paths, start_over
 
-JOB_ONLY = ("output", "skip_bad", "ordered", "overwrite")
+JOB_ONLY = ("output", "skip_bad", "ordered", "overwrite", "fixed_blocks", "join_every")
 
 
 def check_job_flags(args):
@@ -48,6 +48,10 @@ def check_job_flags(args):
     if args.batch is not None:
         raise UsageError("--batch", "is the one-block mode's; a job plans its blocks from --input's records "
                          "(--max-batch caps them)")
+    if args.join_every is not None and args.join_every < 1:
+        raise UsageError("--join-every", f"must be a whole number >= 1, got {args.join_every}")
+    if args.join_every is not None and args.fixed_blocks:
+        raise UsageError("--join-every", "applies to refilled slots, not --fixed-blocks")
 
 
 def check_job_names(args):
@@ -170,7 +174,8 @@ def generate_all(args, engine, job_input, output, tokenizer, spec, plans, read_s
             bar.update(records)
             bar.set_postfix_str(f"{tokens[0] / max(bar.format_dict['elapsed'], 1e-9):.1f} tok/s", refresh=False)
     job = Job(engine, job_input, output, tokenizer, formatter_for(job_input.format, spec.name),
-              eos_ids(spec) if args.stop_at_eos else None, args.seed, progress, plans)
+              eos_ids(spec) if args.stop_at_eos else None, args.seed, progress, plans, args.fixed_blocks,
+              args.join_every or 1)
     job.stats.read_seconds = read_seconds
     for _ in job.run():
         pass
@@ -193,7 +198,8 @@ def format_summary(s: dict, path: str) -> str:
     return "\n".join([
         f"records: {s['records']} ({s['written']} written now, {s['skipped_already_done']} already in {path}, "
         f"{s['bad_records']} bad)",
-        f"blocks: {s['blocks']} ({s['block_shapes']} shapes)",
+        (f"slots refilled: {s['refills']} times, new records joining at {s['join_steps']} token steps"
+         if s["refills"] or s["join_steps"] else f"blocks: {s['blocks']} ({s['block_shapes']} shapes)"),
         f"prompt tokens: {s['prompt_tokens']} real of {s['computed_prompt_tokens']} computed "
         f"(padding {s['padding_share']:.1%})",
         f"generated tokens: {s['generated_tokens']} of {s['decode_slots']} decode slots "

@@ -1,18 +1,25 @@
-"""A dataset job: every record of an input generated in blocks (blocks.py) on one loaded engine.
+"""A dataset job: every record of an input generated on one loaded engine.
 
-Each block runs at its shape's plan (plans.py), generating until every sequence has stopped: at
-EOS, at its own max_tokens or at one of its stop strings. Where a plan's batch exceeds the
-block's records (gpu-batches of equal size), the rest is filled with copies of its last prompt
-that stop after one token. Records go to the output as each
-block finishes (output.py).
+By default the records of one sampling setting run through a pool of slots (engine/slot_pool.py):
+the batch of the plan for the job's longest prompt and largest max_tokens, each slot taking the
+next record as soon as its sequence stops (EOS, its own max_tokens, one of its stop strings).
+Records join longest max_tokens first, so that the last ones to finish are short. Finished
+records go to the output a batch at a time, or after FLUSH_SECONDS (output.py).
+
+With fixed blocks (`fixed_blocks`, and always under pipeline stages) the records are cut into
+blocks (blocks.py), each at its shape's plan (plans.py), generating until every sequence of the
+block has stopped. Where a plan's batch exceeds the block's records (gpu-batches of equal size),
+the rest is filled with copies of its last prompt that stop after one token. Records go to the
+output as each block finishes.
 """
 
 import hashlib
 import time
 from dataclasses import dataclass, field
 
+from flexh2o.engine import slot_pool
 from flexh2o.runs.prompts import pad_prompts
-from flexh2o.jobs.blocks import block_shape, plan_blocks
+from flexh2o.jobs.blocks import ROUND_TO, block_shape, plan_blocks, round_up
 from flexh2o.jobs.input import Entry, JobInput
 from flexh2o.jobs.plans import FixedPlan, use_plan
 
@@ -23,7 +30,9 @@ class JobStats:
     skipped: int = 0            # already in the output (a resumed job)
     done: int = 0               # written by this run
     bad: int = 0                # written as error records (--skip-bad)
-    blocks: int = 0
+    blocks: int = 0             # fixed blocks run, or pools of slots
+    refills: int = 0            # records that took a slot another record had used
+    join_steps: int = 0         # token steps at which records joined a pool
     prompt_tokens: int = 0      # real prompt tokens of the records generated
     computed_prompt_tokens: int = 0  # prompt positions computed (with the blocks' padding)
     generated_tokens: int = 0
@@ -40,6 +49,7 @@ class JobStats:
         own = wall - self.generate_seconds
         return {"records": self.records, "skipped_already_done": self.skipped, "written": self.done,
                 "bad_records": self.bad, "blocks": self.blocks, "block_shapes": len(self.shapes),
+                "refills": self.refills, "join_steps": self.join_steps,
                 "shapes_batch_prompt_gen": sorted(self.shapes),
                 "prompt_tokens": self.prompt_tokens, "computed_prompt_tokens": self.computed_prompt_tokens,
                 "padding_share": padding, "generated_tokens": self.generated_tokens,
@@ -69,16 +79,25 @@ def cut_at_stop(text: str, stops: tuple) -> tuple[str, bool]:
     return (text[: min(cuts)], True) if cuts else (text, False)
 
 
+# Finished records are written (and fsynced) a batch of them at a time, or at the first record to
+# finish this long after the last write.
+FLUSH_SECONDS = 1.0
+
+
 class Job:
     """Runs the records of `job_input` not yet in `output` on `engine`; `formatter` makes each
     output record (format.py)."""
 
     def __init__(self, engine, job_input: JobInput, output, tokenizer, formatter, eos_ids, job_seed: int = 0,
-                 progress=None, plans=None):
-        """plans: each block shape's policy (plans.py); default: the engine's own for every block."""
+                 progress=None, plans=None, fixed_blocks: bool = False, join_every: int = 1):
+        """plans: each block shape's policy (plans.py); default: the engine's own for every block.
+        fixed_blocks: blocks that run to their longest member instead of refilled slots; join_every:
+        free slots take new records every this many token steps."""
         self.engine, self.input, self.output, self.tokenizer = engine, job_input, output, tokenizer
         self.formatter, self.eos_ids, self.job_seed, self.progress = formatter, eos_ids, job_seed, progress
         self.plans = plans or FixedPlan(engine.policy)
+        self.fixed_blocks = fixed_blocks or engine.stage is not None
+        self.join_every = join_every
         self.stats = JobStats(records=len(job_input.entries))
 
     def pending(self) -> list[Entry]:
@@ -96,13 +115,81 @@ class Job:
             self.stats.bad += len(bad)
             self._advance(len(bad), 0)
             yield records
-        for block in plan_blocks([e for e in todo if e.error is None], self.plans.batch_for,
-                                 self.engine.spec.max_positions):
+        good = [e for e in todo if e.error is None]
+        if not self.fixed_blocks:
+            groups: dict = {}
+            for e in good:
+                groups.setdefault(e.sampling, []).append(e)
+            for group in groups.values():
+                yield from self._generate_refilled(group, start)
+            self.stats.seconds = time.perf_counter() - start
+            return
+        for block in plan_blocks(good, self.plans.batch_for, self.engine.spec.max_positions):
             records = self._generate(block)
             self.output.append(records)
             self.stats.seconds = time.perf_counter() - start
             yield records
         self.stats.seconds = time.perf_counter() - start
+
+    def _generate_refilled(self, entries: list[Entry], start: float):
+        """One sampling setting's records through a pool of slots; yields its output records as
+        they are written."""
+        engine, spec = self.engine, self.engine.spec
+        gen_len = max(e.max_tokens for e in entries)
+        prompt_len = min(round_up(max(e.prompt_tokens for e in entries), ROUND_TO), spec.max_positions - gen_len)
+        policy = use_plan(engine, self.plans, prompt_len, gen_len, len(entries))
+        entries = sorted(entries, key=lambda e: (-e.max_tokens, e.number))
+        finished, written, last_write, tokens = [], [], [time.perf_counter()], [0]
+
+        def requests():
+            for entry in entries:
+                request, tokens = self.input.tokens(entry)
+                stops = request.stop
+                check = None if not stops else \
+                    (lambda new, stops=stops: any(s in self.tokenizer.decode(new.tolist(), skip_special_tokens=True)
+                                                  for s in stops))
+                seed = request.seed if request.seed is not None else default_seed(self.job_seed, request.id)
+                yield slot_pool.Request(tokens, request.max_tokens, seed, check, (entry, request))
+
+        def flush():
+            if finished:
+                self.output.append(finished)
+                written.append(list(finished))
+                self._advance(len(finished), tokens[0])
+                finished.clear()
+                tokens[0] = 0
+            last_write[0] = time.perf_counter()
+
+        def done(request, tokens, reason):
+            entry, asked = request.tag
+            new, hit_eos = until_eos(tokens, self.eos_ids)
+            text, stopped = cut_at_stop(self.tokenizer.decode(new, skip_special_tokens=True), asked.stop)
+            completion = len(new) + hit_eos  # the EOS token counts as generated
+            self.stats.generated_tokens += completion
+            tokens[0] += completion
+            self.stats.done += 1
+            finished.append(self.formatter.result(entry, asked, text, "stop" if hit_eos or stopped else "length",
+                                                  entry.prompt_tokens, completion))
+            if len(finished) >= policy.batch_size or time.perf_counter() - last_write[0] >= FLUSH_SECONDS:
+                flush()
+
+        began = time.perf_counter()
+        sampling = entries[0].sampling
+        pool = engine.generate_refilled(requests(), done, prompt_len, gen_len, do_sample=sampling.temperature > 0,
+                                        temperature=sampling.temperature or 1.0, top_k=sampling.top_k,
+                                        top_p=sampling.top_p, eos_token_id=self.eos_ids, join_every=self.join_every)
+        self.stats.generate_seconds += time.perf_counter() - began
+        flush()
+        s = self.stats
+        s.blocks += 1
+        s.refills += max(0, pool.joined - policy.batch_size)
+        s.join_steps += pool.joins
+        s.shapes.add((policy.batch_size, prompt_len, gen_len))
+        s.prompt_tokens += sum(e.prompt_tokens for e in entries)
+        s.computed_prompt_tokens += pool.prompt_positions
+        s.decode_slots += pool.decode_slots + pool.joined  # a joining record's first token comes from its prompt step
+        s.seconds = time.perf_counter() - start
+        yield from written
 
     def _advance(self, records: int, tokens: int):
         if self.progress is not None:

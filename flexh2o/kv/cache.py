@@ -24,6 +24,7 @@ class KVCache:
         self.capacity = k.shape[2]
         self.length = length  # slots [0, length) may hold a token; the rest are still empty
         self.written = None   # what the last step wrote: "all" (the prompt) or slot per [batch, kv_head]
+        self.refilled = []    # rows whose sequence the last step replaced, every slot rewritten (slot_pool.py)
 
     @classmethod
     def allocate(cls, tiers, batch, kv_heads, head_dim, capacity, with_score: bool, tier: str = "gpu", dtype=None):
@@ -38,6 +39,12 @@ class KVCache:
         pos.fill_(-1)
         score = tiers.alloc(tier, (batch, kv_heads, capacity), dtype=torch.float32, zero=True) if with_score else None
         return pos, score
+
+    def row(self, r: int) -> "KVCache":
+        """Sequence r's slots, as a cache of one sequence whose writes land in this one."""
+        view = KVCache(*(None if t is None else t[r: r + 1] for t in (self.k, self.v, self.pos, self.score)))
+        view.cpu_attended = self.cpu_attended
+        return view
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.k, self.v, self.pos, self.score) if t is not None]

@@ -67,6 +67,12 @@ class CompressedKVCache(KVCache):
         cache.every_slot = tiers.on_cuda and tier == "gpu"
         return cache
 
+    def row(self, r: int) -> "CompressedKVCache":
+        view = CompressedKVCache(self.k[:, r: r + 1], self.v[:, r: r + 1], self.pos[r: r + 1],
+                                 None if self.score is None else self.score[r: r + 1], self.head_dim)
+        view.clock, view.every_slot, view.cpu_attended = self.clock, self.every_slot, self.cpu_attended
+        return view
+
     def store_first(self, k, v):
         quantize_slot_major(k, self.k)
         quantize_slot_major(v, self.v)

@@ -75,6 +75,11 @@ class FullCache:
         cache.fill_prompt(k, v, pos)
 
     def decode(self, cache, k, v, pos, logits, probs, step):
+        if step.row_slots is not None:  # slots refilled: each sequence's new token at its own slot
+            slots = step.row_slots.to(cache.pos.device)
+            cache.put(slots[:, None].expand(-1, k.shape[1]).contiguous(), k, v, pos)
+            cache.length = max(cache.length, step.fill)
+            return
         cache.append(k, v, pos, None if step.slot is None or cache.cpu_attended else (step.slot, step.slot_index))
 
 

@@ -127,6 +127,7 @@ class CacheHome:
         kv_heads, head_dim, capacity = self.shape
         for part in self.parts:
             if part.in_place(prefill):
+                part.home.refilled = []
                 views.append((part.rows, part.home))
                 continue
             n = part.rows.stop - part.rows.start
@@ -187,7 +188,7 @@ class CacheHome:
         """Writes what the step changed back home, then frees the buffers. Compressed, what the step
         wrote is quantized here, on the compute thread (in its stream's order), and only that."""
         todo = [(part, buf) for part, (_, buf) in zip(self.parts, views) if buf is not part.home]
-        self.length = views[0][1].length
+        self.length = max(buf.length for _, buf in views)
         for part, buf in todo:
             if part.home is not None:  # the prompt's cache, computed in a buffer, goes to a home used in place
                 part.home.length = buf.length
@@ -206,8 +207,9 @@ class CacheHome:
         return self.last_store or Pending(None)
 
     def _quantize_written(self, part, buf):
-        """Compressed: the groups of what the step wrote, K and V (slot-major after the prompt, one
-        per (sequence, KV head) after a decode step), for the I/O thread to write home."""
+        """Compressed: the groups of what the step wrote, K and V (slot-major after the prompt; after
+        a decode step, one per (sequence, KV head), and every filled slot of a row that took a new
+        sequence), for the I/O thread to write home."""
         if not self.compressed:
             return None
         slots = buf.written
@@ -217,8 +219,13 @@ class CacheHome:
             for src, dst in zip((buf.k, buf.v), out):
                 quantize_slot_major(src[:, :, :buf.length], dst)
             return out
-        seq, head = slot_grid(slots)
-        return tuple(quantize(t[seq, head, slots], check=False) for t in (buf.k, buf.v))
+        slot_groups = None
+        if slots is not None:
+            seq, head = slot_grid(slots)
+            slot_groups = tuple(quantize(t[seq, head, slots], check=False) for t in (buf.k, buf.v))
+        rows = [tuple(quantize(t[r, :, :buf.length].transpose(0, 1), check=False) for t in (buf.k, buf.v))
+                for r in buf.refilled]
+        return slot_groups, rows
 
     def _write(self, part, buf, groups):
         tiers, slots = self.tiers, buf.written
@@ -227,6 +234,15 @@ class CacheHome:
             tiers.to_host_all(state + self._prompt_copies(part, buf, groups))
             return
         tiers.to_host_all(state)
+        slot_groups, row_groups = groups or (None, None)
+        if slots is not None:  # None: no decode call wrote (every row of the gpu-batch was refilled)
+            self._write_slots(part, buf, slots, slot_groups)
+        for n, r in enumerate(buf.refilled):  # rows that took a new sequence: all their slots in use
+            self._write_row(part, buf, r, row_groups[n] if row_groups else None)
+
+    def _write_slots(self, part, buf, slots, groups):
+        """One slot per (sequence, KV head), as a decode step wrote them."""
+        tiers = self.tiers
         n, kv_heads = slots.shape
         written = tiers.host(slots)
         seq, head = slot_grid(written)
@@ -240,6 +256,21 @@ class CacheHome:
         order = rows.argsort()
         for file, data in zip((part.k_file, part.v_file), values):
             tiers.disk.write_rows(file, rows[order], data.flatten(0, 1)[order])  # [n * kv_heads, width]
+
+    def _write_row(self, part, buf, r: int, groups):
+        """Slots [0, length) of sequence r, every KV head (slot-major: [length, kv_heads, width])."""
+        tiers, length = self.tiers, buf.length
+        values = [tiers.host(g) for g in groups] if groups else \
+            [tiers.host(src[r, :, :length].transpose(0, 1).contiguous()) for src in (buf.k, buf.v)]
+        if part.k_file is None:
+            for mem, data in zip((part.k_mem, part.v_mem), values):
+                mem[:length, r] = data
+            return
+        n, kv_heads = buf.k.shape[0], self.shape[0]
+        slot = torch.arange(length)[:, None]
+        rows = (slot * (n * kv_heads) + r * kv_heads + torch.arange(kv_heads)[None, :]).flatten()
+        for file, data in zip((part.k_file, part.v_file), values):
+            tiers.disk.write_rows(file, rows, data.flatten(0, 1))  # [length * kv_heads, width]
 
     def _prompt_copies(self, part, buf, groups) -> list:
         """The (home, computed) pairs of the prompt's K and V that go to CPU memory; a disk part's

@@ -29,10 +29,11 @@ class CachedAttention(Layer):
         self.loading = []
 
     # -- the cache of each gpu-batch ------------------------------------------------------------
-    def init_cache(self, batch_sizes, kv, policy):
-        """kv: this layer's KV policy object (flexh2o.kv), which fixes the capacity."""
+    def init_cache(self, batch_sizes, kv, policy, refills: bool = False):
+        """kv: this layer's KV policy object (flexh2o.kv), which fixes the capacity. refills: rows
+        take new sequences as others decode (slot_pool.py): no step is a whole gpu-batch's prompt."""
         s = self.spec
-        self.kv = kv
+        self.kv, self.refills = kv, refills
         self.homes = [CacheHome(self.tiers, b, s.num_kv_heads, s.head_dim, kv.capacity, kv.accumulates,
                                 batch_split(b, policy.cache_gpu_percent, policy.cache_cpu_percent),
                                 policy.cpu_cache_compute, policy.compress_cache) for b in batch_sizes]
@@ -44,7 +45,7 @@ class CachedAttention(Layer):
         self.homes, self.loading = [], []
 
     def load_cache(self, i, k):
-        self.loading[k] = self.homes[k].load(prefill=i == 0)
+        self.loading[k] = self.homes[k].load(prefill=i == 0 and not self.refills)
 
     def wait_inputs(self, k):
         super().wait_inputs(k)
@@ -78,10 +79,11 @@ class CachedAttention(Layer):
         on_cpu = {n: self.tiers.start_host_copy([t[rows] for t in (q, k, v, step.positions)], cache.k.dtype)
                   for n, (rows, cache) in enumerate(parts) if cache.cpu_attended}
         outs = [None if n in on_cpu else self._decode(q[rows], k[rows], v[rows], step.positions[rows], cache,
-                                                      scale, step)
+                                                      scale, step.for_rows(rows))
                 for n, (rows, cache) in enumerate(parts)]
         for n, copied in on_cpu.items():
-            outs[n] = self._decode(*copied.wait(), parts[n][1], scale, step).to(q.device, q.dtype)
+            rows, cache = parts[n]
+            outs[n] = self._decode(*copied.wait(), cache, scale, step.for_rows(rows)).to(q.device, q.dtype)
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _decode(self, q, k_new, v_new, positions, cache, scale, step):
@@ -109,8 +111,24 @@ class CachedAttention(Layer):
             out = prompt_attention(q, k, v, step.prompt_mask, scale)
         b, _, n, _ = k.shape
         pos = step.positions.to(torch.int32)[:, None, :].expand(b, kv_heads, n)
+        if step.refill is not None:
+            self._refill(k, v, pos, seen, step, parts)
+            return out
         for rows, cache in parts:
             dev = cache.k.device
             self.kv.prompt(cache, k[rows].to(dev), v[rows].to(dev), pos[rows].to(dev),
                            None if seen is None else seen[rows].to(dev), step)
         return out
+
+    def _refill(self, k, v, pos, seen, step, parts):
+        """A refill step's prompts (slot_pool.py) into the cache rows they take, each one's real
+        tokens alone from slot 0, the row's previous sequence forgotten (the policy rewrites every
+        slot's position)."""
+        for n, (row, padding) in enumerate(step.refill):
+            rows, cache = next((rows, cache) for rows, cache in parts if rows.start <= row < rows.stop)
+            dev = cache.k.device
+            own = [None if t is None else t[n: n + 1, :, padding:].to(dev) for t in (k, v, pos, seen)]
+            view = cache.row(row - rows.start)
+            self.kv.prompt(view, *own, step)
+            cache.length = max(cache.length, view.length)
+            cache.refilled.append(row - rows.start)

@@ -157,7 +157,7 @@ class Layer:
             self.tiers.release_loaded(pending.wait(), home)
         self._loading = None
 
-    def init_cache(self, batch_sizes: list[int], kv, policy):
+    def init_cache(self, batch_sizes: list[int], kv, policy, refills: bool = False):
         """Allocates per-gpu-batch KV cache slots at the capacity of `kv`, this layer's KV policy
         (attention layers only)."""
 

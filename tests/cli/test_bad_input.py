@@ -64,6 +64,8 @@ FLAGS = [
     (["--kv-policy", "sink"], "--hh-ratio", "needs a budget"),
     (["--kv-policy", "full", "--hh-ratio", "0.5"], "--kv-policy", "full keeps every token"),
     (["--compress-cache", "--cpu-cache-compute"], "--compress-cache", "cannot be combined with --cpu-cache-compute"),
+    (["--join-every", "2"], "--join-every", "applies to a dataset job"),
+    (["--fixed-blocks"], "--fixed-blocks", "applies to a dataset job"),
 ]
 
 

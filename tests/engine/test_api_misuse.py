@@ -223,12 +223,12 @@ def test_a_large_generate_call_shows_progress_and_does_linear_work(llm, monkeypa
         real = getattr(owner, name)
         monkeypatch.setattr(owner, name, lambda *a, **k: (calls.__setitem__(key, calls[key] + 1), real(*a, **k))[1])
     counted(type(llm.tokenizer), "__call__", "tokenize")
-    counted(Engine, "generate", "generate")
+    counted(Engine, "generate_refilled", "generate")
     got = llm.generate(["the cat sat"] * n, max_tokens=1)
     assert [c.index for c in got] == list(range(n))
-    assert calls["tokenize"] == 2 * n  # each prompt tokenized when checked and when its block runs
-    assert calls["generate"] == -(-n // batch)  # one engine call per block of 2
-    calls["generate"] = 0  # a call after one whose last block was short still runs blocks of 2
+    assert calls["tokenize"] == 2 * n  # each prompt tokenized when checked and when its slot takes it
+    assert calls["generate"] == 4  # one engine call per chunk of prompts read ahead
+    calls["generate"] = 0
     assert len(llm.generate(["the cat"] * 4 * batch, max_tokens=1, progress=False)) == 4 * batch
-    assert calls["generate"] == 4
+    assert calls["generate"] == 1
     assert f"{n}/{n}" in capsys.readouterr().err

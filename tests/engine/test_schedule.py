@@ -41,8 +41,13 @@ class RecordingLayer:
 
 
 class FakeSequences:
+    refills = False
+
     def steps(self, i, nb, device_counters=False):
         return [type("Step", (), {"i": i, "k": k})() for k in range(nb)]
+
+    def refill_steps(self, i, nb):
+        return [None] * nb
 
     def all_finished(self):
         return False
@@ -98,7 +103,7 @@ def test_full_cache_writes_slots_in_place():
     full = FullCache(6, 6, 2, 0)
     full.prompt(cache, prompt, prompt + 1, pos, None, None)
     new = torch.randn(2, 3, 1, 4)
-    full.decode(cache, new, new, torch.tensor([[3], [4]]), None, None, SimpleNamespace(slot=None))
+    full.decode(cache, new, new, torch.tensor([[3], [4]]), None, None, SimpleNamespace(slot=None, row_slots=None))
     assert (cache.k.data_ptr(), cache.v.data_ptr()) == (k_ptr, v_ptr)
     assert cache.length == 5 and torch.equal(cache.k[:, :, 4], new[:, :, 0])
     assert cache.pos[:, 0].tolist() == [[-1, 0, 1, 2, 3, -1], [0, 1, 2, 3, 4, -1]]

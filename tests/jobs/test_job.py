@@ -89,6 +89,27 @@ def test_a_plain_text_job_gives_each_prompt_what_it_gets_alone(model_with_tokeni
             assert r["completion_tokens"] == 6
 
 
+def test_refilled_slots_write_what_fixed_blocks_write_with_less_waste(model_with_tokenizer, tmp_path):
+    """Records asking for 1 to 16 tokens: fixed blocks run each block to its longest member, refilled
+    slots give a stopped record's slot to the next one; the records are the same."""
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps({"id": n, "prompt": prompt(1 + (5 * n) % 23, n), "max_tokens": 1 + (7 * n) % 16})
+                            + "\n" for n in range(30)))
+    summaries = {}
+    for mode, flags in (("fixed", ["--fixed-blocks"]), ("refilled", []), ("every 3", ["--join-every", "3"])):
+        out, summary = tmp_path / f"{mode}.jsonl", tmp_path / f"{mode}.json"
+        assert run(model_with_tokenizer, path, out, "--gpu-batch-size", "3", "--num-gpu-batches", "2",
+                   "--json-out", str(summary), *flags) == 0
+        summaries[mode] = json.load(open(summary))["job"]
+        assert records(out) == records(tmp_path / "fixed.jsonl")
+    fixed, refilled = summaries["fixed"], summaries["refilled"]
+    assert fixed["refills"] == 0 and refilled["refills"] == 30 - 6 and refilled["blocks"] == 1
+    assert refilled["generated_tokens"] == fixed["generated_tokens"]
+    assert refilled["slots_wasted_after_stop"] < fixed["slots_wasted_after_stop"]
+    assert summaries["every 3"]["join_steps"] < refilled["join_steps"]
+    assert run(model_with_tokenizer, path, tmp_path / "x.jsonl", "--join-every", "0") == 2
+
+
 def test_blocks_are_sorted_by_length_and_padded_to_their_own_longest(tmp_path):
     entries = [Entry(i, str(i), i + 1, 0, n, 4, Sampling(0.0, 1.0, 0), None) for i, n in
                enumerate([30, 3, 17, 1, 9, 5, 12, 2])]

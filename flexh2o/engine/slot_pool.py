@@ -1,0 +1,180 @@
+"""Sequences in a fixed number of slots, each slot taking the next waiting prompt as soon as its
+sequence stops: continuous batching.
+
+A slot is one row of the batch, with its KV cache rows preallocated at the size of the longest
+request (kv/cache.py). When a sequence stops (EOS, its max_new_tokens, its stop check) its row is
+free; at the next token step that joins (every `join_every` steps) the free rows take waiting
+requests in order. The joining rows of gpu-batch k get a prompt step of their own, a second call
+of each (layer, k) unit right after that unit's decode call, on the weights loaded for it
+(schedule.py): the decode call computes every row of the gpu-batch, the joining ones too, whose
+output is never read and whose cache row the prompt step then rewrites whole.
+
+Each sequence keeps its own place: its prompt's real tokens fill its cache slots from 0 (no
+padding stored), its position and the full cache's slot for a new token are its prompt length
+plus the tokens it generated, and it samples from a generator of its own seed, drawing once per
+token as it would alone.
+"""
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from flexh2o.engine.sequences import Step, prompt_step
+
+
+@dataclass
+class Request:
+    ids: list                           # the prompt's token ids
+    max_new_tokens: int
+    seed: int | None = None             # the seed of this sequence's sampling generator
+    stop_check: Callable | None = None  # (its new tokens, a CPU tensor) -> whether they end it (stop strings)
+    tag: object = None                  # the caller's, handed back with the result
+
+
+class SlotPool:
+    """The state of `batch` slots fed from `requests` (an iterator of Request); `on_done(request,
+    tokens, reason)` receives each finished sequence's new tokens (ending with the EOS token where one
+    ended it) and "stop" (EOS or stop check) or "length"."""
+
+    refills = True
+
+    def __init__(self, requests, batch: int, gpu_batch_size: int, sampler, eos_token_id, pad_token_id: int, device,
+                 on_done, join_every: int = 1):
+        self.requests, self.waiting = iter(requests), []
+        self.batch, self.gpu_batch_size, self.join_every = batch, gpu_batch_size, join_every
+        self.sampler, self.pad, self.device, self.on_done = sampler, pad_token_id, device, on_done
+        self.eos = None if eos_token_id is None else torch.tensor(eos_token_id).view(-1)
+        self.request = [None] * batch
+        self.generators = [None] * batch
+        self.new_tokens = [[] for _ in range(batch)]
+        self.real_len = torch.zeros(batch, dtype=torch.long)
+        self.generated = torch.zeros(batch, dtype=torch.long)
+        self.last = torch.full((batch,), pad_token_id, dtype=torch.long)
+        self.active = torch.zeros(batch, dtype=torch.bool)  # running: decoded at the next step
+        self.decoding = self.active.clone()  # running as the current step began
+        self.joining = []  # per gpu-batch, the (row, request) pairs that join at the current step
+        self.uniforms = None
+        self.joined = 0      # requests that took a slot
+        self.row_joins = [0] * batch  # of which per slot
+        self.joins = 0       # token steps at which some did
+        self.decode_slots = 0  # (row, decode step) pairs computed
+        self.prompt_positions = 0  # prompt positions computed, padding included
+
+    def rows(self, k: int) -> slice:
+        return slice(k * self.gpu_batch_size, (k + 1) * self.gpu_batch_size)
+
+    def _peek(self):
+        if not self.waiting:
+            self.waiting = [r for r in [next(self.requests, None)] if r is not None]
+        return self.waiting[0] if self.waiting else None
+
+    def _take(self):
+        request = self._peek()
+        self.waiting.pop(0)
+        return request
+
+    def begin(self, i: int):
+        """Token step i starts: free rows take waiting requests (every join_every steps, or whenever
+        nothing runs); the running sequences draw their random numbers."""
+        self.decoding = self.active.clone()
+        self.joining = [[] for _ in range(-(-self.batch // self.gpu_batch_size))]
+        if i % self.join_every == 0 or not self.active.any():
+            for row in (~self.active).nonzero().flatten().tolist():
+                if self._peek() is None:
+                    break
+                self.joining[row // self.gpu_batch_size].append((row, self._take()))
+        if any(self.joining):
+            self.joins += 1
+        self.uniforms = None
+        if not self.sampler.greedy:
+            self.uniforms = torch.zeros(self.batch, dtype=torch.float64)
+            for row in self.decoding.nonzero().flatten().tolist():
+                self.uniforms[row] = torch.rand(1, generator=self.generators[row], dtype=torch.float64)
+
+    def steps(self, i: int, num_gpu_batches: int, device_counters: bool = False) -> list:
+        """The decode step of every gpu-batch with a running sequence (None for the others)."""
+        self.begin(i)
+        return [self.step(i, k) if self.decoding[self.rows(k)].any() else None for k in range(num_gpu_batches)]
+
+    def step(self, i: int, k: int) -> Step:
+        rows, dev = self.rows(k), self.device
+        ids = self.last[rows].unsqueeze(1)
+        # A row that runs no sequence (stopped, or never filled) repeats its last position: its
+        # cache slot there is rewritten with what is never read.
+        positions = (self.real_len[rows] + self.generated[rows] - 1).clamp_(min=0).unsqueeze(1)
+        slots = positions.squeeze(1)
+        self.decode_slots += slots.shape[0]
+        return Step(i, k, False, ids.to(dev), positions.to(dev), None, None,
+                    lambda logits: self._choose(k, logits), True, host_token_ids=ids, host_positions=positions,
+                    row_slots=slots.to(dev), fill=int(slots.max()) + 1, before=(self.generated[rows] - 1).to(dev))
+
+    def refill_steps(self, i: int, num_gpu_batches: int) -> list:
+        """Per gpu-batch, the prompt step of the requests joining at token step i (None where none
+        join); their sequences draw their first random numbers here."""
+        out = []
+        for k in range(num_gpu_batches):
+            joining = self.joining[k] if k < len(self.joining) else []
+            if not joining:
+                out.append(None)
+                continue
+            s = max(len(request.ids) for _, request in joining)
+            ids = torch.full((len(joining), s), self.pad, dtype=torch.long)
+            valid = torch.zeros(len(joining), s, dtype=torch.bool)
+            for n, (row, request) in enumerate(joining):
+                ids[n, s - len(request.ids):] = torch.tensor(request.ids)
+                valid[n, s - len(request.ids):] = True
+                self.generators[row] = torch.Generator().manual_seed(request.seed or 0)
+            uniforms = None
+            if not self.sampler.greedy:
+                uniforms = torch.cat([torch.rand(1, generator=self.generators[row], dtype=torch.float64)
+                                      for row, _ in joining])
+            self.joined += len(joining)
+            self.prompt_positions += ids.numel()
+            out.append(prompt_step(i, k, ids, valid, lambda logits, j=joining, u=uniforms: self._join(j, logits, u),
+                                   self.device, refill=[(row - k * self.gpu_batch_size, s - len(request.ids))
+                                                        for row, request in joining]))
+        return out
+
+    def _choose(self, k: int, logits):
+        """Gpu-batch k's decode logits [b, vocab] -> the next tokens [b, 1] (on the device); the
+        running rows' are recorded."""
+        rows = self.rows(k)
+        uniforms = None if self.uniforms is None else self.uniforms[rows].to(logits.device)
+        tokens = self.sampler.pick(logits, uniforms).cpu()
+        for n, row in enumerate(range(rows.start, rows.stop)):
+            if self.decoding[row]:
+                self._accept(row, int(tokens[n]))
+        return tokens.unsqueeze(1).to(self.device)
+
+    def _join(self, joining, logits, uniforms):
+        """The joining rows' prompt logits [r, vocab] -> their first tokens."""
+        tokens = self.sampler.pick(logits, None if uniforms is None else uniforms.to(logits.device)).cpu()
+        for n, (row, request) in enumerate(joining):
+            self.request[row], self.new_tokens[row] = request, []
+            self.real_len[row], self.generated[row] = len(request.ids), 0
+            self.active[row] = True
+            self.row_joins[row] += 1
+            self._accept(row, int(tokens[n]))
+        return tokens.unsqueeze(1).to(self.device)
+
+    def _accept(self, row: int, token: int):
+        request, tokens = self.request[row], self.new_tokens[row]
+        tokens.append(token)
+        self.generated[row] += 1
+        self.last[row] = token
+        reason = None
+        if self.eos is not None and bool((self.eos == token).any()):
+            reason = "stop"
+        elif request.stop_check is not None and request.stop_check(torch.tensor(tokens)):
+            reason = "stop"
+        elif len(tokens) >= request.max_new_tokens:
+            reason = "length"
+        if reason is not None:
+            self.active[row] = False
+            self.request[row], self.generators[row] = None, None
+            self.on_done(request, tokens, reason)
+
+    def all_finished(self) -> bool:
+        """Nothing runs and nothing waits."""
+        return not self.active.any() and self._peek() is None
