@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "or \"messages\", optional max_tokens, temperature, top_p, top_k, stop, seed}) or an OpenAI "
                      "Batch file; with --gen-len as the default max_tokens")
     job.add_argument("--output", metavar="OUT.jsonl", help="one result record per input record, appended as "
-                     "blocks finish; run the same command again to resume a stopped job")
+                     "records finish; run the same command again to resume a stopped job")
     job.add_argument("--skip-bad", action="store_true", help="write bad input records as error records and go on "
                      "(default: refuse the input before loading the model)")
     job.add_argument("--ordered", action="store_true", help="at the end, rewrite --output in input order")
@@ -104,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "instead of slots that each take the next record as soon as theirs stops")
     job.add_argument("--join-every", type=int, default=None, metavar="N",
                      help="free slots take waiting records every N token steps (default 1)")
+    job.add_argument("--prompt-chunk", type=int, default=None, metavar="N",
+                     help="a joining prompt longer than N tokens runs N of them per token step, so the others' "
+                          "decode steps never wait for a whole long prompt (full cache, uncompressed; default: "
+                          "whole prompts)")
     job.add_argument("--overwrite", action="store_true",
                      help="start --output again instead of resuming it")
     job.add_argument("--quiet", action="store_true", help="no progress bar")

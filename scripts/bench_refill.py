@@ -12,7 +12,13 @@ batch for every contender, each in a child process under the same memory cgroup:
   next record;
 - fixed: the same job with --fixed-blocks (length-sorted blocks, each run to its longest member);
 - hf-sorted: transformers' `generate` over the job's sorted blocks, each block to its largest
-  max_tokens, padded to its longest prompt (bench_dataset.py's loop).
+  max_tokens, padded to its longest prompt (bench_dataset.py's loop);
+- llama-server: llama.cpp's own server with continuous batching, --batch parallel slots, built
+  from the tree the llama-cpp-python sdist vendors (bench_vs_llamacpp.py), on the same GGUF with
+  the same threads; the job's prompt token ids (chat template applied) are sent to /completion by
+  --batch client threads at once, greedy, each with its own n_predict. It computes in the file's
+  own Q4_1 weights, where flexh2o widens them to float32 (the other contenders' setting); its
+  generated tokens are its `tokens_predicted`. Where it cannot be built its rows are left out.
 
 Chunks run the contenders in turn, the first one rotating from chunk to chunk; finished chunks
 are kept in results/refill.json so the command can stop and go on. Writes results/refill.{json,md}.
@@ -22,6 +28,7 @@ import argparse
 import json
 import os
 import random
+import subprocess
 import sys
 import tempfile
 
@@ -31,9 +38,9 @@ from bench_quality import MODEL, shakespeare_texts  # noqa: E402
 from job_agreement import chat_prompts  # noqa: E402
 from memory_budget import exit_on_sigterm, run_in_budget  # noqa: E402
 
-CONTENDERS = ("refilled", "fixed", "hf-sorted")
+CONTENDERS = ("refilled", "fixed", "hf-sorted", "llama-server")
 LABELS = {"refilled": "flexh2o job, refilled slots", "fixed": "flexh2o job, fixed blocks",
-          "hf-sorted": "transformers, the job's sorted blocks"}
+          "hf-sorted": "transformers, the job's sorted blocks", "llama-server": "llama-server, parallel slots"}
 SETTINGS = ("prompts", "total_chunks", "batch", "min_tokens", "max_tokens", "memory", "seed")
 KEYS = ("wall_seconds", "prompt_tokens", "computed_prompt_tokens", "generated_tokens", "decode_slots")
 
@@ -58,9 +65,79 @@ def make_chunks(args, work: str) -> list[str]:
     return paths
 
 
+def child_llama_server(args):
+    """Starts llama-server (in this child's cgroup), waits until it has loaded the model, then sends
+    every record of the chunk from --batch threads and reports the wall time of the sending."""
+    import queue
+    import subprocess
+    import threading
+    import time
+    import urllib.request
+    from bench_dataset import read_requests
+    from flexh2o.runs.prompts import load_tokenizer
+    tokenizer = load_tokenizer(MODEL)
+    requests, rows = read_requests(args.chunk_file, tokenizer)
+    context = max(len(r) for r in rows) + args.max_tokens + 8
+    port = 18000 + os.getpid() % 1000
+    threads = str(os.cpu_count() or 2)
+    server = subprocess.Popen([args.server, "-m", MODEL, "--host", "127.0.0.1", "--port", str(port),
+                               "-np", str(args.batch), "-c", str(args.batch * context), "-t", threads, "-tb", threads,
+                               "-b", "2048", "-ub", "512", "--no-webui"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                if urllib.request.urlopen(url + "/health", timeout=5).status == 200:
+                    break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            raise RuntimeError("llama-server did not come up")
+        todo, results = queue.Queue(), {}
+        for n in range(len(requests)):
+            todo.put(n)
+
+        def client():
+            while True:
+                try:
+                    n = todo.get_nowait()
+                except queue.Empty:
+                    return
+                body = json.dumps({"prompt": rows[n], "n_predict": requests[n].max_tokens, "temperature": 0,
+                                   "top_k": 1, "cache_prompt": False}).encode()
+                reply = urllib.request.urlopen(urllib.request.Request(url + "/completion", body,
+                                                                      {"Content-Type": "application/json"}),
+                                               timeout=3600)
+                results[n] = json.loads(reply.read())
+        start = time.perf_counter()
+        workers = [threading.Thread(target=client) for _ in range(args.batch)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        seconds = time.perf_counter() - start
+    finally:
+        server.terminate()
+        server.wait()
+    with open(args.out_file, "w", encoding="utf-8") as f:
+        for n, request in enumerate(requests):
+            f.write(json.dumps({"id": request.id, "text": results[n]["content"]}) + "\n")
+    generated = sum(results[n]["tokens_predicted"] for n in results)
+    prompt = sum(len(r) for r in rows)
+    from memory_budget import report_result
+    report_result({"wall_seconds": seconds, "prompt_tokens": prompt, "computed_prompt_tokens": prompt,
+                   "generated_tokens": generated, "decode_slots": generated})
+
+
 def run_contender(name: str, chunk: str, args, work: str) -> dict:
     out = os.path.join(work, f"{name}.{os.path.basename(chunk)}.out.jsonl")
-    if name == "hf-sorted":
+    if name == "llama-server":
+        if args.server is None:
+            return {"skipped": args.server_missing}
+        argv = [sys.executable, __file__, "--child", "llama-server", "--server", args.server, "--chunk-file", chunk,
+                "--out-file", out, "--batch", str(args.batch), "--max-tokens", str(args.max_tokens)]
+    elif name == "hf-sorted":
         argv = [sys.executable, os.path.join(os.path.dirname(__file__), "bench_dataset.py"), "--child", "hf-sorted",
                 "--chunk-file", chunk, "--out-file", out, "--batch", str(args.batch),
                 "--max-tokens", str(args.max_tokens)]
@@ -74,7 +151,7 @@ def run_contender(name: str, chunk: str, args, work: str) -> dict:
     if run.returncode != 0 or run.oom_killed or run.timed_out:
         return {"failed": True, "returncode": run.returncode, "oom_killed": run.oom_killed,
                 "timed_out": run.timed_out, "peak_bytes": run.peak_bytes}
-    if name == "hf-sorted":
+    if name in ("hf-sorted", "llama-server"):
         result = run.result
     else:
         job = json.load(open(summary))["job"]
@@ -86,11 +163,17 @@ def run_contender(name: str, chunk: str, args, work: str) -> dict:
     return {**result, "peak_bytes": run.peak_bytes, "cpu": args.cpu, "texts": texts}
 
 
+def ran(state: dict) -> list[str]:
+    """The contenders with results (llama-server is left out where it could not be built)."""
+    return [n for n in CONTENDERS if any("wall_seconds" in c.get(n, {}) for c in state["chunks"].values())]
+
+
 def totals(state: dict) -> dict:
-    done = [c for c in state["chunks"].values()
-            if all(name in c and not c[name].get("failed") for name in CONTENDERS)]
-    out = {"chunks": len(done), "cpus": sorted({c[name].get("cpu", "?") for c in done for name in CONTENDERS})}
-    for name in CONTENDERS:
+    names = ran(state)
+    done = [c for c in state["chunks"].values() if all("wall_seconds" in c.get(name, {}) for name in names)]
+    out = {"chunks": len(done), "cpus": sorted({c[name].get("cpu", "?") for c in done for name in names}),
+           "contenders": names}
+    for name in names:
         rows = [c[name] for c in done]
         s = {k: sum(r[k] for r in rows) for k in KEYS}
         s["peak_bytes"] = max((r["peak_bytes"] for r in rows), default=0)
@@ -117,7 +200,7 @@ def markdown(state: dict, t: dict) -> str:
              "the prompts to the last result written, the model's loading excluded.", "",
              "| contender | generated tokens | wall s | generated tok/s | vs fixed blocks | vs transformers sorted "
              "| padding | slots wasted after stop | peak memory |", "|---|---|---|---|---|---|---|---|---|"]
-    for name in CONTENDERS:
+    for name in t["contenders"]:
         s = t[name]
         rate = s["tokens_per_second"]
         lines.append(f"| {LABELS[name]} | {s['generated_tokens']} | {s['wall_seconds']:.0f} | {rate:.2f} | "
@@ -142,8 +225,23 @@ def main():
     p.add_argument("--fresh", action="store_true", help="start again instead of going on")
     p.add_argument("--data-dir", default=os.path.join(tempfile.gettempdir(), "flexh2o_data"))
     p.add_argument("--out", default="results/refill")
+    p.add_argument("--llama-workdir", default=os.path.join(tempfile.gettempdir(), "flexh2o_bench_llamacpp"))
+    p.add_argument("--child", choices=["llama-server"], help=argparse.SUPPRESS)
+    p.add_argument("--server", help=argparse.SUPPRESS)
+    p.add_argument("--chunk-file", help=argparse.SUPPRESS)
+    p.add_argument("--out-file", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.child:
+        return child_llama_server(args)
     exit_on_sigterm()
+    from bench_vs_llamacpp import build_llama_cpp
+    args.server = args.server_missing = None
+    try:
+        args.server = build_llama_cpp(os.path.join(args.llama_workdir, "llama.cpp"),
+                                      lambda line: print(line, flush=True), "llama-server")
+    except (RuntimeError, OSError, subprocess.TimeoutExpired, IndexError) as e:
+        args.server_missing = f"llama.cpp's server could not be built here ({e})"
+        print(f"note: {args.server_missing}", flush=True)
     from flexh2o.host.machine import describe_machine
     from flexh2o.common.output_files import write_json_atomic, write_text_atomic
     args.memory = int(args.memory * 2**30)
@@ -165,6 +263,8 @@ def main():
         done = state["chunks"].setdefault(str(c), {})
         for name in [n for n, r in done.items() if r.get("failed")]:
             del done[name]
+        for name in [n for n, r in done.items() if r.get("skipped") and args.server]:
+            del done[name]  # llama-server could not be built before and can now
         if all(name in done for name in CONTENDERS):
             continue
         if args.chunks is not None and ran >= args.chunks:
@@ -176,7 +276,7 @@ def main():
             print(f"chunk {c}: {name}", flush=True)
             done[name] = run_contender(name, chunk, args, work)
             r = done[name]
-            print(f"  {name}: " + ("failed" if r.get("failed") else
+            print(f"  {name}: " + ("failed" if r.get("failed") else r["skipped"] if r.get("skipped") else
                                    f"{r['generated_tokens']} tokens in {r['wall_seconds']:.0f} s"), flush=True)
             write_json_atomic(state_path, state)
         ran += 1

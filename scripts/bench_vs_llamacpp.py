@@ -40,9 +40,10 @@ MODEL = os.path.join(REPO, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 
 
-def build_llama_cpp(workdir: str, log) -> str:
-    """The path of llama-batched-bench, built once in workdir; RuntimeError saying why it cannot be."""
-    binary = os.path.join(workdir, "build", "bin", "llama-batched-bench")
+def build_llama_cpp(workdir: str, log, target: str = "llama-batched-bench") -> str:
+    """The path of llama.cpp's tool `target` (llama-batched-bench, llama-server), built once in
+    workdir; RuntimeError saying why it cannot be."""
+    binary = os.path.join(workdir, "build", "bin", target)
     if os.path.exists(binary):
         return binary
     os.makedirs(workdir, exist_ok=True)
@@ -70,10 +71,11 @@ def build_llama_cpp(workdir: str, log) -> str:
         shutil.rmtree(partial)
     build = os.path.join(workdir, "build")
     step("configuring", ["cmake", "-S", source, "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF",
-                         *isa_options(), "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"],
+                         *isa_options(), "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                         f"-DLLAMA_BUILD_SERVER={'ON' if target == 'llama-server' else 'OFF'}"],
          timeout=600)
-    step("building llama-batched-bench (several minutes)",
-         ["cmake", "--build", build, "--target", "llama-batched-bench", "-j", str(os.cpu_count() or 2)], timeout=3600)
+    step(f"building {target} (several minutes)",
+         ["cmake", "--build", build, "--target", target, "-j", str(os.cpu_count() or 2)], timeout=3600)
     return binary
 
 

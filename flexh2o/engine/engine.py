@@ -304,7 +304,7 @@ class Engine:
     def generate_refilled(self, requests, on_done, prompt_len: int, gen_len: int, do_sample: bool = False,
                           temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                           eos_token_id: int | None = -1, pad_token_id: int | None = None,
-                          join_every: int = 1) -> SlotPool:
+                          join_every: int = 1, prompt_chunk: int | None = None) -> SlotPool:
         """Generates every request of `requests` (an iterator of slot_pool.Request) in the policy's
         batch of slots, a stopped sequence's slot taking the next request (continuous batching).
 
@@ -312,12 +312,18 @@ class Engine:
         with the EOS token where one ended it) and "stop" or "length". prompt_len and gen_len: the
         longest prompt and the largest max_new_tokens among the requests, which size each slot's
         cache (and the pre-flight). join_every: free slots take new requests every this many token
-        steps. Sampling as generate's, each request from its own seed. Returns the pool, whose
-        counts say how it went; last_stats holds the run's times."""
+        steps. prompt_chunk: a longer prompt joins this many tokens per token step (full cache,
+        uncompressed; None: whole). Sampling as generate's, each request from its own seed. Returns
+        the pool, whose counts say how it went; last_stats holds the run's times."""
         policy, spec = self.policy, self.spec
         check_generate_arguments(spec.vocab_size, do_sample, temperature, top_k, top_p, None, eos_token_id,
                                  pad_token_id, False, False, None)
         whole("join_every", join_every, 1)
+        whole("prompt_chunk", prompt_chunk, 1, none=True)
+        if prompt_chunk is not None and (policy.kv_policy != "full" or policy.compress_cache):
+            raise UsageError("--prompt-chunk", "applies to the full cache, uncompressed: an evicting policy "
+                             "chooses what it keeps from the whole prompt's attention, and a compressed cache "
+                             "would hand the later chunks the earlier ones' K and V rounded")
         if self.stage is not None:
             raise UsageError("--pipeline-stages", "slots are not refilled across pipeline stages")
         if prompt_len + gen_len > spec.max_positions:
@@ -331,7 +337,7 @@ class Engine:
         pad = spec.pad_token_id if pad_token_id is None else pad_token_id
         pool = SlotPool(requests, policy.batch_size, policy.gpu_batch_size,
                         Sampler(do_sample, temperature, top_k, top_p, 0), eos, pad, self.tiers.compute, on_done,
-                        join_every)
+                        join_every, prompt_chunk)
         self._run(pool, prompt_len, gen_len, 1 << 62, None, False)
         return pool
 

@@ -34,11 +34,11 @@ class Schedule:
         tiers.parked_slots = num_gpu_batches
         self.hidden = [None] * num_gpu_batches
         self.steps = [None] * num_gpu_batches
-        # Where slots are refilled (slot_pool.py): each gpu-batch's prompt step of the sequences
-        # joining at this token step, and its hidden state, computed right after the gpu-batch's
+        # Where slots are refilled (slot_pool.py): each gpu-batch's prompt steps of the sequences
+        # joining at this token step, and their hidden states, computed right after the gpu-batch's
         # decode on the same weights; a gpu-batch with no running sequence has no decode step (None).
-        self.refills = [None] * num_gpu_batches
-        self.refill_hidden = [None] * num_gpu_batches
+        self.refills = [[] for _ in range(num_gpu_batches)]
+        self.refill_hidden = [[] for _ in range(num_gpu_batches)]
         self.loaded_early = []  # layers whose loads were queued ahead of their turn (load_weight)
         self.step_seconds = []
         self.step_io_tasks = []  # I/O tasks queued during each token step (none with everything on the device)
@@ -155,6 +155,7 @@ class Schedule:
     def begin_token(self, i: int):
         self.steps = self.seqs.steps(i, self.num_gpu_batches, device_counters=self.tiers.on_cuda)
         self.refills = self.seqs.refill_steps(i, self.num_gpu_batches)
+        self.refill_hidden = [[None] * len(steps) for steps in self.refills]
 
     def enter_group(self, i: int, g: int):
         """Before group g of token step i reaches the first layer."""
@@ -223,8 +224,8 @@ class Schedule:
         start = time.perf_counter()
         if self.steps[k] is not None:
             self.hidden[k] = layer.forward(hidden, self.steps[k])
-        if self.refills[k] is not None:  # joining sequences' prompt step; its hidden state stays on the device
-            self.refill_hidden[k] = layer.forward(self.refill_hidden[k], self.refills[k])
+        for n, step in enumerate(self.refills[k]):  # joining sequences' prompts; their hidden states stay on the device
+            self.refill_hidden[k][n] = layer.forward(self.refill_hidden[k][n], step)
         self.compute_seconds += time.perf_counter() - start
         if k == self.groups[self.group_of[k]][-1]:
             layer.release_weight()

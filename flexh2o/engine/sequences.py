@@ -37,10 +37,11 @@ class Step:
     # `before` is then [b], per sequence, and `row_slots` [b] the full cache's slot for each new
     # token (its position), `fill` the slots in use after the step (the largest row slot + 1). A
     # refill step (a prompt step of some rows of gpu-batch k) names them: `refill` [(row in the
-    # gpu-batch, left padding of its prompt)].
+    # gpu-batch, left padding of its prompt)]; a step of one prompt's chunk, `chunk_start`.
     row_slots: torch.Tensor | None = None
     fill: int = 0
     refill: list | None = None
+    chunk_start: int | None = None  # a refill step of one prompt's tokens from this one on (its cache holds those before)
 
     def generated_before(self, device):
         """i - 1, the tokens generated before this decode step: the step's device tensor where it
@@ -175,9 +176,9 @@ class Sequences:
         return tokens
 
     def refill_steps(self, i: int, num_gpu_batches: int) -> list:
-        """Prompt steps of sequences that join at token step i, per gpu-batch: none here (a fixed
-        batch; slot_pool.py refills)."""
-        return [None] * num_gpu_batches
+        """Prompt steps of sequences that join at token step i, a list per gpu-batch: none here (a
+        fixed batch; slot_pool.py refills)."""
+        return [[] for _ in range(num_gpu_batches)]
 
     def all_finished(self) -> bool:
         return bool(self.finished.all())

@@ -23,6 +23,9 @@ import torch
 from flexh2o.engine.sequences import Step, prompt_step
 
 
+JOIN_PADDING = 0.1  # the most of a joining group's prompt positions that may be padding
+
+
 @dataclass
 class Request:
     ids: list                           # the prompt's token ids
@@ -40,9 +43,11 @@ class SlotPool:
     refills = True
 
     def __init__(self, requests, batch: int, gpu_batch_size: int, sampler, eos_token_id, pad_token_id: int, device,
-                 on_done, join_every: int = 1):
+                 on_done, join_every: int = 1, prompt_chunk: int | None = None):
         self.requests, self.waiting = iter(requests), []
         self.batch, self.gpu_batch_size, self.join_every = batch, gpu_batch_size, join_every
+        self.prompt_chunk = prompt_chunk
+        self.prefilling = {}  # row -> (its request, prompt tokens in its cache): a prompt taken in chunks
         self.sampler, self.pad, self.device, self.on_done = sampler, pad_token_id, device, on_done
         self.eos = None if eos_token_id is None else torch.tensor(eos_token_id).view(-1)
         self.request = [None] * batch
@@ -78,13 +83,23 @@ class SlotPool:
         """Token step i starts: free rows take waiting requests (every join_every steps, or whenever
         nothing runs); the running sequences draw their random numbers."""
         self.decoding = self.active.clone()
-        self.joining = [[] for _ in range(-(-self.batch // self.gpu_batch_size))]
-        if i % self.join_every == 0 or not self.active.any():
+        gpu_batches = -(-self.batch // self.gpu_batch_size)
+        self.joining = [[] for _ in range(gpu_batches)]  # (row, request): whole prompts
+        self.chunks = [[] for _ in range(gpu_batches)]   # (row, request, first token): one chunk each
+        for row, (request, start) in self.prefilling.items():
+            self.chunks[row // self.gpu_batch_size].append((row, request, start))
+        if i % self.join_every == 0 or not (self.active.any() or self.prefilling):
             for row in (~self.active).nonzero().flatten().tolist():
+                if row in self.prefilling:
+                    continue
                 if self._peek() is None:
                     break
-                self.joining[row // self.gpu_batch_size].append((row, self._take()))
-        if any(self.joining):
+                request = self._take()
+                if self.prompt_chunk is not None and len(request.ids) > self.prompt_chunk:
+                    self.chunks[row // self.gpu_batch_size].append((row, request, 0))
+                else:
+                    self.joining[row // self.gpu_batch_size].append((row, request))
+        if any(self.joining) or any(start == 0 for chunks in self.chunks for _, _, start in chunks):
             self.joins += 1
         self.uniforms = None
         if not self.sampler.greedy:
@@ -101,8 +116,13 @@ class SlotPool:
         rows, dev = self.rows(k), self.device
         ids = self.last[rows].unsqueeze(1)
         # A row that runs no sequence (stopped, or never filled) repeats its last position: its
-        # cache slot there is rewritten with what is never read.
-        positions = (self.real_len[rows] + self.generated[rows] - 1).clamp_(min=0).unsqueeze(1)
+        # cache slot there is rewritten with what is never read. A row taking its prompt in chunks
+        # writes at its next chunk's first slot, which that chunk then rewrites.
+        positions = (self.real_len[rows] + self.generated[rows] - 1).clamp_(min=0)
+        for row, (_, start) in self.prefilling.items():
+            if rows.start <= row < rows.stop:
+                positions[row - rows.start] = start
+        positions = positions.unsqueeze(1)
         slots = positions.squeeze(1)
         self.decode_slots += slots.shape[0]
         return Step(i, k, False, ids.to(dev), positions.to(dev), None, None,
@@ -110,31 +130,69 @@ class SlotPool:
                     row_slots=slots.to(dev), fill=int(slots.max()) + 1, before=(self.generated[rows] - 1).to(dev))
 
     def refill_steps(self, i: int, num_gpu_batches: int) -> list:
-        """Per gpu-batch, the prompt step of the requests joining at token step i (None where none
-        join); their sequences draw their first random numbers here."""
-        out = []
-        for k in range(num_gpu_batches):
-            joining = self.joining[k] if k < len(self.joining) else []
-            if not joining:
-                out.append(None)
-                continue
-            s = max(len(request.ids) for _, request in joining)
-            ids = torch.full((len(joining), s), self.pad, dtype=torch.long)
-            valid = torch.zeros(len(joining), s, dtype=torch.bool)
-            for n, (row, request) in enumerate(joining):
-                ids[n, s - len(request.ids):] = torch.tensor(request.ids)
-                valid[n, s - len(request.ids):] = True
-                self.generators[row] = torch.Generator().manual_seed(request.seed or 0)
-            uniforms = None
-            if not self.sampler.greedy:
-                uniforms = torch.cat([torch.rand(1, generator=self.generators[row], dtype=torch.float64)
-                                      for row, _ in joining])
-            self.joined += len(joining)
-            self.prompt_positions += ids.numel()
-            out.append(prompt_step(i, k, ids, valid, lambda logits, j=joining, u=uniforms: self._join(j, logits, u),
-                                   self.device, refill=[(row - k * self.gpu_batch_size, s - len(request.ids))
-                                                        for row, request in joining]))
-        return out
+        """Per gpu-batch, the prompt steps of the requests joining at token step i: one for the
+        whole prompts, one per prompt taken in chunks; a sequence draws its first random number at
+        its prompt's last step."""
+        return [self._whole_prompts(i, k) + [self._chunk(i, k, *c) for c in self.chunks[k]]
+                for k in range(num_gpu_batches)]
+
+    def _chunk(self, i: int, k: int, row: int, request: Request, start: int) -> Step:
+        """The prompt step of request's tokens [start, start + prompt_chunk), after the ones
+        [0, start) its row's cache already holds."""
+        stop = min(start + self.prompt_chunk, len(request.ids))
+        ids = torch.tensor([request.ids[start:stop]])
+        positions = torch.arange(start, stop).unsqueeze(0)
+        self.prompt_positions += stop - start
+        if stop < len(request.ids):
+            self.prefilling[row] = (request, stop)
+            choose = lambda logits: None  # noqa: E731 - no token before the prompt's last chunk
+        else:
+            self.prefilling.pop(row, None)
+            choose = self._joiner(i, [(row, request)])
+        return Step(i, k, True, ids.to(self.device), positions.to(self.device),
+                    torch.ones_like(ids, dtype=torch.bool).to(self.device), None, choose, False,
+                    host_token_ids=ids, host_positions=positions, refill=[(row - k * self.gpu_batch_size, 0)],
+                    chunk_start=start)
+
+    def _joiner(self, i: int, joining: list):
+        """The function that takes the joining rows' prompt logits: their generators seeded, each
+        drawing its first random number."""
+        for row, request in joining:
+            self.generators[row] = torch.Generator().manual_seed(request.seed or 0)
+        uniforms = None
+        if not self.sampler.greedy:
+            uniforms = torch.cat([torch.rand(1, generator=self.generators[row], dtype=torch.float64)
+                                  for row, _ in joining])
+        self.joined += len(joining)
+        return lambda logits: self._join(joining, logits, uniforms)
+
+    def _whole_prompts(self, i: int, k: int) -> list:
+        """The prompt steps of the whole prompts joining gpu-batch k: sorted by length and cut into
+        groups each padded by at most JOIN_PADDING of its positions."""
+        joining = sorted(self.joining[k] if k < len(self.joining) else [], key=lambda j: len(j[1].ids))
+        groups, real = [], 0
+        for row, request in joining:
+            n = len(request.ids)
+            if groups and (real + n) < (1 - JOIN_PADDING) * n * (len(groups[-1]) + 1):
+                groups.append([])
+                real = 0
+            if not groups:
+                groups.append([])
+            groups[-1].append((row, request))
+            real += n
+        return [self._prompt_group(i, k, group) for group in groups]
+
+    def _prompt_group(self, i: int, k: int, joining: list) -> Step:
+        """The prompt step of whole prompts joining gpu-batch k together, left-padded to the longest."""
+        s = max(len(request.ids) for _, request in joining)
+        ids = torch.full((len(joining), s), self.pad, dtype=torch.long)
+        valid = torch.zeros(len(joining), s, dtype=torch.bool)
+        for n, (row, request) in enumerate(joining):
+            ids[n, s - len(request.ids):] = torch.tensor(request.ids)
+            valid[n, s - len(request.ids):] = True
+        self.prompt_positions += ids.numel()
+        return prompt_step(i, k, ids, valid, self._joiner(i, joining), self.device,
+                           refill=[(row - k * self.gpu_batch_size, s - len(request.ids)) for row, request in joining])
 
     def _choose(self, k: int, logits):
         """Gpu-batch k's decode logits [b, vocab] -> the next tokens [b, 1] (on the device); the
@@ -177,4 +235,4 @@ class SlotPool:
 
     def all_finished(self) -> bool:
         """Nothing runs and nothing waits."""
-        return not self.active.any() and self._peek() is None
+        return not self.active.any() and not self.prefilling and self._peek() is None

@@ -32,7 +32,7 @@ from flexh2o.jobs.output import JobOutput, settings_path
 from flexh2o.jobs.plans import FixedPlan, SearchedPlans
 from flexh2o.jobs.replicas import merge, part_paths, start_over
 
-JOB_ONLY = ("output", "skip_bad", "ordered", "overwrite", "fixed_blocks", "join_every")
+JOB_ONLY = ("output", "skip_bad", "ordered", "overwrite", "fixed_blocks", "join_every", "prompt_chunk")
 
 
 def check_job_flags(args):
@@ -48,10 +48,11 @@ def check_job_flags(args):
     if args.batch is not None:
         raise UsageError("--batch", "is the one-block mode's; a job plans its blocks from --input's records "
                          "(--max-batch caps them)")
-    if args.join_every is not None and args.join_every < 1:
-        raise UsageError("--join-every", f"must be a whole number >= 1, got {args.join_every}")
-    if args.join_every is not None and args.fixed_blocks:
-        raise UsageError("--join-every", "applies to refilled slots, not --fixed-blocks")
+    for flag, value in (("--join-every", args.join_every), ("--prompt-chunk", args.prompt_chunk)):
+        if value is not None and value < 1:
+            raise UsageError(flag, f"must be a whole number >= 1, got {value}")
+        if value is not None and args.fixed_blocks:
+            raise UsageError(flag, "applies to refilled slots, not --fixed-blocks")
 
 
 def check_job_names(args):
@@ -175,7 +176,7 @@ def generate_all(args, engine, job_input, output, tokenizer, spec, plans, read_s
             bar.set_postfix_str(f"{tokens[0] / max(bar.format_dict['elapsed'], 1e-9):.1f} tok/s", refresh=False)
     job = Job(engine, job_input, output, tokenizer, formatter_for(job_input.format, spec.name),
               eos_ids(spec) if args.stop_at_eos else None, args.seed, progress, plans, args.fixed_blocks,
-              args.join_every or 1)
+              args.join_every or 1, args.prompt_chunk)
     job.stats.read_seconds = read_seconds
     for _ in job.run():
         pass

@@ -89,15 +89,17 @@ class Job:
     output record (format.py)."""
 
     def __init__(self, engine, job_input: JobInput, output, tokenizer, formatter, eos_ids, job_seed: int = 0,
-                 progress=None, plans=None, fixed_blocks: bool = False, join_every: int = 1):
+                 progress=None, plans=None, fixed_blocks: bool = False, join_every: int = 1,
+                 prompt_chunk: int | None = None):
         """plans: each block shape's policy (plans.py); default: the engine's own for every block.
         fixed_blocks: blocks that run to their longest member instead of refilled slots; join_every:
-        free slots take new records every this many token steps."""
+        free slots take new records every this many token steps; prompt_chunk: a longer prompt
+        joins this many tokens per step (Engine.generate_refilled)."""
         self.engine, self.input, self.output, self.tokenizer = engine, job_input, output, tokenizer
         self.formatter, self.eos_ids, self.job_seed, self.progress = formatter, eos_ids, job_seed, progress
         self.plans = plans or FixedPlan(engine.policy)
         self.fixed_blocks = fixed_blocks or engine.stage is not None
-        self.join_every = join_every
+        self.join_every, self.prompt_chunk = join_every, prompt_chunk
         self.stats = JobStats(records=len(job_input.entries))
 
     def pending(self) -> list[Entry]:
@@ -177,7 +179,8 @@ class Job:
         sampling = entries[0].sampling
         pool = engine.generate_refilled(requests(), done, prompt_len, gen_len, do_sample=sampling.temperature > 0,
                                         temperature=sampling.temperature or 1.0, top_k=sampling.top_k,
-                                        top_p=sampling.top_p, eos_token_id=self.eos_ids, join_every=self.join_every)
+                                        top_p=sampling.top_p, eos_token_id=self.eos_ids, join_every=self.join_every,
+                                        prompt_chunk=self.prompt_chunk)
         self.stats.generate_seconds += time.perf_counter() - began
         flush()
         s = self.stats

@@ -6,10 +6,10 @@
         print(c.text)
 
 The weights load once, in the constructor; generate() runs the same scheduler as the command
-line's --input (jobs/job.py: length-sorted blocks, each padded to its own longest prompt) and returns
-one Completion per prompt in input order, with a progress bar (progress=False: none). stream()
-takes any iterable and yields Completions as blocks finish, reading CHUNK prompts ahead at a time,
-for jobs that do not fit in memory. Every argument is checked (common/arguments.py) when the call is made.
+line's --input (jobs/job.py: the batch's slots, each taking the next prompt when its sequence stops)
+and returns one Completion per prompt in input order, with a progress bar (progress=False: none).
+stream() takes any iterable and yields Completions chunk by chunk, reading CHUNK prompts ahead at a
+time, for jobs that do not fit in memory. Every argument is checked (common/arguments.py) when the call is made.
 """
 
 import itertools
@@ -170,9 +170,9 @@ class LLM:
 
     def stream(self, prompts, max_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                stop=None, seed: int | None = None, progress=None):
-        """Completions as blocks finish, for any number of prompts from any iterable (not in input
-        order: each Completion has its index). The arguments are generate()'s; progress(records,
-        tokens), if given, is called as each block finishes."""
+        """Completions as each chunk of prompts finishes, for any number of prompts from any iterable
+        (not in input order: each Completion has its index). The arguments are generate()'s;
+        progress(records, tokens), if given, is called as records finish."""
         settings = {"max_tokens": whole("max_tokens", max_tokens, 1, 1 << 20),
                     "sampling": sampling(number("temperature", temperature, 0, 100),
                                          number("top_p", top_p, 0, 1, low_open=True), whole("top_k", top_k, 0)),

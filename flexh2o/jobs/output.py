@@ -1,6 +1,6 @@
-"""A dataset job's output: JSONL records appended as blocks finish, and what a resumed job skips.
+"""A dataset job's output: JSONL records appended as they finish, and what a resumed job skips.
 
-Each block's records go out in one write, flushed and fsynced: a reader tailing the file, or a
+Each batch of finished records goes out in one write, flushed and fsynced: a reader tailing the file, or a
 job killed at any moment, leaves at most one partial last line, which the next run drops and
 redoes. Beside the output, `OUT.job.json` keeps the settings the records were made with and the
 input's fingerprint (its size and a hash of its bytes); a resumed job with other settings or

@@ -66,6 +66,19 @@ class KVCache:
         self.length = s
         self.written = "all"
 
+    def fill_span(self, k, v, pos, start: int):
+        """A prompt's tokens k, v [b, kv_heads, n, d] at positions pos [b, kv_heads, n] into slots
+        [start, start + n), after the ones its earlier chunks wrote (start 0: the first; the
+        slots after it are marked empty)."""
+        stop = start + k.shape[2]
+        self.k[:, :, start:stop] = k
+        self.v[:, :, start:stop] = v
+        self.pos[:, :, start:stop] = pos
+        if start == 0:
+            self.pos[:, :, stop:] = -1
+        self.length = stop
+        self.written = "all"
+
     def put(self, slots, k, v, pos, score=None):
         """Writes one new token per (sequence, KV head) into slots [b, kv_heads]: k, v [b, kv_heads, 1, d],
         pos [b, 1], score [b, kv_heads]. A slot's previous token, if any, is evicted."""

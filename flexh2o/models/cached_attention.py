@@ -12,6 +12,7 @@ Grouped-query attention: q has spec.num_heads heads, k and v spec.num_kv_heads; 
 """
 
 import torch
+import torch.nn.functional as F
 
 from flexh2o.kv.eviction import per_kv_head
 from flexh2o.kv.home import CacheHome, batch_split
@@ -65,7 +66,9 @@ class CachedAttention(Layer):
         attention output [b, n, heads * d]; the KV policy then takes the new K/V into the cache."""
         scale = self.spec.head_dim ** -0.5
         parts = self.loading[step.k].wait()  # [(rows, KVCache)]: sequences whose cache lives in one place
-        if step.prefill:
+        if step.chunk_start is not None:
+            out = self._prompt_chunk(q, k, v, scale, step, parts)
+        elif step.prefill:
             out = self._prompt(q, k, v, scale, step, parts)
         else:
             out = self._decode_parts(q, k, v, scale, step, parts)
@@ -119,6 +122,23 @@ class CachedAttention(Layer):
             self.kv.prompt(cache, k[rows].to(dev), v[rows].to(dev), pos[rows].to(dev),
                            None if seen is None else seen[rows].to(dev), step)
         return out
+
+    def _prompt_chunk(self, q, k, v, scale, step, parts):
+        """One chunk of a joining prompt (full cache): its K and V go to its row's slots after the
+        chunks before it, then its queries attend over all of them, each to the positions up to its own."""
+        (row, _), = step.refill
+        rows, cache = next((rows, cache) for rows, cache in parts if rows.start <= row < rows.stop)
+        dev, start, n = cache.k.device, step.chunk_start, k.shape[2]
+        view = cache.row(row - rows.start)
+        pos = step.positions.to(torch.int32)[:, None, :].expand(1, k.shape[1], n)
+        view.fill_span(k.to(dev), v.to(dev), pos.to(dev), start)
+        cache.length = max(cache.length, start + n)
+        cache.refilled.append(row - rows.start)
+        held = view.pos[:, :1, : start + n].to(q.device)  # [1, 1, slots]
+        mask = (held[:, :, None, :] <= step.positions[:, None, :, None]) & (held[:, :, None, :] >= 0)
+        keys, values = (t[:, :, : start + n].to(q.device, q.dtype) for t in (view.k, view.v))
+        grouped = {"enable_gqa": True} if keys.shape[1] != q.shape[1] else {}
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, **grouped)
 
     def _refill(self, k, v, pos, seen, step, parts):
         """A refill step's prompts (slot_pool.py) into the cache rows they take, each one's real

@@ -66,6 +66,7 @@ FLAGS = [
     (["--compress-cache", "--cpu-cache-compute"], "--compress-cache", "cannot be combined with --cpu-cache-compute"),
     (["--join-every", "2"], "--join-every", "applies to a dataset job"),
     (["--fixed-blocks"], "--fixed-blocks", "applies to a dataset job"),
+    (["--prompt-chunk", "64"], "--prompt-chunk", "applies to a dataset job"),
 ]
 
 

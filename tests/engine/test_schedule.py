@@ -47,7 +47,7 @@ class FakeSequences:
         return [type("Step", (), {"i": i, "k": k})() for k in range(nb)]
 
     def refill_steps(self, i, nb):
-        return [None] * nb
+        return [[] for _ in range(nb)]
 
     def all_finished(self):
         return False

@@ -32,7 +32,7 @@ def alone(directory, reqs, do_sample=False, **policy) -> dict:
     return out
 
 
-def refilled(directory, reqs, policy, tmp_path, do_sample=False, join_every=1):
+def refilled(directory, reqs, policy, tmp_path, do_sample=False, join_every=1, prompt_chunk=None):
     """(tokens per request tag, the pool, the run's stats)."""
     got = {}
 
@@ -44,7 +44,8 @@ def refilled(directory, reqs, policy, tmp_path, do_sample=False, join_every=1):
                                 offload_dir=str(tmp_path)) as engine:
         pool = engine.generate_refilled(iter(reqs), done, prompt_len=max(len(r.ids) for r in reqs),
                                         gen_len=max(r.max_new_tokens for r in reqs), do_sample=do_sample,
-                                        temperature=0.8, eos_token_id=EOS, join_every=join_every)
+                                        temperature=0.8, eos_token_id=EOS, join_every=join_every,
+                                        prompt_chunk=prompt_chunk)
         return got, pool, engine.last_stats
 
 
@@ -94,6 +95,40 @@ def test_joining_every_few_steps_changes_no_tokens(tiny_models, tmp_path):
     assert pool_4.joins < pool_1.joins
 
 
+@pytest.mark.parametrize("placement", list(PLACEMENTS)[:2])
+@pytest.mark.parametrize("chunk", [1, 5])
+def test_a_long_prompt_joins_in_chunks_and_gets_what_it_gets_alone(tiny_models, tmp_path, placement, chunk):
+    """Prompts of up to 30 tokens joining `chunk` tokens per step, beside others decoding."""
+    directory, _ = tiny_models["tiny"]
+    reqs = requests(14, seed=11, longest=30)
+    policy = Policy(2, num_gpu_batches=2, **PLACEMENTS[placement])
+    got, pool, stats = refilled(directory, reqs, policy, tmp_path, prompt_chunk=chunk)
+    assert got == alone(directory, reqs)
+    if chunk == 1:  # every prompt in chunks of one token (or one token long): no padding
+        assert pool.prompt_positions == sum(len(r.ids) for r in reqs)
+    assert sum(stats.step_allocations[2:]) == 0
+
+
+@pytest.mark.parametrize("policy", [dict(hh_ratio=0.3), dict(compress_cache=True)])
+def test_prompts_in_chunks_need_the_full_uncompressed_cache(tiny_models, policy):
+    directory, _ = tiny_models["tiny"]
+    with Engine.from_pretrained(directory, policy=Policy(2, **policy), dtype=torch.float32) as engine:
+        with pytest.raises(UsageError, match="--prompt-chunk: applies to the full cache"):
+            engine.generate_refilled(iter(requests(2)), lambda *a: None, 4, 4, prompt_chunk=2)
+
+
+def test_prompts_joining_together_are_grouped_to_keep_padding_low(tiny_models, tmp_path):
+    """Eight slots filled at once by prompts of 1 to 30 tokens: groups of near lengths, each padded by
+    at most a tenth (slot_pool.JOIN_PADDING), where one group would be padded by 30% or more."""
+    directory, _ = tiny_models["tiny"]
+    reqs = requests(8, seed=12, longest=30)
+    got, pool, _ = refilled(directory, reqs, Policy(8), tmp_path)
+    assert got == alone(directory, reqs)
+    real = sum(len(r.ids) for r in reqs)
+    assert real < 0.7 * 8 * max(len(r.ids) for r in reqs)  # one group would pad by 30% or more
+    assert pool.prompt_positions * 0.9 <= real
+
+
 def test_fewer_requests_than_slots_and_none_at_all(tiny_models, tmp_path):
     directory, _ = tiny_models["tiny"]
     reqs = requests(3, seed=4)
@@ -117,18 +152,22 @@ def test_join_every_must_be_a_whole_number_of_steps(tiny_models):
                                                 hh_ratio=0.3),
                                        dict(w_gpu_percent=0, w_cpu_percent=50, cache_gpu_percent=0,
                                             cache_cpu_percent=100, cpu_cache_compute=True),
-                                       dict(cache_gpu_percent=50, cache_cpu_percent=0, compress_cache=True)])
+                                       dict(cache_gpu_percent=50, cache_cpu_percent=0, compress_cache=True),
+                                       dict(w_gpu_percent=50, w_cpu_percent=50, cache_gpu_percent=0,
+                                            cache_cpu_percent=50, prompt_chunk=4)])
 def test_refilled_slots_on_a_simulated_cuda_device(tiny_models, tmp_path, monkeypatch, placement):
     """The CUDA branches (streams, per-row slots written through the loaded buffers) give the CPU's
     tokens, with no ordering violation."""
     directory, _ = tiny_models["wide"]
     reqs = requests(10, seed=7)
+    placement = dict(placement)
+    chunk = placement.pop("prompt_chunk", None)
     policy = Policy(2, num_gpu_batches=2, **placement)
-    want, _, _ = refilled(directory, reqs, policy, tmp_path)
+    want, _, _ = refilled(directory, reqs, policy, tmp_path, prompt_chunk=chunk)
     simulated = SimulatedCuda(seed=1)
     mode = simulated.install(monkeypatch)
     try:
-        got, _, stats = refilled(directory, reqs, policy, tmp_path)  # "cpu" is the simulated device
+        got, _, stats = refilled(directory, reqs, policy, tmp_path, prompt_chunk=chunk)  # "cpu": the simulated device
     finally:
         mode.__exit__(None, None, None)
     simulated.check()
