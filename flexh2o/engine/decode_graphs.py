@@ -30,8 +30,6 @@ def why_not(schedule) -> str | None:
         return "not on CUDA"
     if os.environ.get("FLEXH2O_CUDA_GRAPHS", "1") == "0":
         return "FLEXH2O_CUDA_GRAPHS=0"
-    if schedule.seqs.refills:
-        return "slots are refilled: each step's joining prompts change its work"
     if schedule.act_tier != "gpu":
         return "activations leave the GPU"
     for layer in layers:
@@ -45,6 +43,11 @@ def why_not(schedule) -> str | None:
         if kv is not None and kv.name == "keyformer":
             return "Keyformer draws its noise from a generator of its own at a temperature set per step"
     return None
+
+
+# The step's device tensors a replay reads: copied into the graph's own before each replay (slot:
+# the full cache's shared slot of a fixed batch; row_slots: each row's own, where slots are refilled).
+INPUTS = ("token_ids", "positions", "slot", "before", "row_slots")
 
 
 class DecodeGraphs:
@@ -77,8 +80,9 @@ class DecodeGraphs:
         return self.seqs.chosen(i, k, out["logits"], out["picked"])
 
     def _set_inputs(self, static, uniforms, step, k: int):
-        for name in ("token_ids", "positions", "slot", "before"):
-            getattr(static, name).copy_(getattr(step, name))
+        for name in INPUTS:
+            if getattr(static, name) is not None:
+                getattr(static, name).copy_(getattr(step, name))
         if uniforms is not None:
             uniforms.copy_(self.seqs.uniforms_of(k))
 
@@ -90,8 +94,8 @@ class DecodeGraphs:
         def choose(logits):
             out["logits"], out["picked"] = logits, self.seqs.pick(logits, uniforms)
             return logits
-        static = dataclasses.replace(step, token_ids=step.token_ids.clone(), positions=step.positions.clone(),
-                                     slot=step.slot.clone(), before=step.before.clone(), choose_next=choose, memo={})
+        inputs = {name: getattr(step, name).clone() for name in INPUTS if getattr(step, name) is not None}
+        static = dataclasses.replace(step, **inputs, choose_next=choose, memo={})
         graph = torch.cuda.CUDAGraph()
         try:
             # thread_local: a CUDA call of another thread (an I/O thread) does not end the capture.

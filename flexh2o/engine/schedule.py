@@ -127,7 +127,8 @@ class Schedule:
                 self.leave_group(i, self.group_of[k])
 
     def graph_token(self, i: int):
-        """Token step i as one CUDA graph per gpu-batch (decode_graphs.py), every layer at once.
+        """Token step i as one CUDA graph per gpu-batch (decode_graphs.py), every layer at once; the
+        prompts of sequences joining the gpu-batch then run layer by layer as usual.
         Weights and cache are all in place: the loads and stores around the graphs only hand the
         same tensors over, in the order `token` leaves them (the next token's first weights and
         cache loaded, this token's last cache not yet stored)."""
@@ -142,7 +143,12 @@ class Schedule:
             for layer in self.layers:
                 layer.wait_inputs(k)
             start = time.perf_counter()
-            self.hidden[k] = self.graphs.run(i, k, self.steps[k], self.hidden[k])
+            if self.steps[k] is not None:
+                self.hidden[k] = self.graphs.run(i, k, self.steps[k], self.hidden[k])
+            for step in self.refills[k]:  # joining prompts, after the decode's writes to their rows
+                hidden = None
+                for layer in self.layers:
+                    hidden = layer.forward(hidden, step)
             self.compute_seconds += time.perf_counter() - start
         for layer in self.layers:
             layer.release_weight()

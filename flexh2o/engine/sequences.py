@@ -37,11 +37,12 @@ class Step:
     # `before` is then [b], per sequence, and `row_slots` [b] the full cache's slot for each new
     # token (its position), `fill` the slots in use after the step (the largest row slot + 1). A
     # refill step (a prompt step of some rows of gpu-batch k) names them: `refill` [(row in the
-    # gpu-batch, left padding of its prompt)]; a step of one prompt's chunk, `chunk_start`.
+    # gpu-batch, left padding of its prompt)]; a step of one prompt's chunk names its first
+    # token, `chunk_start` (the row's cache holds the ones before it).
     row_slots: torch.Tensor | None = None
     fill: int = 0
     refill: list | None = None
-    chunk_start: int | None = None  # a refill step of one prompt's tokens from this one on (its cache holds those before)
+    chunk_start: int | None = None
 
     def generated_before(self, device):
         """i - 1, the tokens generated before this decode step: the step's device tensor where it

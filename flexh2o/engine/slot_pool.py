@@ -82,6 +82,7 @@ class SlotPool:
     def begin(self, i: int):
         """Token step i starts: free rows take waiting requests (every join_every steps, or whenever
         nothing runs); the running sequences draw their random numbers."""
+        self.i = i
         self.decoding = self.active.clone()
         gpu_batches = -(-self.batch // self.gpu_batch_size)
         self.joining = [[] for _ in range(gpu_batches)]  # (row, request): whole prompts
@@ -197,9 +198,19 @@ class SlotPool:
     def _choose(self, k: int, logits):
         """Gpu-batch k's decode logits [b, vocab] -> the next tokens [b, 1] (on the device); the
         running rows' are recorded."""
-        rows = self.rows(k)
-        uniforms = None if self.uniforms is None else self.uniforms[rows].to(logits.device)
-        tokens = self.sampler.pick(logits, uniforms).cpu()
+        uniforms = self.uniforms_of(k)
+        return self.chosen(self.i, k, logits, self.pick(logits, None if uniforms is None else uniforms.to(logits.device)))
+
+    # What a replayed decode step (decode_graphs.py) asks of the sequences, as Sequences has it.
+    def uniforms_of(self, k: int) -> torch.Tensor | None:
+        return None if self.uniforms is None else self.uniforms[self.rows(k)]
+
+    def pick(self, logits, uniforms):
+        return self.sampler.pick(logits, uniforms)
+
+    def chosen(self, i: int, k: int, logits, picked):
+        """The tokens picked on the device for gpu-batch k's decode: the running rows' recorded."""
+        rows, tokens = self.rows(k), picked.cpu()
         for n, row in enumerate(range(rows.start, rows.stop)):
             if self.decoding[row]:
                 self._accept(row, int(tokens[n]))

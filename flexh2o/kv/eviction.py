@@ -76,7 +76,9 @@ class FullCache:
 
     def decode(self, cache, k, v, pos, logits, probs, step):
         if step.row_slots is not None:  # slots refilled: each sequence's new token at its own slot
-            slots = step.row_slots.to(cache.pos.device)
+            slots = step.row_slots
+            if slots.device != cache.pos.device:  # (no copy at all where it is there: a CUDA graph captures this)
+                slots = slots.to(cache.pos.device)
             cache.put(slots[:, None].expand(-1, k.shape[1]).contiguous(), k, v, pos)
             cache.length = max(cache.length, step.fill)
             return

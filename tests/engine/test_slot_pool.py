@@ -175,3 +175,23 @@ def test_refilled_slots_on_a_simulated_cuda_device(tiny_models, tmp_path, monkey
     if placement:
         assert simulated.copies > 0  # the copies did go through the simulated streams
     assert sum(stats.step_allocations[2:]) == 0
+
+
+@pytest.mark.parametrize("kv,chunk", [({}, None), ({}, 3), (dict(hh_ratio=0.3), None), (dict(kv_policy="tova",
+                                                                                        hh_ratio=0.3), None)])
+def test_decode_steps_replay_as_cuda_graphs_while_slots_are_refilled(tiny_models, tmp_path, monkeypatch, kv, chunk):
+    """Everything on the (simulated) GPU: each gpu-batch's decode is captured once and replayed, the
+    joining prompts run between replays as usual, and every request still gets its tokens alone."""
+    directory, _ = tiny_models["wide"]
+    reqs = requests(12, seed=13, longest=20, most_tokens=16)
+    policy = Policy(2, num_gpu_batches=2, **kv)
+    want, _, _ = refilled(directory, reqs, policy, tmp_path, prompt_chunk=chunk)
+    simulated = SimulatedCuda(seed=2)
+    mode = simulated.install(monkeypatch)
+    try:
+        got, _, _ = refilled(directory, reqs, policy, tmp_path, prompt_chunk=chunk)
+    finally:
+        mode.__exit__(None, None, None)
+    simulated.check()
+    assert got == want
+    assert len(simulated.graphs) == 2 and all(g.replays > 5 for g in simulated.graphs)

@@ -25,6 +25,9 @@ from flexh2o.runs.prompts import load_tokenizer
 from flexh2o.run import main
 from conftest import REPO, TEST_CPU_PROFILE
 
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+from join_every import replay  # noqa: E402
+
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran"]
 
 
@@ -102,6 +105,14 @@ def test_refilled_slots_write_what_fixed_blocks_write_with_less_waste(model_with
                    "--json-out", str(summary), *flags) == 0
         summaries[mode] = json.load(open(summary))["job"]
         assert records(out) == records(tmp_path / "fixed.jsonl")
+    # scripts/join_every.py replays the slot schedule from the records' lengths alone
+    lines = [json.loads(line) for line in open(path)]
+    done = records(tmp_path / "refilled.jsonl")
+    lengths = [done[r["id"]]["completion_tokens"] for r in lines]
+    for mode, every in (("refilled", 1), ("every 3", 3)):
+        replayed = replay([r["max_tokens"] for r in lines], lengths, 3, every, 2)
+        assert (replayed["decode_slots"], replayed["join_steps"]) == \
+            (summaries[mode]["decode_slots"], summaries[mode]["join_steps"])
     fixed, refilled = summaries["fixed"], summaries["refilled"]
     assert fixed["refills"] == 0 and refilled["refills"] == 30 - 6 and refilled["blocks"] == 1
     assert refilled["generated_tokens"] == fixed["generated_tokens"]
