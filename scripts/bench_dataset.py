@@ -10,7 +10,8 @@ EOS respected, at the same batch, in a child process under the same memory cgrou
 which the kernel enforces; memory_budget.py):
 
 - job, job-h2o: flexh2o's dataset job (`python -m flexh2o.run --input ... --output ...`, full
-  cache, and H2O at 20%): length-sorted blocks, each padded to its own longest prompt;
+  cache, and H2O at 20%) as it runs by default: refilled slots since 2026-11-27 (the results of
+  2026-11-25 were length-sorted blocks, each padded to its own longest prompt, now --fixed-blocks);
 - hf-sorted: transformers' `generate` given the job's own blocks (its best configuration: the
   same sorting and batch, left padding, each block padded to its longest prompt without the
   job's rounding up to a multiple of 8);
