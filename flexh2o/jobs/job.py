@@ -141,37 +141,31 @@ class Job:
         prompt_len = min(round_up(max(e.prompt_tokens for e in entries), ROUND_TO), spec.max_positions - gen_len)
         policy = use_plan(engine, self.plans, prompt_len, gen_len, len(entries))
         entries = sorted(entries, key=lambda e: (-e.max_tokens, e.number))
-        finished, written, last_write, tokens = [], [], [time.perf_counter()], [0]
+        finished, written, last_write, unreported = [], [], [time.perf_counter()], [0]  # tokens not yet in progress()
 
         def requests():
             for entry in entries:
-                request, tokens = self.input.tokens(entry)
-                stops = request.stop
-                check = None if not stops else \
-                    (lambda new, stops=stops: any(s in self.tokenizer.decode(new.tolist(), skip_special_tokens=True)
-                                                  for s in stops))
+                request, ids = self.input.tokens(entry)
+                check = None if not request.stop else \
+                    (lambda new, stops=request.stop: holds_stop(self.tokenizer, new, stops))
                 seed = request.seed if request.seed is not None else default_seed(self.job_seed, request.id)
-                yield slot_pool.Request(tokens, request.max_tokens, seed, check, (entry, request))
+                yield slot_pool.Request(ids, request.max_tokens, seed, check, (entry, request))
 
         def flush():
             if finished:
                 self.output.append(finished)
                 written.append(list(finished))
-                self._advance(len(finished), tokens[0])
+                self._advance(len(finished), unreported[0])
                 finished.clear()
-                tokens[0] = 0
+                unreported[0] = 0
             last_write[0] = time.perf_counter()
 
         def done(request, tokens, reason):
-            entry, asked = request.tag
-            new, hit_eos = until_eos(tokens, self.eos_ids)
-            text, stopped = cut_at_stop(self.tokenizer.decode(new, skip_special_tokens=True), asked.stop)
-            completion = len(new) + hit_eos  # the EOS token counts as generated
+            record, completion = self._record(*request.tag, tokens)
             self.stats.generated_tokens += completion
-            tokens[0] += completion
+            unreported[0] += completion
             self.stats.done += 1
-            finished.append(self.formatter.result(entry, asked, text, "stop" if hit_eos or stopped else "length",
-                                                  entry.prompt_tokens, completion))
+            finished.append(record)
             if len(finished) >= policy.batch_size or time.perf_counter() - last_write[0] >= FLUSH_SECONDS:
                 flush()
 
@@ -220,12 +214,9 @@ class Job:
         records, generated = [], 0
         for n, (entry, request, row) in enumerate(zip(block, requests, out)):
             limit = min(request.max_tokens, stops.stopped_at.get(n, request.max_tokens))
-            new, hit_eos = until_eos(row[prompt_len: prompt_len + limit].tolist(), self.eos_ids)
-            text, stopped = cut_at_stop(self.tokenizer.decode(new, skip_special_tokens=True), request.stop)
-            completion = len(new) + hit_eos  # the EOS token counts as generated
+            record, completion = self._record(entry, request, row[prompt_len: prompt_len + limit].tolist())
             generated += completion
-            records.append(self.formatter.result(entry, request, text, "stop" if hit_eos or stopped else "length",
-                                                 entry.prompt_tokens, completion))
+            records.append(record)
         s = self.stats
         s.done += len(block)
         s.blocks += 1
@@ -236,6 +227,21 @@ class Job:
         s.decode_slots += batch * stats.steps_done
         self._advance(len(block), generated)
         return records
+
+
+    def _record(self, entry, request, tokens: list[int]) -> tuple:
+        """(the output record, tokens generated) of a record whose sequence generated `tokens`."""
+        new, hit_eos = until_eos(tokens, self.eos_ids)
+        text, stopped = cut_at_stop(self.tokenizer.decode(new, skip_special_tokens=True), request.stop)
+        completion = len(new) + hit_eos  # the EOS token counts as generated
+        return self.formatter.result(entry, request, text, "stop" if hit_eos or stopped else "length",
+                                     entry.prompt_tokens, completion), completion
+
+
+def holds_stop(tokenizer, tokens, stops) -> bool:
+    """Whether the text of tokens (a CPU tensor) holds one of the stop strings."""
+    text = tokenizer.decode(tokens.tolist(), skip_special_tokens=True)
+    return any(s in text for s in stops)
 
 
 class StopStrings:
@@ -251,8 +257,7 @@ class StopStrings:
         stops = self.stops[row] if row < len(self.stops) else ()
         if not stops:
             return False
-        text = self.tokenizer.decode(tokens.tolist(), skip_special_tokens=True)
-        if any(s in text for s in stops):
+        if holds_stop(self.tokenizer, tokens, stops):
             self.stopped_at[row] = len(tokens)
             return True
         return False
