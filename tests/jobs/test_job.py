@@ -297,8 +297,12 @@ def test_the_python_api_returns_one_completion_per_prompt_in_order(model_with_to
     tok = load_tokenizer(str(model_with_tokenizer))
     with LLM(str(model_with_tokenizer), gpu_batch_size=3, dtype=torch.float32) as llm:
         got = llm.generate(texts * 3, max_tokens=4)
-        streamed = list(llm.stream(iter(texts), max_tokens=4))
+        reported = []
+        streamed = list(llm.stream(iter(texts), max_tokens=4, progress=lambda n, tokens: reported.append((n, tokens))))
     assert [c.index for c in got] == list(range(30))
+    # progress(records, tokens) as records finish: every record and every generated token, once
+    assert sum(n for n, _ in reported) == 10
+    assert sum(t for _, t in reported) == sum(c.completion_tokens for c in streamed) > 0
     for c in got[:10]:
         assert c.text == tok.decode(alone(model_with_tokenizer, texts[c.index], 4), skip_special_tokens=True)
     assert [c.text for c in got[10:20]] == [c.text for c in got[:10]]
