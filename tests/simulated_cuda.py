@@ -15,6 +15,8 @@ torch.cuda's streams, events, non-blocking copies and host registration. Its mod
   stream S used at tick c may be used on stream T only once T waited for an event of S recorded
   after it, or the host synchronized such an event (or S itself). Touching memory that a copy on
   another stream has not finished with is a race. Both are recorded in `violations`.
+- New device and pinned memory holds garbage: the sentinel, which reaches the output where code
+  reads memory it never wrote (e.g. 0 * NaN in attention over masked slots).
 - cudaHostRegister fails on a page already registered and cudaHostUnregister on one that is not;
   `registered` must be empty when the run is closed. Synchronizing an event made without
   blocking=True is recorded: its waiting thread would spin on a core.
@@ -26,6 +28,7 @@ run's: a missing wait shows as a violation, or as a sentinel reaching the output
 """
 
 import bisect
+import ctypes
 import math
 import random
 import threading
@@ -128,6 +131,7 @@ class _Cudart:
                 return 712  # cudaErrorHostMemoryAlreadyRegistered
             sim.note_pinned(ptr, size)
             sim.registered[ptr] = size
+        ctypes.memset(ptr, 0xFF, size)  # what new memory may hold (a NaN in every float dtype)
         return 0
 
     def cudaHostUnregister(self, ptr: int) -> int:
@@ -290,9 +294,14 @@ class SimulatedCuda:
         return storage_of(t) in self.device_storages
 
     def empty(self, *args, pin_memory=False, **kwargs):
+        """Device or pinned memory, holding garbage as new memory may: the sentinel."""
         if pin_memory:
             kwargs.pop("device", None)  # host memory
-        return ORIGINAL_EMPTY(*args, **kwargs)
+        t = ORIGINAL_EMPTY(*args, **kwargs)
+        if pin_memory or kwargs.get("device") is not None:
+            with self.internal():
+                fill_sentinel(t)
+        return t
 
     # -- clocks and checks -----------------------------------------------------------------------
     def tick(self, stream: Stream) -> int:

@@ -95,7 +95,9 @@ class CacheHome:
                     part.k_file, part.v_file = tiers.disk.create(nbytes), tiers.disk.create(nbytes)
                     tiers.track("disk", 2 * nbytes)
                 else:
-                    part.k_mem, part.v_mem = (tiers.alloc("cpu", slot_major, self.stored) for _ in "kv")
+                    # Zeroed (kv/cache.py): a refilled row leaves slots below the length unwritten,
+                    # which a step loads and attends over, masked.
+                    part.k_mem, part.v_mem = (tiers.alloc("cpu", slot_major, self.stored, zero=True) for _ in "kv")
                 part.pos, part.score = KVCache.allocate_state(tiers, n, kv_heads, capacity, with_score, "cpu")
             if tier != "gpu":  # the widest this part's data is on its way (the CPU-attended cache may be wider)
                 tiers.reserve_staging(nbytes if part.home is None else part.home.k.nbytes)
