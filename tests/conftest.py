@@ -76,6 +76,23 @@ def padded_batch(batch, prompt_len, pads, seed=0):
     return ids, mask
 
 
+SMOL_GGUF = os.path.join(os.path.dirname(TESTS), "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@pytest.fixture(scope="session")
+def transformers_smol():
+    """transformers' own parse of SmolLM2's GGUF (config, tokenizer fields, float32 tensors named
+    "model.*"), read once for the tests that compare against it: it dequantizes for about 15 s."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from flexh2o.checkpoints.gguf_reader import read_gguf
+    # load_gguf_checkpoint only takes tensor names from this model; a meta one costs no memory.
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.for_model(**read_gguf(SMOL_GGUF).config))
+    return load_gguf_checkpoint(SMOL_GGUF, return_tensors=True, model_to_load=skeleton, torch_dtype=torch.float32)
+
+
 @pytest.fixture(scope="session")
 def tileable_model(tmp_path_factory):
     """A tiny OPT whose matrices fit torch's int4 kernel's tiles (rows a multiple of 32, columns of
@@ -155,9 +172,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture
 def model_with_tokenizer(tiny_models, tmp_path):
-    directory, _ = tiny_models["tiny"]
+    return with_word_tokenizer(tiny_models["tiny"][0], tmp_path)
+
+
+def with_word_tokenizer(directory, dst):
+    """dst (a directory): the model in `directory` linked there, with a word-level tokenizer."""
     for f in os.listdir(directory):
-        os.symlink(os.path.join(directory, f), tmp_path / f)
+        os.symlink(os.path.join(directory, f), dst / f)
     words = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran"]
     vocab = {"<pad>": 1, "</s>": 2, "<unk>": 3, **{w: 4 + i for i, w in enumerate(words)}}
     vocab.update({f"w{i}": i for i in range(len(vocab) + 1, VOCAB)})
@@ -165,8 +186,8 @@ def model_with_tokenizer(tiny_models, tmp_path):
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
-                            unk_token="<unk>").save_pretrained(tmp_path)
-    return tmp_path
+                            unk_token="<unk>").save_pretrained(dst)
+    return dst
 
 
 # A fixed CPU profile (close to what this project's 2-core machines measure): runs the tests plan

@@ -26,18 +26,6 @@ def smol():
     return read_gguf(SMOL)
 
 
-@pytest.fixture(scope="module")
-def transformers_smol(smol):
-    """transformers' parse of the file: config, tokenizer fields and float32 tensors ("model."-prefixed)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    # load_gguf_checkpoint only takes tensor names from this model; a meta one costs no memory.
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(AutoConfig.for_model(**smol.config))
-    return load_gguf_checkpoint(SMOL, return_tensors=True, model_to_load=skeleton, torch_dtype=torch.float32)
-
-
 def as_float32(value):
     """A config value with its floats rounded to float32, as GGUF stores them (1e-05 == 9.999999747e-06)."""
     if isinstance(value, dict):

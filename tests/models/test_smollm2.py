@@ -32,10 +32,14 @@ def engine():
         yield loaded
 
 
-def test_greedy_tokens_equal_transformers_loading_the_same_gguf(prompt_ids, engine):
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(GGUF), gguf_file=os.path.basename(GGUF),
-                                                 dtype=torch.float32).eval()
+def test_greedy_tokens_equal_transformers_loading_the_same_gguf(prompt_ids, engine, transformers_smol):
+    """transformers' model from its own parse of the file (what from_pretrained(gguf_file=...) does)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**transformers_smol["config"]),
+                                             dtype=torch.float32).eval()
+    missing, unexpected = model.load_state_dict(transformers_smol["tensors"], strict=False)
+    assert missing == ["lm_head.weight"] and not unexpected  # tied to the embedding
+    model.tie_weights()
     with torch.no_grad():
         expected = model.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids), max_new_tokens=NEW_TOKENS,
                                   do_sample=False, output_logits=True, return_dict_in_generate=True)
