@@ -13,17 +13,28 @@ import torch
 
 from flexh2o.kv import budget, cache_bytes
 from flexh2o.host.machine import describe_machine
+from flexh2o.host.process_memory import read_status
 from flexh2o.engine.preflight import growth_bytes, layer_bytes
 from flexh2o.common.names import tier_label
 
 GB = 1 << 30
 
 
+def peak_rss() -> int:
+    """This process's peak RSS in bytes: /proc's VmHWM, which starts afresh at exec. (getrusage's
+    ru_maxrss keeps the launching process's peak across fork and exec: a run started from a large
+    process, a test suite holding a model, reported that process's peak.)"""
+    try:
+        return read_status("VmHWM")
+    except (OSError, RuntimeError):  # no /proc
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
 def peak_memory(engine) -> dict:
     """Peak bytes per tier: what flexh2o allocated there (tracked; pinned host memory counts as
     allocated on the cpu tier), what the system saw, and what the pre-flight projected."""
     tiers, projected, limit = engine.tiers, engine.projected or {}, engine.caps.get("limit")
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    rss = peak_rss()
     return {
         "peak_gpu_mem_bytes": tiers.peak["gpu"],
         "peak_gpu_allocator_bytes": torch.cuda.max_memory_allocated(tiers.compute) if tiers.on_cuda else None,

@@ -103,3 +103,14 @@ def test_a_run_stays_under_its_max_memory(tmp_path, flags):
     report = json.loads(out.read_text())
     assert report["memory_limit"]["source"] in ("--max-memory",) or report["memory_limit"]["source"].startswith("cgroup")
     assert report["peak_rss_bytes"] <= 1800 << 20
+
+
+def test_the_reported_peak_rss_is_the_runs_own_not_its_launchers():
+    """A run started from a process holding 1 GiB reports its own peak: getrusage's ru_maxrss keeps
+    the launcher's across fork and exec (the suite's own memory once failed the test above)."""
+    child = "from flexh2o.runs.report import peak_rss; print(peak_rss())"
+    launcher = (f"import subprocess, sys; held = b'x' * (1 << 30); "
+                f"print(subprocess.run([sys.executable, '-c', {child!r}], capture_output=True, text=True).stdout)")
+    r = subprocess.run([sys.executable, "-c", launcher], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert int(r.stdout.split()[0]) < 1 << 30
