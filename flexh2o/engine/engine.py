@@ -2,7 +2,6 @@
 
 import dataclasses
 import functools
-import math
 import threading
 import weakref
 from dataclasses import dataclass
@@ -10,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from flexh2o.common.arguments import number, shown, switch, text, token_ids, whole
+from flexh2o.common.arguments import shown, switch, text, whole
 from flexh2o.offload.disk import DiskStore
 from flexh2o.offload.offload_dir import check_offload_dir
 from flexh2o.common.errors import UsageError
@@ -20,6 +19,8 @@ from flexh2o.engine.preflight import (add, capacities, check_fits, load_transien
                                       weight_need, with_loading)
 from flexh2o.models import eos_ids, is_gguf, resolve_model, with_stored_formats
 from flexh2o.models.cached_attention import CachedAttention
+from flexh2o.engine.generate_arguments import (check_batch, check_generate_arguments, check_positions,
+                                               check_refill_arguments, check_token_ids)
 from flexh2o.engine.pipeline import StageSchedule, model_slices
 from flexh2o.engine.policy import Policy
 from flexh2o.engine.sampling import MAX_SEED, Sampler, check_seed
@@ -55,29 +56,6 @@ class GenerationStats:
     step_h2d_bytes: list | None = None  # bytes copied to the compute device during each token step
     finish_seconds: float = 0.0  # after the last token step, until its cache stores were done
     step_seconds: list | None = None  # each token step's seconds, the prompt step first
-
-
-def check_token_ids(name: str, ids, vocab_size: int):
-    """A tensor of whole token ids, each in [0, vocab_size)."""
-    if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-        raise UsageError(name, f"must be a tensor of integer token ids, got {getattr(ids, 'dtype', type(ids).__name__)}")
-    outside = ids[(ids < 0) | (ids >= vocab_size)]
-    if outside.numel():
-        raise UsageError(name, f"holds token ids outside the vocabulary [0, {vocab_size}): {outside[:3].tolist()}")
-
-
-def check_generate_arguments(vocab_size: int, do_sample, temperature, top_k, top_p, seed, eos_token_id, pad_token_id,
-                             output_scores, progress, stop_check):
-    for name, value in (("do_sample", do_sample), ("output_scores", output_scores), ("progress", progress)):
-        switch(name, value)
-    number("temperature", temperature, 0, math.inf, low_open=True)
-    whole("top_k", top_k, 0)
-    number("top_p", top_p, 0, 1, low_open=True)
-    whole("seed", seed, 0, MAX_SEED, none=True)
-    token_ids("eos_token_id", eos_token_id, vocab_size, special=(-1,))
-    whole("pad_token_id", pad_token_id, 0, vocab_size - 1, none=True)
-    if stop_check is not None and not callable(stop_check):
-        raise UsageError("stop_check", f"must be a function (row, tokens) -> bool, or None, got {shown(stop_check)}")
 
 
 def one_call_at_a_time(method):
@@ -318,17 +296,8 @@ class Engine:
         policy, spec = self.policy, self.spec
         check_generate_arguments(spec.vocab_size, do_sample, temperature, top_k, top_p, None, eos_token_id,
                                  pad_token_id, False, False, None)
-        whole("join_every", join_every, 1)
-        whole("prompt_chunk", prompt_chunk, 1, none=True)
-        if prompt_chunk is not None and (policy.kv_policy != "full" or policy.compress_cache):
-            raise UsageError("--prompt-chunk", "applies to the full cache, uncompressed: an evicting policy "
-                             "chooses what it keeps from the whole prompt's attention, and a compressed cache "
-                             "would hand the later chunks the earlier ones' K and V rounded")
-        if self.stage is not None:
-            raise UsageError("--pipeline-stages", "slots are not refilled across pipeline stages")
-        if prompt_len + gen_len > spec.max_positions:
-            raise UsageError("--prompt-len/--gen-len", f"prompt_len + gen_len = {prompt_len + gen_len} exceeds "
-                             f"the {spec.max_positions} positions of {spec.name}")
+        check_refill_arguments(policy, self.stage, join_every, prompt_chunk)
+        check_positions(prompt_len, gen_len, spec)
         need = run_need(self.cache_spec, policy, self.tiers.dtype.itemsize, prompt_len, gen_len, self.tiers.compute,
                         False, self.tiers.io_threads)
         self.projected = add(self.weight_need, need)
@@ -375,25 +344,13 @@ class Engine:
         policy, spec = self.policy, self.spec
         check_generate_arguments(spec.vocab_size, do_sample, temperature, top_k, top_p, seed, eos_token_id,
                                  pad_token_id, output_scores, progress, stop_check)
-        check_token_ids("input_ids", input_ids, spec.vocab_size)
-        if input_ids.dim() != 2 or input_ids.shape[0] != policy.batch_size or input_ids.shape[1] == 0:
-            raise UsageError("input_ids", f"must be [gpu_batch_size * num_gpu_batches = {policy.batch_size}, "
-                             f"prompt_len >= 1], got {list(input_ids.shape)}")
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
-            raise UsageError("attention_mask", f"must be a tensor matching input_ids {list(input_ids.shape)}, "
-                             f"got {list(getattr(attention_mask, 'shape', [type(attention_mask).__name__]))}")
-        if ((attention_mask != 0) & (attention_mask != 1)).any() or not attention_mask.any(dim=1).all():
-            raise UsageError("attention_mask", "must hold 0 (padding) and 1 (a token), with a token in every row")
+        attention_mask = check_batch(input_ids, attention_mask, policy.batch_size, spec.vocab_size)
         prompt_len = input_ids.shape[1]
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
             raise UsageError("max_new_tokens", f"must be a whole number, got {max_new_tokens!r}")
         if max_new_tokens < 1:
             raise UsageError("--gen-len", f"must be at least 1, got {max_new_tokens}")
-        if prompt_len + max_new_tokens > spec.max_positions:
-            raise UsageError("--prompt-len/--gen-len", f"prompt_len + gen_len = {prompt_len + max_new_tokens} "
-                             f"exceeds the {spec.max_positions} positions of {spec.name}")
+        check_positions(prompt_len, max_new_tokens, spec)
         need = run_need(self.cache_spec, policy, self.tiers.dtype.itemsize, prompt_len, max_new_tokens,
                         self.tiers.compute, output_scores, self.tiers.io_threads)
         self.projected = add(self.weight_need, need)
