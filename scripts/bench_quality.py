@@ -19,8 +19,9 @@ results/quality.md was measured before, when they were quantized again into flex
 The windows of both texts run as one batch, so the weights are read once per decode step for both.
 Each sequence keeps and evicts its own cache, so a text's figures depend on the other's only through
 the floating-point order of the products, which a batch's shape changes (1e-6 of a perplexity),
-with two exceptions: 4-bit codes amplify that (a value near a rounding boundary flips by a whole
-step), and Keyformer's Gumbel noise is drawn for the whole batch (another batch, another sample).
+except that 4-bit codes amplify it (a value near a rounding boundary flips by a whole step).
+Keyformer's Gumbel noise follows the row's index and the positions: a text gets the same noise in the
+same row of any batch.
 Deterministic: the same command gives the same figures.
 """
 

@@ -41,7 +41,7 @@ def why_not(schedule) -> str | None:
                 return "the KV cache is streamed"
         kv = getattr(layer, "kv", None)
         if kv is not None and kv.name == "keyformer":
-            return "Keyformer draws its noise from a generator of its own at a temperature set per step"
+            return "Keyformer's temperature and noise keys are set per step from host numbers"
     return None
 
 

@@ -44,7 +44,7 @@ class Sampler:
         else:
             check_seed(seed)
             self.generator.manual_seed(seed)
-        self.row_generators = None
+        self.row_generators, self.row_seeds = None, row_seeds
         if row_seeds is not None:
             for s in row_seeds:
                 check_seed(s)

@@ -43,6 +43,10 @@ class Step:
     fill: int = 0
     refill: list | None = None
     chunk_start: int | None = None
+    # Each sequence's seed and, where slots are refilled, its own max_new_tokens ([b], CPU memory):
+    # what Keyformer's noise and temperature follow (kv/keyformer.py). None: the row's index.
+    row_seeds: torch.Tensor | None = None
+    row_gen_lens: torch.Tensor | None = None
 
     def generated_before(self, device):
         """i - 1, the tokens generated before this decode step: the step's device tensor where it
@@ -55,9 +59,10 @@ class Step:
 
     def for_rows(self, rows: slice) -> "Step":
         """This step as seen by sequences `rows` of its gpu-batch (a part of a cache split along the batch)."""
-        if self.row_slots is None:
-            return self
-        return dataclasses.replace(self, row_slots=self.row_slots[rows], before=self.before[rows])
+        # (A fixed batch's `before` is one count for every sequence.)
+        names = ("row_seeds", "row_gen_lens") + (("row_slots", "before") if self.row_slots is not None else ())
+        changed = {name: getattr(self, name)[rows] for name in names if getattr(self, name) is not None}
+        return dataclasses.replace(self, **changed) if changed else self
 
 
 def prompt_step(i: int, k: int, ids, valid, choose, device, **extra) -> Step:
@@ -87,6 +92,8 @@ class Sequences:
         self.prompt_valid = attention_mask.bool()
         self.real_prompt_len = self.prompt_valid.sum(dim=1)
         self.finished = torch.zeros(batch, dtype=torch.bool)
+        seeds = sampler.row_seeds if sampler.row_seeds is not None else range(batch)
+        self.seeds = torch.tensor(seeds, dtype=torch.long)
         # Tokens each sequence may generate (a dataset job's records differ); None: gen_len for all.
         self.row_limits = None if row_limits is None else torch.as_tensor(row_limits, dtype=torch.long)
         # stop_check(row, tokens): whether a sequence's tokens so far end it (a dataset job's stop strings).
@@ -124,11 +131,12 @@ class Sequences:
         valid = self.prompt_valid[rows]
         padded = not bool(valid.all())
         if i == 0:
-            return prompt_step(i, k, self.ids[rows, : self.prompt_len], valid, choose, dev)
+            return prompt_step(i, k, self.ids[rows, : self.prompt_len], valid, choose, dev, row_seeds=self.seeds[rows])
         col = self.prompt_len + i - 1
         ids, positions = self.ids[rows, col: col + 1], (self.real_prompt_len[rows] + i - 1).unsqueeze(1)
         return Step(i, k, False, ids.to(dev), positions.to(dev), None, None, choose, padded,
-                    host_token_ids=ids, host_positions=positions)
+                    host_token_ids=ids, host_positions=positions, row_seeds=self.seeds[rows],
+                    row_gen_lens=None if self.row_limits is None else self.row_limits[rows])
 
     def _choose_next(self, i, k, logits):
         uniforms = self.uniforms_of(k)

@@ -35,6 +35,11 @@ class Request:
     tag: object = None                  # the caller's, handed back with the result
 
 
+def seeds_of(requests: list) -> torch.Tensor:
+    """The requests' seeds (0 for none, or for a row that runs none), as Step.row_seeds."""
+    return torch.tensor([0 if r is None else r.seed or 0 for r in requests], dtype=torch.long)
+
+
 class SlotPool:
     """The state of `batch` slots fed from `requests` (an iterator of Request); `on_done(request,
     tokens, reason)` receives each finished sequence's new tokens (ending with the EOS token where one
@@ -126,9 +131,12 @@ class SlotPool:
         positions = positions.unsqueeze(1)
         slots = positions.squeeze(1)
         self.decode_slots += slots.shape[0]
+        running = self.request[rows]
         return Step(i, k, False, ids.to(dev), positions.to(dev), None, None,
                     lambda logits: self._choose(k, logits), True, host_token_ids=ids, host_positions=positions,
-                    row_slots=slots.to(dev), fill=int(slots.max()) + 1, before=(self.generated[rows] - 1).to(dev))
+                    row_slots=slots.to(dev), fill=int(slots.max()) + 1, before=(self.generated[rows] - 1).to(dev),
+                    row_seeds=seeds_of(running),
+                    row_gen_lens=torch.tensor([1 if r is None else r.max_new_tokens for r in running]))
 
     def refill_steps(self, i: int, num_gpu_batches: int) -> list:
         """Per gpu-batch, the prompt steps of the requests joining at token step i: one for the
@@ -153,7 +161,7 @@ class SlotPool:
         return Step(i, k, True, ids.to(self.device), positions.to(self.device),
                     torch.ones_like(ids, dtype=torch.bool).to(self.device), None, choose, False,
                     host_token_ids=ids, host_positions=positions, refill=[(row - k * self.gpu_batch_size, 0)],
-                    chunk_start=start)
+                    chunk_start=start, row_seeds=seeds_of([request]))
 
     def _joiner(self, i: int, joining: list):
         """The function that takes the joining rows' prompt logits: their generators seeded, each
@@ -193,7 +201,8 @@ class SlotPool:
             valid[n, s - len(request.ids):] = True
         self.prompt_positions += ids.numel()
         return prompt_step(i, k, ids, valid, self._joiner(i, joining), self.device,
-                           refill=[(row - k * self.gpu_batch_size, s - len(request.ids)) for row, request in joining])
+                           refill=[(row - k * self.gpu_batch_size, s - len(request.ids)) for row, request in joining],
+                           row_seeds=seeds_of([request for _, request in joining]))
 
     def _choose(self, k: int, logits):
         """Gpu-batch k's decode logits [b, vocab] -> the next tokens [b, 1] (on the device); the

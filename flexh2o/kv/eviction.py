@@ -57,6 +57,17 @@ def row_budgets(real_len, hh_ratio: float, recent_ratio: float, capacity: int):
     return (heavy + recent).clamp_(max=capacity), recent
 
 
+def decode_coordinates(cache, pos, logits) -> tuple:
+    """Where a decode step's logits [b, heads, 1, capacity + 1] sit (Evicting.contribution's at()):
+    each slot's token, then the new one at pos [b, 1]."""
+    b, heads = logits.shape[:2]
+    new = pos.to(cache.pos.device, cache.pos.dtype).view(b, 1, 1).expand(b, cache.pos.shape[1], 1)
+    keys = torch.cat([cache.pos, new], dim=-1)
+    keys = keys.repeat_interleave(heads // keys.shape[1], dim=1).unsqueeze(2)  # [b, heads, 1, capacity + 1]
+    return (torch.arange(b).view(b, 1, 1, 1), torch.arange(heads).view(1, heads, 1, 1),
+            pos[:, :1].view(b, 1, 1, 1), keys)
+
+
 class FullCache:
     """Keeps every token: capacity prompt_len + gen_len, each new token in the next free slot."""
 
@@ -92,9 +103,11 @@ class Evicting(FullCache):
     appends = False
 
     # -- what a policy defines -------------------------------------------------------------
-    def contribution(self, logits, probs, real_rows, step):
+    def contribution(self, logits, probs, real_rows, step, at=None):
         """What this step's attention gives each key: logits and probs [..., q, n] -> [..., n].
-        real_rows [..., q, 1] is 1 at real query rows, 0 at padding (None: every row is real)."""
+        real_rows [..., q, 1] is 1 at real query rows, 0 at padding (None: every row is real).
+        at(): where each logit sits, (sequence, query head, query position, key position), int
+        tensors that broadcast to the logits' shape (None: their indices)."""
         return (probs if real_rows is None else probs * real_rows).sum(-2)
 
     def priority(self, pos, score, current):
@@ -149,7 +162,8 @@ class Evicting(FullCache):
         least priority not always kept, or fills an empty slot."""
         held = new = None
         if self.uses_attention:
-            current = per_kv_head(self.contribution(logits, probs, None, step), k.shape[1])
+            at = lambda: decode_coordinates(cache, pos, logits)  # noqa: E731
+            current = per_kv_head(self.contribution(logits, probs, None, step, at), k.shape[1])
             held, new = current[..., :-1], current[..., -1]
         if self.accumulates:
             cache.score.add_(held)

@@ -12,7 +12,7 @@ class TokenOmission(Evicting):
     def always_kept(self, capacity, recent):
         return torch.ones_like(capacity), torch.zeros_like(capacity)
 
-    def contribution(self, logits, probs, real_rows, step):
+    def contribution(self, logits, probs, real_rows, step, at=None):
         return probs[..., -1, :]  # the current query: the prompt's last row, or the new token's row
 
     def priority(self, pos, score, current):

@@ -56,15 +56,17 @@ def observed_chunk_bytes(rows: int, s: int, dtype_bytes: int = 4) -> int:
 
 
 def prompt_attention_observed(q, k, v, mask, real, scale: float, contribution):
-    """Prompt attention that also returns contribution(logits, probs, real_rows) per key and query
-    head: [b, heads, s]. real bool [b, s] marks real (non-padding) query rows. k and v may have
-    fewer (KV) heads than q."""
+    """Prompt attention that also returns contribution(logits, probs, real_rows, at) per key and
+    query head: [b, heads, s]. real bool [b, s] marks real (non-padding) query rows. k and v may
+    have fewer (KV) heads than q. at() gives where the logits [rows, s, s] sit: (sequence [rows, 1, 1],
+    head [rows, 1, 1], query position [rows, s, 1], key position [rows, 1, s])."""
     b, heads, s, d = q.shape
     rows = b * heads
     qf, kf, vf = (repeat_kv_heads(t, heads).reshape(rows, s, d) for t in (q, k, v))
     causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril_() if mask is None else None
     out = torch.empty_like(qf)
     seen = torch.empty(rows, s, dtype=torch.float32, device=q.device)
+    positions = real.long().cumsum(1) - 1  # a real token's position (prompts are left-padded)
     chunk = observed_chunk_rows(s)
     for start in range(0, rows, chunk):
         r = slice(start, min(start + chunk, rows))
@@ -74,7 +76,10 @@ def prompt_attention_observed(q, k, v, mask, real, scale: float, contribution):
         logits.masked_fill_(~(causal if mask is None else mask[seq, 0]), float("-inf"))
         probs = torch.softmax(logits, dim=-1)
         out[r] = torch.bmm(probs.to(v.dtype), vf[r])
-        seen[r] = contribution(logits, probs, real[seq].unsqueeze(-1).float())
+        head = torch.arange(r.start, r.stop, device=q.device) % heads
+        at = lambda: (seq.view(-1, 1, 1), head.view(-1, 1, 1), positions[seq].unsqueeze(-1),  # noqa: E731
+                      positions[seq].unsqueeze(-2))
+        seen[r] = contribution(logits, probs, real[seq].unsqueeze(-1).float(), at)
     return out.view(b, heads, s, d), seen.view(b, heads, s)
 
 

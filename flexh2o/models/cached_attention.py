@@ -108,7 +108,7 @@ class CachedAttention(Layer):
         if self.kv.uses_attention:
             out, seen = prompt_attention_observed(
                 q, k, v, step.prompt_mask, step.key_valid, scale,
-                lambda logits, probs, real_rows: self.kv.contribution(logits, probs, real_rows, step))
+                lambda logits, probs, real_rows, at: self.kv.contribution(logits, probs, real_rows, step, at))
             seen = per_kv_head(seen, kv_heads)
         else:
             out = prompt_attention(q, k, v, step.prompt_mask, scale)

@@ -64,7 +64,7 @@ def prompt_call(observed: bool, seq: int, dtype, device):
     real = torch.ones(1, seq, dtype=torch.bool, device=device)
     policy = HeavyHitters(seq, seq, 1, 0)
     return lambda: prompt_attention_observed(q, k, v, None, real, HEAD_DIM ** -0.5,
-                                             lambda logits, probs, rows: policy.contribution(logits, probs, rows, None))
+                                             lambda logits, probs, rows, at: policy.contribution(logits, probs, rows, None))
 
 
 def decode_call(evicting: bool, slots: int, dtype, device, stream_bytes: int = 0):

@@ -58,7 +58,7 @@ PLACEMENTS = {
         act_cpu_percent=100, compress_weight=True, compress_cache=True),
 }
 KV = {name: ({} if name == "full" else {"kv_policy": name, "hh_ratio": 0.3})
-      for name in POLICIES if name != "keyformer"}
+      for name in POLICIES}
 
 
 @pytest.mark.parametrize("kv", list(KV))

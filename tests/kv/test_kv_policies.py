@@ -24,7 +24,8 @@ REAL = [PROMPT - n for n in PADS]
 
 def step_at(i: int):
     """What a policy reads of token step i (sequences.Step) on a CPU."""
-    return SimpleNamespace(i=i, slot=None, generated_before=lambda device: i - 1)
+    return SimpleNamespace(i=i, prefill=i == 0, slot=None, generated_before=lambda device: i - 1, row_seeds=None,
+                           row_gen_lens=None, before=None, row_slots=None)
 
 
 def budgets(policy):
@@ -177,27 +178,54 @@ def test_of_equal_scores_the_older_token_is_evicted():
                 assert held(cache, row, head) == list(range(newest - policy.capacity + 1, newest + 1))
 
 
-def test_keyformer_keeps_one_advancing_generator_per_device():
-    """A split cache attends on two devices in turn; each device's noise must go on, not restart.
-    (tests/offload/test_cuda.py alternates real devices.)"""
+def test_keyformer_noise_is_a_function_of_where_the_logit_sits():
+    """The noise of a logit follows (layer seed, sequence seed, head, query position, key position)
+    alone: a sequence gets the same in a batch of three as alone, in another slot order, and other
+    noise under another seed, head or layer."""
+    policy = make_policy(Policy(kv_policy="keyformer", hh_ratio=0.25), PROMPT, GEN, 5)
+    logits = torch.zeros(3, 2, 1, 6)
+    keys = torch.tensor([[4, 0, 1, 2, 3, 5], [3, 4, 0, 1, 2, 5], [0, 1, 2, 3, 4, 5]]).view(3, 1, 1, 6)
+
+    def at(rows):
+        return lambda: (torch.arange(len(rows)).view(-1, 1, 1, 1), torch.arange(2).view(1, 2, 1, 1),
+                        torch.full((len(rows), 1, 1, 1), 5), keys[rows])
+    step = SimpleNamespace(i=3, prefill=False, row_seeds=torch.tensor([11, 12, 11]), row_gen_lens=None)
+    batch = policy.contribution(logits, None, None, step, at([0, 1, 2]))
+    alone = SimpleNamespace(i=3, prefill=False, row_seeds=torch.tensor([12]), row_gen_lens=None)
+    assert torch.equal(policy.contribution(logits[1:2], None, None, alone, at([1])), batch[1:2])
+    # Rows 0 and 2 share a seed: the same noise for the same positions, in whichever slots they are
+    # (the softmax's sum, taken in another order, may differ in its last bit).
+    torch.testing.assert_close(batch[0].gather(-1, keys[0, 0].argsort().expand(2, 6)),
+                               batch[2].gather(-1, keys[2, 0].argsort().expand(2, 6)), rtol=1e-6, atol=1e-8)
+    assert not torch.equal(batch[0, 0], batch[0, 1])  # another head
+    other = SimpleNamespace(i=3, prefill=False, row_seeds=torch.tensor([13, 12, 11]), row_gen_lens=None)
+    assert not torch.equal(policy.contribution(logits, None, None, other, at([0, 1, 2]))[0], batch[0])
+    other_layer = make_policy(Policy(kv_policy="keyformer", hh_ratio=0.25), PROMPT, GEN, 6)
+    assert not torch.equal(other_layer.contribution(logits, None, None, step, at([0, 1, 2])), batch)
+
+
+def test_hashed_uniforms_are_uniform_in_the_open_interval():
+    from flexh2o.kv.keyformer import hashed_uniforms
+    u = hashed_uniforms((3, torch.arange(64).view(-1, 1), torch.arange(4096)), "cpu")
+    assert u.shape == (64, 4096) and u.dtype == torch.float32
+    assert 0 < float(u.min()) and float(u.max()) < 1
+    counts = torch.histc(u, bins=16, min=0, max=1)
+    expected = u.numel() / 16
+    assert float(((counts - expected) ** 2 / expected).sum()) < 60  # chi-square, 15 degrees of freedom: p < 1e-6
+    neighbours = torch.stack([u[:, :-1].flatten(), u[:, 1:].flatten()])
+    assert abs(float(torch.corrcoef(neighbours)[0, 1])) < 0.02
+    assert torch.equal(hashed_uniforms((3, torch.tensor(7)), "cpu"), hashed_uniforms((3, 7), "cpu"))
+    assert not torch.equal(hashed_uniforms((3, 7), "cpu"), hashed_uniforms((4, 7), "cpu"))
+
+
+def test_keyformer_temperature_follows_each_sequences_own_max_new_tokens():
+    """Each sequence's tau runs from 1 to 2 over its own max_new_tokens (refilled slots, or a fixed
+    batch of a job's records); a prompt's is 1."""
     policy = make_policy(Policy(kv_policy="keyformer", hh_ratio=0.25), PROMPT, GEN, 0)
-    logits, step = torch.zeros(1, 1, 1, 64), step_at(1)
-    first, second = (policy.contribution(logits, None, None, step) for _ in range(2))
-    assert not torch.equal(first, second)
-    assert list(policy.generators) == [torch.device("cpu")]
-
-
-def test_keyformer_noise_goes_on_across_device_switches():
-    """Draws alternating between two devices continue each device's own stream: the second draw on
-    a device is the stream's second draw, not its first again (torch.device("cpu", 0) stands for a
-    second device: it compares unequal to "cpu")."""
-    policy = make_policy(Policy(kv_policy="keyformer", hh_ratio=0.25), PROMPT, GEN, 7)
-    devices = [torch.device("cpu"), torch.device("cpu", 0)]
-    draws = {d: [] for d in devices}
-    for _ in range(2):
-        for d in devices:
-            draws[d].append(torch.rand(8, generator=policy.generator(d)))
-    expected = torch.Generator().manual_seed(7)
-    stream = [torch.rand(8, generator=expected) for _ in range(2)]
-    for d in devices:
-        assert torch.equal(draws[d][0], stream[0]) and torch.equal(draws[d][1], stream[1])
+    step = SimpleNamespace(i=9, prefill=False, before=torch.tensor([0, 3, 4]), row_gen_lens=torch.tensor([5, 5, 9]),
+                           row_slots=torch.tensor([7, 8, 9]))
+    tau = policy.temperatures(step, torch.zeros(3, 2, 1, 6))
+    assert tau.flatten().tolist() == pytest.approx([1 + 1 / 4, 2.0, 1 + 5 / 8])
+    fixed = SimpleNamespace(i=3, prefill=False, before=None, row_gen_lens=torch.tensor([4, 7]), row_slots=None)
+    assert policy.temperatures(fixed, torch.zeros(2, 2, 1, 6)).flatten().tolist() == pytest.approx([2.0, 1.5])
+    assert policy.temperatures(SimpleNamespace(prefill=True), torch.zeros(3, 2, 4, 4)) == 1.0

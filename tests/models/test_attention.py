@@ -14,7 +14,7 @@ def test_observed_prompt_attention_does_not_overflow_in_float16():
 
     def run(dtype):
         return prompt_attention_observed(q.to(dtype), k.to(dtype), v.to(dtype), None, real, 64 ** -0.5,
-                                         lambda logits, probs, rows: (probs * rows).sum(-2))
+                                         lambda logits, probs, rows, at: (probs * rows).sum(-2))
     out, seen = run(torch.float16)
     exact_out, exact_seen = run(torch.float32)
     assert torch.isfinite(out).all() and torch.isfinite(seen).all()
