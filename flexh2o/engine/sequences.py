@@ -43,8 +43,8 @@ class Step:
     fill: int = 0
     refill: list | None = None
     chunk_start: int | None = None
-    # Each sequence's seed and, where slots are refilled, its own max_new_tokens ([b], CPU memory):
-    # what Keyformer's noise and temperature follow (kv/keyformer.py). None: the row's index.
+    # Each sequence's seed and, where sequences have their own (a job's records), its max_new_tokens
+    # ([b], CPU memory): what Keyformer's noise and temperature follow (kv/keyformer.py).
     row_seeds: torch.Tensor | None = None
     row_gen_lens: torch.Tensor | None = None
 
