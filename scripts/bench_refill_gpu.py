@@ -30,18 +30,13 @@ def records(a) -> list:
 
 def fixed_blocks(engine, recs, batch: int) -> int:
     """Sorted by prompt length, cut into blocks of `batch`; returns the tokens generated."""
-    import torch
+    from flexh2o.runs.prompts import pad_prompts
     order = sorted(recs, key=lambda r: len(r[0]))
     generated = 0
     for start in range(0, len(order), batch):
         block = order[start: start + batch]
         engine.use_policy(gpu_batch_size=len(block))
-        longest = max(len(ids) for ids, _ in block)
-        ids = torch.full((len(block), longest), 1, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for n, (prompt, _) in enumerate(block):
-            ids[n, longest - len(prompt):] = torch.tensor(prompt)
-            mask[n, longest - len(prompt):] = 1
+        ids, mask = pad_prompts([prompt for prompt, _ in block], max(len(p) for p, _ in block), 1)
         engine.generate(ids, mask, max_new_tokens=max(m for _, m in block), eos_token_id=None,
                         row_max_new_tokens=[m for _, m in block])
         generated += sum(m for _, m in block)

@@ -76,9 +76,6 @@ def padded_batch(batch, prompt_len, pads, seed=0):
     return ids, mask
 
 
-SMOL_GGUF = os.path.join(os.path.dirname(TESTS), "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
-
-
 @pytest.fixture(scope="session")
 def transformers_smol():
     """transformers' own parse of SmolLM2's GGUF (config, tokenizer fields, float32 tensors named
@@ -168,6 +165,7 @@ def hf_generate(model, ids, mask, new_tokens, eos_token_id=None):
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMOL_GGUF = os.path.join(REPO, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")  # `make setup` downloads it
 
 
 @pytest.fixture

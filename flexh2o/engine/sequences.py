@@ -59,6 +59,8 @@ class Step:
 
     def for_rows(self, rows: slice) -> "Step":
         """This step as seen by sequences `rows` of its gpu-batch (a part of a cache split along the batch)."""
+        if rows.start == 0 and rows.stop >= self.token_ids.shape[0]:
+            return self
         # (A fixed batch's `before` is one count for every sequence.)
         names = ("row_seeds", "row_gen_lens") + (("row_slots", "before") if self.row_slots is not None else ())
         changed = {name: getattr(self, name)[rows] for name in names if getattr(self, name) is not None}

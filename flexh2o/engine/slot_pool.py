@@ -36,8 +36,8 @@ class Request:
 
 
 def seeds_of(requests: list) -> torch.Tensor:
-    """The requests' seeds (0 for none, or for a row that runs none), as Step.row_seeds."""
-    return torch.tensor([0 if r is None else r.seed or 0 for r in requests], dtype=torch.long)
+    """The requests' seeds (0 for none), as Step.row_seeds."""
+    return torch.tensor([r.seed or 0 for r in requests], dtype=torch.long)
 
 
 class SlotPool:
@@ -60,6 +60,8 @@ class SlotPool:
         self.new_tokens = [[] for _ in range(batch)]
         self.real_len = torch.zeros(batch, dtype=torch.long)
         self.generated = torch.zeros(batch, dtype=torch.long)
+        self.seeds = torch.zeros(batch, dtype=torch.long)      # each row's sequence's seed (Keyformer's noise)
+        self.gen_lens = torch.ones(batch, dtype=torch.long)    # and its max_new_tokens (Keyformer's tau)
         self.last = torch.full((batch,), pad_token_id, dtype=torch.long)
         self.active = torch.zeros(batch, dtype=torch.bool)  # running: decoded at the next step
         self.decoding = self.active.clone()  # running as the current step began
@@ -131,12 +133,10 @@ class SlotPool:
         positions = positions.unsqueeze(1)
         slots = positions.squeeze(1)
         self.decode_slots += slots.shape[0]
-        running = self.request[rows]
         return Step(i, k, False, ids.to(dev), positions.to(dev), None, None,
                     lambda logits: self._choose(k, logits), True, host_token_ids=ids, host_positions=positions,
                     row_slots=slots.to(dev), fill=int(slots.max()) + 1, before=(self.generated[rows] - 1).to(dev),
-                    row_seeds=seeds_of(running),
-                    row_gen_lens=torch.tensor([1 if r is None else r.max_new_tokens for r in running]))
+                    row_seeds=self.seeds[rows], row_gen_lens=self.gen_lens[rows])
 
     def refill_steps(self, i: int, num_gpu_batches: int) -> list:
         """Per gpu-batch, the prompt steps of the requests joining at token step i: one for the
@@ -231,6 +231,7 @@ class SlotPool:
         for n, (row, request) in enumerate(joining):
             self.request[row], self.new_tokens[row] = request, []
             self.real_len[row], self.generated[row] = len(request.ids), 0
+            self.seeds[row], self.gen_lens[row] = request.seed or 0, request.max_new_tokens
             self.active[row] = True
             self.row_joins[row] += 1
             self._accept(row, int(tokens[n]))

@@ -228,7 +228,6 @@ class Job:
         self._advance(len(block), generated)
         return records
 
-
     def _record(self, entry, request, tokens: list[int]) -> tuple:
         """(the output record, tokens generated) of a record whose sequence generated `tokens`."""
         new, hit_eos = until_eos(tokens, self.eos_ids)

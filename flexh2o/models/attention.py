@@ -55,6 +55,14 @@ def observed_chunk_bytes(rows: int, s: int, dtype_bytes: int = 4) -> int:
     return min(rows, observed_chunk_rows(s)) * s * s * per_value
 
 
+def observed_coordinates(real, seq, r: slice, heads: int) -> tuple:
+    """Where the logits [rows, s, s] of rows r (sequence seq of each) sit, as at() gives them: the
+    prompts are left-padded, so a real token's position counts the real ones before it."""
+    positions = real[seq].long().cumsum(-1) - 1
+    head = torch.arange(r.start, r.stop, device=seq.device) % heads
+    return seq.view(-1, 1, 1), head.view(-1, 1, 1), positions.unsqueeze(-1), positions.unsqueeze(-2)
+
+
 def prompt_attention_observed(q, k, v, mask, real, scale: float, contribution):
     """Prompt attention that also returns contribution(logits, probs, real_rows, at) per key and
     query head: [b, heads, s]. real bool [b, s] marks real (non-padding) query rows. k and v may
@@ -66,7 +74,6 @@ def prompt_attention_observed(q, k, v, mask, real, scale: float, contribution):
     causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril_() if mask is None else None
     out = torch.empty_like(qf)
     seen = torch.empty(rows, s, dtype=torch.float32, device=q.device)
-    positions = real.long().cumsum(1) - 1  # a real token's position (prompts are left-padded)
     chunk = observed_chunk_rows(s)
     for start in range(0, rows, chunk):
         r = slice(start, min(start + chunk, rows))
@@ -76,10 +83,8 @@ def prompt_attention_observed(q, k, v, mask, real, scale: float, contribution):
         logits.masked_fill_(~(causal if mask is None else mask[seq, 0]), float("-inf"))
         probs = torch.softmax(logits, dim=-1)
         out[r] = torch.bmm(probs.to(v.dtype), vf[r])
-        head = torch.arange(r.start, r.stop, device=q.device) % heads
-        at = lambda: (seq.view(-1, 1, 1), head.view(-1, 1, 1), positions[seq].unsqueeze(-1),  # noqa: E731
-                      positions[seq].unsqueeze(-2))
-        seen[r] = contribution(logits, probs, real[seq].unsqueeze(-1).float(), at)
+        seen[r] = contribution(logits, probs, real[seq].unsqueeze(-1).float(),
+                               lambda: observed_coordinates(real, seq, r, heads))
     return out.view(b, heads, s, d), seen.view(b, heads, s)
 
 

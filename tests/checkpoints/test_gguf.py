@@ -15,8 +15,7 @@ from flexh2o.checkpoints.gguf_reader import read_gguf, tokenizer  # noqa: E402
 from flexh2o.models import resolve_model  # noqa: E402
 from flexh2o.compression.formats import BLOCK_BYTES, SIXTEEN_BIT  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SMOL = os.path.join(REPO, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
+from conftest import SMOL_GGUF as SMOL  # noqa: E402
 needs_smol = pytest.mark.skipif(not os.path.isfile(SMOL), reason=f"{SMOL} is missing: `make setup` downloads it")
 SENTENCE = "Hello world, the quick brown fox jumps over 13 lazy dogs."
 

