@@ -22,6 +22,7 @@ from flexh2o.models.cached_attention import CachedAttention
 from flexh2o.engine.generate_arguments import (check_batch, check_generate_arguments, check_positions,
                                                check_refill_arguments, check_token_ids)
 from flexh2o.engine.pipeline import StageSchedule, model_slices
+from flexh2o.engine.stage_refill import RefillStageSchedule
 from flexh2o.engine.policy import Policy
 from flexh2o.engine.sampling import MAX_SEED, Sampler, check_seed
 from flexh2o.engine.schedule import Schedule
@@ -255,8 +256,9 @@ class Engine:
                 schedule = Schedule(self.layers, seqs, policy.num_gpu_batches, self.tiers, act_tier(policy))
                 schedule.use_graphs()
             else:
-                schedule = StageSchedule(self.layers, seqs, policy.num_gpu_batches, self.tiers, act_tier(policy),
-                                         self.stage, policy.gpu_batch_size, spec.hidden_size, prompt_len)
+                kind = RefillStageSchedule if seqs.refills else StageSchedule
+                schedule = kind(self.layers, seqs, policy.num_gpu_batches, self.tiers, act_tier(policy),
+                                self.stage, policy.gpu_batch_size, spec.hidden_size, prompt_len)
             with torch.no_grad():
                 steps_done = schedule.run(steps, progress)
             if self.tiers.failure is not None:  # an I/O task failed that nothing waited for
@@ -296,7 +298,7 @@ class Engine:
         policy, spec = self.policy, self.spec
         check_generate_arguments(spec.vocab_size, do_sample, temperature, top_k, top_p, None, eos_token_id,
                                  pad_token_id, False, False, None)
-        check_refill_arguments(policy, self.stage, join_every, prompt_chunk)
+        check_refill_arguments(policy, join_every, prompt_chunk)
         check_positions(prompt_len, gen_len, spec)
         need = run_need(self.cache_spec, policy, self.tiers.dtype.itemsize, prompt_len, gen_len, self.tiers.compute,
                         False, self.tiers.io_threads)

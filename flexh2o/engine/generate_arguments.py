@@ -56,12 +56,10 @@ def check_positions(prompt_len: int, gen_len: int, spec):
                          f"the {spec.max_positions} positions of {spec.name}")
 
 
-def check_refill_arguments(policy, stage, join_every, prompt_chunk):
+def check_refill_arguments(policy, join_every, prompt_chunk):
     whole("join_every", join_every, 1)
     whole("prompt_chunk", prompt_chunk, 1, none=True)
     if prompt_chunk is not None and (policy.kv_policy != "full" or policy.compress_cache):
         raise UsageError("--prompt-chunk", "applies to the full cache, uncompressed: an evicting policy "
                          "chooses what it keeps from the whole prompt's attention, and a compressed cache "
                          "would hand the later chunks the earlier ones' K and V rounded")
-    if stage is not None:
-        raise UsageError("--pipeline-stages", "slots are not refilled across pipeline stages")

@@ -8,7 +8,8 @@ gpu-batches go through in min(K, stages) micro-batches (groups of neighbouring g
 stage runs the zig-zag over its layers for one micro-batch, hands its hidden states to the next
 stage with a non-blocking send, and goes on with the next micro-batch while the next stage
 computes; the last stage's sampled tokens go back to the first, which needs them for the next
-token step. Everything else (KV policies, compression, offloading) runs unchanged inside a stage.
+token step (with refilled slots, stage_refill.py, they go to every stage). Everything else (KV
+policies, compression, offloading) runs unchanged inside a stage.
 
 Whether a run stops early (every sequence finished) is decided by the first stage at the end of
 each token step, from the tokens it has then received (micro-batch 0's of this step, the others'

@@ -64,9 +64,17 @@ class SlotPool:
         self.gen_lens = torch.ones(batch, dtype=torch.long)    # and its max_new_tokens (Keyformer's tau)
         self.last = torch.full((batch,), pad_token_id, dtype=torch.long)
         self.active = torch.zeros(batch, dtype=torch.bool)  # running: decoded at the next step
-        self.decoding = self.active.clone()  # running as the current step began
-        self.joining = []  # per gpu-batch, the (row, request) pairs that join at the current step
-        self.uniforms = None
+        self.decoding = self.active.clone()  # running as the current step began for its gpu-batch
+        gpu_batches = -(-batch // gpu_batch_size)
+        self.joining = [[] for _ in range(gpu_batches)]  # per gpu-batch: (row, request), whole prompts joining
+        self.chunks = [[] for _ in range(gpu_batches)]   # and (row, request, first token): one chunk each
+        self.refill_joins = [[] for _ in range(gpu_batches)]  # per refill step: the rows it starts, or None
+        self.uniforms = None if sampler.greedy else torch.zeros(batch, dtype=torch.float64)
+        # Where tokens are applied later than chosen (a pipeline's stages, stage_refill.py): chosen
+        # tokens are only returned, and take() applies them.
+        self.deferred = False
+        self.in_flight = 0   # rows whose prompt step ran but whose first token is not applied yet
+        self._join_step = -1
         self.joined = 0      # requests that took a slot
         self.row_joins = [0] * batch  # of which per slot
         self.joins = 0       # token steps at which some did
@@ -87,17 +95,27 @@ class SlotPool:
         return request
 
     def begin(self, i: int):
-        """Token step i starts: free rows take waiting requests (every join_every steps, or whenever
-        nothing runs); the running sequences draw their random numbers."""
+        """Token step i starts, every gpu-batch decided at once (decide)."""
+        self.start_step(i)
+        self.decide(i, range(len(self.joining)))
+
+    def start_step(self, i: int):
         self.i = i
-        self.decoding = self.active.clone()
-        gpu_batches = -(-self.batch // self.gpu_batch_size)
-        self.joining = [[] for _ in range(gpu_batches)]  # (row, request): whole prompts
-        self.chunks = [[] for _ in range(gpu_batches)]   # (row, request, first token): one chunk each
+
+    def decide(self, i: int, ks):
+        """Gpu-batches ks at token step i: their free rows take waiting requests (every join_every
+        steps, or whenever nothing runs), in order of rows; their running sequences draw their
+        random numbers."""
+        rows = range(self.rows(ks[0]).start, min(self.rows(ks[-1]).stop, self.batch))
+        part = slice(rows.start, rows.stop)
+        self.decoding[part] = self.active[part]
+        for k in ks:
+            self.joining[k], self.chunks[k] = [], []
         for row, (request, start) in self.prefilling.items():
-            self.chunks[row // self.gpu_batch_size].append((row, request, start))
-        if i % self.join_every == 0 or not (self.active.any() or self.prefilling):
-            for row in (~self.active).nonzero().flatten().tolist():
+            if row in rows:
+                self.chunks[row // self.gpu_batch_size].append((row, request, start))
+        if i % self.join_every == 0 or not (self.active.any() or self.prefilling or self.in_flight):
+            for row in (~self.active[part]).nonzero().flatten().add(rows.start).tolist():
                 if row in self.prefilling:
                     continue
                 if self._peek() is None:
@@ -107,12 +125,12 @@ class SlotPool:
                     self.chunks[row // self.gpu_batch_size].append((row, request, 0))
                 else:
                     self.joining[row // self.gpu_batch_size].append((row, request))
-        if any(self.joining) or any(start == 0 for chunks in self.chunks for _, _, start in chunks):
+        joined = any(self.joining[k] or any(start == 0 for _, _, start in self.chunks[k]) for k in ks)
+        if joined and self._join_step != i:
             self.joins += 1
-        self.uniforms = None
-        if not self.sampler.greedy:
-            self.uniforms = torch.zeros(self.batch, dtype=torch.float64)
-            for row in self.decoding.nonzero().flatten().tolist():
+            self._join_step = i
+        if self.uniforms is not None:
+            for row in self.decoding[part].nonzero().flatten().add(rows.start).tolist():
                 self.uniforms[row] = torch.rand(1, generator=self.generators[row], dtype=torch.float64)
 
     def steps(self, i: int, num_gpu_batches: int, device_counters: bool = False) -> list:
@@ -142,26 +160,33 @@ class SlotPool:
         """Per gpu-batch, the prompt steps of the requests joining at token step i: one for the
         whole prompts, one per prompt taken in chunks; a sequence draws its first random number at
         its prompt's last step."""
-        return [self._whole_prompts(i, k) + [self._chunk(i, k, *c) for c in self.chunks[k]]
-                for k in range(num_gpu_batches)]
+        return [self.refills_of(i, k) for k in range(num_gpu_batches)]
 
-    def _chunk(self, i: int, k: int, row: int, request: Request, start: int) -> Step:
+    def refills_of(self, i: int, k: int) -> list:
+        """Gpu-batch k's prompt steps at token step i (refill_steps)."""
+        made = self._whole_prompts(i, k) + [self._chunk(i, k, *c) for c in self.chunks[k]]
+        self.refill_joins[k] = [joining for _, joining in made]
+        return [step for step, _ in made]
+
+    def _chunk(self, i: int, k: int, row: int, request: Request, start: int) -> tuple:
         """The prompt step of request's tokens [start, start + prompt_chunk), after the ones
-        [0, start) its row's cache already holds."""
+        [0, start) its row's cache already holds, and the row it starts (None before the last chunk)."""
         stop = min(start + self.prompt_chunk, len(request.ids))
         ids = torch.tensor([request.ids[start:stop]])
         positions = torch.arange(start, stop).unsqueeze(0)
         self.prompt_positions += stop - start
+        joining = None
         if stop < len(request.ids):
             self.prefilling[row] = (request, stop)
             choose = lambda logits: None  # noqa: E731 - no token before the prompt's last chunk
         else:
             self.prefilling.pop(row, None)
-            choose = self._joiner(i, [(row, request)])
+            joining = [(row, request)]
+            choose = self._joiner(i, joining)
         return Step(i, k, True, ids.to(self.device), positions.to(self.device),
                     torch.ones_like(ids, dtype=torch.bool).to(self.device), None, choose, False,
                     host_token_ids=ids, host_positions=positions, refill=[(row - k * self.gpu_batch_size, 0)],
-                    chunk_start=start, row_seeds=seeds_of([request]))
+                    chunk_start=start, row_seeds=seeds_of([request])), joining
 
     def _joiner(self, i: int, joining: list):
         """The function that takes the joining rows' prompt logits: their generators seeded, each
@@ -173,12 +198,13 @@ class SlotPool:
             uniforms = torch.cat([torch.rand(1, generator=self.generators[row], dtype=torch.float64)
                                   for row, _ in joining])
         self.joined += len(joining)
+        self.in_flight += len(joining)
         return lambda logits: self._join(joining, logits, uniforms)
 
     def _whole_prompts(self, i: int, k: int) -> list:
-        """The prompt steps of the whole prompts joining gpu-batch k: sorted by length and cut into
-        groups each padded by at most JOIN_PADDING of its positions."""
-        joining = sorted(self.joining[k] if k < len(self.joining) else [], key=lambda j: len(j[1].ids))
+        """The prompt steps of the whole prompts joining gpu-batch k, each with the rows it starts:
+        sorted by length and cut into groups each padded by at most JOIN_PADDING of its positions."""
+        joining = sorted(self.joining[k], key=lambda j: len(j[1].ids))
         groups, real = [], 0
         for row, request in joining:
             n = len(request.ids)
@@ -191,7 +217,7 @@ class SlotPool:
             real += n
         return [self._prompt_group(i, k, group) for group in groups]
 
-    def _prompt_group(self, i: int, k: int, joining: list) -> Step:
+    def _prompt_group(self, i: int, k: int, joining: list) -> tuple:
         """The prompt step of whole prompts joining gpu-batch k together, left-padded to the longest."""
         s = max(len(request.ids) for _, request in joining)
         ids = torch.full((len(joining), s), self.pad, dtype=torch.long)
@@ -202,7 +228,7 @@ class SlotPool:
         self.prompt_positions += ids.numel()
         return prompt_step(i, k, ids, valid, self._joiner(i, joining), self.device,
                            refill=[(row - k * self.gpu_batch_size, s - len(request.ids)) for row, request in joining],
-                           row_seeds=seeds_of([request for _, request in joining]))
+                           row_seeds=seeds_of([request for _, request in joining])), joining
 
     def _choose(self, k: int, logits):
         """Gpu-batch k's decode logits [b, vocab] -> the next tokens [b, 1] (on the device); the
@@ -218,16 +244,41 @@ class SlotPool:
         return self.sampler.pick(logits, uniforms)
 
     def chosen(self, i: int, k: int, logits, picked):
-        """The tokens picked on the device for gpu-batch k's decode: the running rows' recorded."""
-        rows, tokens = self.rows(k), picked.cpu()
-        for n, row in enumerate(range(rows.start, rows.stop)):
-            if self.decoding[row]:
-                self._accept(row, int(tokens[n]))
+        """The tokens picked on the device for gpu-batch k's decode: the running rows' recorded
+        (unless deferred)."""
+        tokens = picked.cpu()
+        if not self.deferred:
+            self.take_decode(k, tokens)
         return tokens.unsqueeze(1).to(self.device)
 
     def _join(self, joining, logits, uniforms):
         """The joining rows' prompt logits [r, vocab] -> their first tokens."""
         tokens = self.sampler.pick(logits, None if uniforms is None else uniforms.to(logits.device)).cpu()
+        if not self.deferred:
+            self.take_join(joining, tokens)
+        return tokens.unsqueeze(1).to(self.device)
+
+    def take(self, k: int, decode, refills: list):
+        """Gpu-batch k's chosen tokens of the step in flight, applied: its decode's [b] (None where it
+        had none) and each of its prompt steps' [r] (None where it started no row)."""
+        if decode is not None:
+            self.take_decode(k, decode)
+        for joining, tokens in zip(self.refill_joins[k], refills):
+            if joining:
+                self.take_join(joining, tokens)
+
+    def expected(self, k: int) -> tuple:
+        """What take(k, ...) will be given: whether gpu-batch k decodes at the step in flight, and
+        the rows each of its prompt steps starts."""
+        return bool(self.decoding[self.rows(k)].any()), [len(j) if j else 0 for j in self.refill_joins[k]]
+
+    def take_decode(self, k: int, tokens):
+        rows = self.rows(k)
+        for n, row in enumerate(range(rows.start, min(rows.stop, self.batch))):
+            if self.decoding[row]:
+                self._accept(row, int(tokens[n]))
+
+    def take_join(self, joining: list, tokens):
         for n, (row, request) in enumerate(joining):
             self.request[row], self.new_tokens[row] = request, []
             self.real_len[row], self.generated[row] = len(request.ids), 0
@@ -235,7 +286,7 @@ class SlotPool:
             self.active[row] = True
             self.row_joins[row] += 1
             self._accept(row, int(tokens[n]))
-        return tokens.unsqueeze(1).to(self.device)
+        self.in_flight -= len(joining)
 
     def _accept(self, row: int, token: int):
         request, tokens = self.request[row], self.new_tokens[row]
@@ -256,4 +307,4 @@ class SlotPool:
 
     def all_finished(self) -> bool:
         """Nothing runs and nothing waits."""
-        return not self.active.any() and not self.prefilling and self._peek() is None
+        return not self.active.any() and not self.prefilling and not self.in_flight and self._peek() is None

@@ -6,7 +6,7 @@ next record as soon as its sequence stops (EOS, its own max_tokens, one of its s
 Records join longest max_tokens first, so that the last ones to finish are short. Finished
 records go to the output a batch at a time, or after FLUSH_SECONDS (output.py).
 
-With fixed blocks (`fixed_blocks`, and always under pipeline stages) the records are cut into
+With fixed blocks (`fixed_blocks`) the records are cut into
 blocks (blocks.py), each at its shape's plan (plans.py), generating until every sequence of the
 block has stopped. Where a plan's batch exceeds the block's records (gpu-batches of equal size),
 the rest is filled with copies of its last prompt that stop after one token. Records go to the
@@ -98,7 +98,7 @@ class Job:
         self.engine, self.input, self.output, self.tokenizer = engine, job_input, output, tokenizer
         self.formatter, self.eos_ids, self.job_seed, self.progress = formatter, eos_ids, job_seed, progress
         self.plans = plans or FixedPlan(engine.policy)
-        self.fixed_blocks = fixed_blocks or engine.stage is not None
+        self.fixed_blocks = fixed_blocks
         self.join_every, self.prompt_chunk = join_every, prompt_chunk
         self.stats = JobStats(records=len(job_input.entries))
 

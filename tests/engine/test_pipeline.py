@@ -39,13 +39,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_stage(rank, size, port, directory, policy, placements, ids, mask, new, limits, out_dir):
+def join_stages(rank, size, port, policy, placements) -> Policy:
+    """This spawned rank in the gloo world, one thread; its Policy with its own placement."""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=size)
     w_gpu, w_cpu, c_gpu, c_cpu = placements[rank]
-    policy = Policy(**policy, w_gpu_percent=w_gpu, w_cpu_percent=w_cpu, cache_gpu_percent=c_gpu,
-                    cache_cpu_percent=c_cpu)
+    return Policy(**policy, w_gpu_percent=w_gpu, w_cpu_percent=w_cpu, cache_gpu_percent=c_gpu,
+                  cache_cpu_percent=c_cpu)
+
+
+def run_stage(rank, size, port, directory, policy, placements, ids, mask, new, limits, out_dir):
+    policy = join_stages(rank, size, port, policy, placements)
     offload = os.path.join(out_dir, f"offload{rank}")
     with Engine.load(directory, policy=policy, device="cpu", dtype=torch.float32, offload_dir=offload,
                      stage=Stage(rank, size, 0, Link())) as engine:
