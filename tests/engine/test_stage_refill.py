@@ -1,5 +1,6 @@
 """Refilled slots across pipeline stages (engine/stage_refill.py): every request gets the tokens it
-gets alone, on every stage's copy of the pool, whatever the KV policy, placement or sampling."""
+gets alone, on every stage's copy of the pool, whatever the KV policy, placement, compression or
+sampling."""
 
 import os
 
@@ -37,10 +38,12 @@ CASES = {  # model, stages, gpu-batch size, gpu-batches, KV policy, placement pe
     "opt-2-full": ("tiny", 2, 2, 2, {}, [MEMORY, DISK], False, None),
     "opt-3-h2o-sampled": ("wide", 3, 1, 3, {"hh_ratio": 0.3}, [DISK, MEMORY, HALF], True, None),
     "opt-2-chunks-one-micro-batch": ("tiny", 2, 3, 1, {}, [HALF, MEMORY], False, 4),
+    "opt-2-compressed-on-disk": ("tiny", 2, 2, 2, {"compress_weight": True, "compress_cache": True}, [DISK, HALF],
+                                 False, None),
     "opt-2-tova-4-gpu-batches": ("wide", 2, 1, 4, {"kv_policy": "tova", "hh_ratio": 0.3}, [MEMORY, HALF], False,
                                  None),
 }
-SLOW_CASES = {"opt-2-tova-4-gpu-batches"}  # make test-all
+SLOW_CASES = {"opt-2-tova-4-gpu-batches", "opt-2-compressed-on-disk"}  # make test-all
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES])
