@@ -6,7 +6,8 @@ memory. A decode step attends over every slot of the preallocated cache (masking
 the slots are one contiguous block, which on a CPU is several times faster than a strided view
 of the filled part) plus the new token itself, whose K/V the policy then stores. The full
 cache, which needs no probabilities and never evicts, stores the new token first and attends
-over its filled slots in one fused kernel (`attend_filled`) on a CPU, and over all its slots, the
+over its filled slots in one kernel (`attend_filled`: flexh2o's own, native/attention.c, in a
+float32 run, each sequence only up to its own last token) on a CPU, and over all its slots, the
 empty ones masked, on CUDA (`attend_slots`): there every decode step must run the same kernels on
 the same shapes, or a fused attention backend plans anew for each cache length (cuDNN's took 63%
 of an H200's CPU time at OPT-6.7B's decode) and no CUDA graph can replay the step.
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from flexh2o import native
 from flexh2o.common.errors import UsageError
 
 PROBS_CHUNK_BYTES = 64 << 20  # bound on the prompt's logits + probabilities held at once
@@ -112,14 +114,39 @@ def decode_attention(q, cache, k_new, v_new, scale: float):
 
 def attend_filled(q, cache, scale: float, padded: bool) -> torch.Tensor:
     """q [b, heads, 1, d] against slots [0, cache.length) of a full cache that already holds the new
-    token (every (sequence, KV head) filled alike, so one head's positions mask them all): PyTorch's
-    fused attention, 2-3x faster on a CPU than decode_attention's separate kernels. padded: some
-    slots hold prompt padding (position -1), masked out."""
+    token (every (sequence, KV head) filled alike, so one head's positions mask them all): flexh2o's
+    own kernel where it applies (attend_own_slots), else PyTorch's fused attention, 2-3x faster on a
+    CPU than decode_attention's separate kernels. padded: some slots hold prompt padding (position
+    -1), masked out."""
+    out = attend_own_slots(q, cache, scale)
+    if out is not None:
+        return out
     n = cache.length
     mask = (cache.pos[:, :1, None, :n] >= 0) if padded else None
     grouped = {"enable_gqa": True} if cache.k.shape[1] != q.shape[1] else {}
     return F.scaled_dot_product_attention(q, cache.k[:, :, :n], cache.v[:, :, :n], attn_mask=mask, scale=scale,
                                           **grouped)
+
+
+def attend_own_slots(q, cache, scale: float) -> torch.Tensor | None:
+    """attend_filled on a CPU in float32 by native/attention.c, which reads each sequence's slots only
+    up to its own last token (refilled slots hold sequences of every length); None where it does not
+    apply (another device or width, no kernels built, head_dim not a multiple of 8)."""
+    b, heads, _, d = q.shape
+    k, v, pos = cache.k, cache.v, cache.pos
+    if q.device.type != "cpu" or d % 8 or not all(t.dtype == torch.float32 and t.is_contiguous() for t in (k, v)) \
+            or not pos.is_contiguous():
+        return None
+    lib = native.library()
+    if lib is None:
+        return None
+    _, kv_heads, capacity, _ = k.shape
+    rows = (q * scale).reshape(b, kv_heads, heads // kv_heads, d).contiguous()
+    out = torch.empty_like(rows)
+    if lib.decode_attention(rows.data_ptr(), k.data_ptr(), v.data_ptr(), pos.data_ptr(), b, kv_heads,
+                            heads // kv_heads, capacity, cache.length, d, out.data_ptr(), torch.get_num_threads()):
+        return None
+    return out.view(b, heads, 1, d)
 
 
 # The fused backends a CUDA decode step may use, in PyTorch's order of preference, unless

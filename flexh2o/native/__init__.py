@@ -19,7 +19,7 @@ import subprocess
 import tempfile
 import threading
 
-SOURCES = ("quant4.c", "blocks.c")
+SOURCES = ("quant4.c", "blocks.c", "attention.c")
 HEADERS = ("common.h",)  # hashed with the sources: a change to them is a new build
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
 OPENMP = "-fopenmp"  # the products' threads (a compiler without it builds them single-threaded)
@@ -112,6 +112,8 @@ def _load() -> ctypes.CDLL | None:
     lib.dequantize_rows.argtypes = [ptr, i64, ptr, ctypes.c_int, i64, i64, i64]
     lib.dequantize_blocks.argtypes = [ctypes.c_int, ptr, i64, ptr, ctypes.c_int, i64, i64, i64]
     lib.matmul_all.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, ptr, i64, i64, ctypes.c_int]
+    lib.decode_attention.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, ctypes.c_int]
+    lib.decode_attention.restype = ctypes.c_int
     lib.quantize_rows.restype = i64
     lib.dequantize_rows.restype = lib.dequantize_blocks.restype = lib.matmul_all.restype = None
     return lib

@@ -43,9 +43,11 @@ def cpu_reference(directory, policy, offload_dir):
 
 
 def assert_same(reference, out):
+    """Same tokens; logits within float32 rounding of each other (a CPU decode of the full cache
+    attends by native/attention.c, the CUDA one by PyTorch's fused kernel: sums in another order)."""
     assert torch.equal(reference.sequences, out.sequences)
     for a, b in zip(reference.scores, out.scores):
-        assert torch.allclose(a, b, atol=1e-5, rtol=0), (a - b).abs().max()
+        assert torch.allclose(a, b, atol=3e-5, rtol=1e-5), (a - b).abs().max()
 
 
 def policy(weights=(100, 0), cache=(100, 0), act="gpu", batches=2, **kwargs):

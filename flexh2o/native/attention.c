@@ -1,0 +1,120 @@
+/* A decode step's attention over a full float32 cache, each (sequence, KV head) by itself, reading
+only the slots that hold a token.
+
+PyTorch's fused CPU attention reads every slot up to the cache's length, the empty ones masked:
+where slots are refilled, a gpu-batch's sequences are of every length and the longest sets what
+all of them read. Here a sequence's K and V are read up to its own last token, once each: the
+logits of every query head sharing the KV head (grouped heads) from one pass over K, then their
+softmax, then the weighted sum from one pass over V. Each (sequence, KV head) is computed alone,
+in one fixed order, so a sequence's result does not depend on the others in its batch.
+*/
+
+#include <math.h>
+#include <stdlib.h>
+
+#include "common.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* e^x for eight floats (x <= 0 here; below -87, -inf included, 0): x = n ln2 + r with |r| <= ln2 / 2, e^r by its
+   Taylor polynomial to r^7 (relative error about 1e-7), times 2^n. */
+static __m256 exp8(__m256 x) {
+    __m256 kept = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ); /* below: 0 (an empty slot's -inf) */
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 5040);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(scale)), kept);
+}
+
+/* One (sequence, KV head): q [group, d] (already scaled), k and v [n, d], pos [n] (< 0: empty),
+   out [group, d]; e: room for group * n floats. */
+static void attend_one(const float *q, const float *k, const float *v, const int32_t *pos, int64_t n, int64_t group,
+                       int64_t d, float *e, float *out) {
+    int64_t last = n;
+    while (last > 0 && pos[last - 1] < 0)
+        last--;
+    int64_t width = (last + 7) / 8 * 8;
+    if (last == 0) { /* no token at all (never the case: the new one is stored first) */
+        memset(out, 0, (size_t)(group * d) * sizeof(float));
+        return;
+    }
+    for (int64_t s = 0; s < width; s++) {
+        if (s >= last || pos[s] < 0) {
+            for (int64_t j = 0; j < group; j++)
+                e[j * width + s] = -INFINITY;
+            continue;
+        }
+        const float *ks = k + s * d;
+        for (int64_t j = 0; j < group; j++) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t c = 0; c < d; c += 8)
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * d + c), _mm256_loadu_ps(ks + c), acc);
+            e[j * width + s] = sum8(acc);
+        }
+    }
+    for (int64_t j = 0; j < group; j++) {
+        float *ej = e + j * width, top = -INFINITY, total = 0.0f;
+        for (int64_t s = 0; s < last; s++)
+            top = ej[s] > top ? ej[s] : top;
+        __m256 sum = _mm256_setzero_ps(), m = _mm256_set1_ps(top);
+        for (int64_t s = 0; s < width; s += 8) {
+            __m256 x = exp8(_mm256_sub_ps(_mm256_loadu_ps(ej + s), m));
+            _mm256_storeu_ps(ej + s, x);
+            sum = _mm256_add_ps(sum, x);
+        }
+        total = sum8(sum);
+        float *oj = out + j * d;
+        for (int64_t c = 0; c < d; c++)
+            oj[c] = 0.0f;
+        for (int64_t s = 0; s < last; s++) {
+            if (pos[s] < 0)
+                continue;
+            __m256 w = _mm256_set1_ps(ej[s]);
+            const float *vs = v + s * d;
+            for (int64_t c = 0; c < d; c += 8)
+                _mm256_storeu_ps(oj + c, _mm256_fmadd_ps(w, _mm256_loadu_ps(vs + c), _mm256_loadu_ps(oj + c)));
+        }
+        __m256 inv = _mm256_set1_ps(1.0f / total);
+        for (int64_t c = 0; c < d; c += 8)
+            _mm256_storeu_ps(oj + c, _mm256_mul_ps(_mm256_loadu_ps(oj + c), inv));
+    }
+}
+
+/* q [b, kv_heads, group, d] (scaled), k and v [b, kv_heads, capacity, d], pos [b, kv_heads, capacity]:
+   slots [0, n) of each; out [b, kv_heads, group, d]. d a multiple of 8. Returns 0, or -1 where a
+   thread could not have its buffer (out is then not written whole). */
+int decode_attention(const float *q, const float *k, const float *v, const int32_t *pos, int64_t b,
+                     int64_t kv_heads, int64_t group, int64_t capacity, int64_t n, int64_t d, float *out, int threads) {
+    int failed = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        float *e = malloc((size_t)(group * ((n + 7) / 8 * 8) + 1) * sizeof(float));
+        if (e == NULL) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < b * kv_heads; t++)
+            if (e != NULL)
+                attend_one(q + t * group * d, k + t * capacity * d, v + t * capacity * d, pos + t * capacity, n,
+                           group, d, e, out + t * group * d);
+        free(e);
+    }
+    return failed ? -1 : 0;
+}
+#else
+int decode_attention(const float *q, const float *k, const float *v, const int32_t *pos, int64_t b,
+                     int64_t kv_heads, int64_t group, int64_t capacity, int64_t n, int64_t d, float *out, int threads) {
+    return -1; /* built without AVX2: the caller keeps PyTorch's attention */
+}
+#endif
