@@ -5,20 +5,21 @@
 
 The prompts are bench_dataset.py's chat prompts about Shakespeare passages (16-400 tokens); each
 record asks for its own max_tokens, drawn uniformly from --min-tokens..--max-tokens, and stops at
-EOS where the model ends it first. SmolLM2-135M-Instruct from its GGUF, float32, greedy, the same
-batch for every contender, each in a child process under the same memory cgroup:
+EOS where the model ends it first. SmolLM2-135M-Instruct from its GGUF, float32 activations, greedy,
+the same batch for every contender, each in a child process under the same memory cgroup:
 
 - refilled: flexh2o's dataset job as it runs by default, each stopped record's slot taking the
-  next record;
+  next record (the file's Q4_1 matrices kept as their blocks, as flexh2o does in float32);
 - fixed: the same job with --fixed-blocks (length-sorted blocks, each run to its longest member);
 - hf-sorted: transformers' `generate` over the job's sorted blocks, each block to its largest
-  max_tokens, padded to its longest prompt (bench_dataset.py's loop);
+  max_tokens, padded to its longest prompt (bench_dataset.py's loop), the file widened to float32
+  (transformers' GGUF loading);
 - llama-server: llama.cpp's own server with continuous batching, --batch parallel slots, built
   from the tree the llama-cpp-python sdist vendors (bench_vs_llamacpp.py), on the same GGUF with
   the same threads; the job's prompt token ids (chat template applied) are sent to /completion by
-  --batch client threads at once, greedy, each with its own n_predict. It computes in the file's
-  own Q4_1 weights, where flexh2o widens them to float32 (the other contenders' setting); its
-  generated tokens are its `tokens_predicted`. Where it cannot be built its rows are left out.
+  --batch client threads at once, greedy, each with its own n_predict. It multiplies the file's
+  Q4_1 weights by 8-bit activations, its KV cache in float16; its generated tokens are its
+  `tokens_predicted`. Where it cannot be built its rows are left out.
 
 Chunks run the contenders in turn, the first one rotating from chunk to chunk; finished chunks
 are kept in results/refill.json so the command can stop and go on. Writes results/refill.{json,md}.

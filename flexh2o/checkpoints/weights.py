@@ -285,9 +285,9 @@ class GGUFWeights:
         return self.model.tensor(name).to(dtype)
 
     def get_packed(self, name: str, shape, dtype: torch.dtype) -> Packed | None:
-        """With --compress-weight in a float32 run, a Q4_0/Q4_1/Q8_0 matrix as its own blocks
-        (gguf_blocks.py), never widened; None for the others, and in other widths, whose 4-bit
-        kernel (int4_tiles.py) takes quant.py's groups: those are quantized into them as read."""
+        """In a float32 run, a Q4_0/Q4_1/Q8_0 matrix as its own blocks (gguf_blocks.py), never
+        widened; None for the others, and in other widths, whose 4-bit kernel (int4_tiles.py) takes
+        quant.py's groups: with --compress-weight those are quantized into them as read."""
         fmt = self.model.block_format(name) if dtype == torch.float32 else None
         return Packed(self.model.blocks(name), tuple(shape), fmt) if fmt not in (None, *SIXTEEN_BIT) else None
 
@@ -301,7 +301,7 @@ class GGUFWeights:
         return self.model.stored_formats()
 
     def describe(self) -> str:
-        return f"{self.path} (GGUF; its Q4_0/Q4_1/Q8_0 matrices kept as stored with --compress-weight in float32)"
+        return f"{self.path} (GGUF; its Q4_0/Q4_1/Q8_0 matrices kept as stored in float32)"
 
 
 class DummyWeights:

@@ -1,10 +1,13 @@
 """Matrices kept as the checkpoint stores them: a GGUF file's low-bit blocks (Q4_0, Q4_1, Q8_0),
 and 16-bit values (F16, BF16; GGUF or safetensors) in a float32 run.
 
-With --compress-weight in a float32 run, a GGUF matrix in one of these formats is placed as its
-own bytes (rows of blocks of 32 values, formats.py's LAYOUTS) instead of being widened
-to float and quantized again into quant.py's groups: no float copy of it is made while loading,
-nothing is lost to requantizing, and it moves as the bytes llama.cpp reads. It is dequantized
+In a float32 run, a GGUF matrix in one of the low-bit formats is placed as its own bytes (rows of
+blocks of 32 values, formats.py's LAYOUTS) instead of being widened to float (or, with
+--compress-weight, quantized again into quant.py's groups): no float copy of it is made while
+loading, nothing is lost, it is held and moved as the bytes llama.cpp reads, and at few rows the
+kernel multiplying it as stored is faster than float32's product (a 4-bit matrix is an eighth of
+the bytes to read). This is the default where flexh2o's kernels are built (keeps_low_bit), not a choice of
+--compress-weight. It is dequantized
 into a compute buffer, or multiplied as stored (grouped_weight.matmul: the C kernels of
 native/blocks.c, float32 activations), as quant.py's groups are; the dequantized values are
 bit-equal to gguf_reader.py's. In other widths the matrices are quantized into quant.py's groups
@@ -34,10 +37,22 @@ def keeps_16_bit(policy, dtype_bytes: int) -> bool:
     return dtype_bytes == 4 and not policy.compress_weight and policy.w_gpu_percent < 100
 
 
-def applies(fmt: str | None, compressed: bool, sixteen_bit: bool) -> bool:
-    """Whether a matrix its checkpoint stores in `fmt` is placed in it: low-bit blocks when the run
-    compresses it (in float32), 16-bit values where keeps_16_bit holds."""
-    return fmt in SIXTEEN_BIT and sixteen_bit or fmt in BLOCK_BYTES and fmt not in SIXTEEN_BIT and compressed
+def keeps_low_bit(dtype_bytes: int) -> bool:
+    """Whether a run keeps a checkpoint's low-bit matrices as their blocks (see above): a float32 run
+    where flexh2o's kernels are built. Without them torch's operations would widen every block
+    matrix at every step; it is widened once while loading instead."""
+    return dtype_bytes == 4 and native.library() is not None
+
+
+def is_low_bit(fmt: str | None) -> bool:
+    return fmt in BLOCK_BYTES and fmt not in SIXTEEN_BIT
+
+
+def applies(fmt: str | None, matrix: bool, sixteen_bit: bool, low_bit: bool) -> bool:
+    """Whether a tensor its checkpoint stores in `fmt` is placed in it, in a float32 run: low-bit
+    blocks where it is a matrix (quant.compressible) and the run keeps them (keeps_low_bit, or
+    --compress-weight), 16-bit values where keeps_16_bit holds."""
+    return fmt in SIXTEEN_BIT and sixteen_bit or is_low_bit(fmt) and matrix and low_bit
 
 
 def holds(fmt: str | None, shape) -> bool:

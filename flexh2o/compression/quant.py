@@ -252,13 +252,15 @@ def dequantize_as(packed: torch.Tensor, fmt: str, n: int, out: torch.Tensor | No
     return gguf_blocks.dequantize(packed, fmt, n, out, dtype)
 
 
-def join(items: list):
+def join(items: list, lossless: bool = False):
     """torch.cat along the first dimension, of tensors or of Packed weights (rows of groups). Packed
     weights of different low-bit formats (a GGUF's q, k and v in two) are joined as this module's
     groups, the others dequantized and quantized again; 16-bit values beside anything else are
-    widened (they are only kept where nothing is quantized)."""
+    widened (they are only kept where nothing is quantized). lossless (a run that quantizes
+    nothing): unless all are Packed in one format, all are widened, exactly."""
     sixteen_bit = [isinstance(i, Packed) and i.fmt in SIXTEEN_BIT for i in items]
-    if any(sixteen_bit) and not (all(sixteen_bit) and len({i.fmt for i in items}) == 1):
+    one_format = all(isinstance(i, Packed) for i in items) and len({i.fmt for i in items}) == 1
+    if any(sixteen_bit) and not (all(sixteen_bit) and one_format) or lossless and not one_format:
         # 16-bit values beside another width (a GGUF's q in F16, its k in F32): all widened, exactly
         items = [dequantize_as(i.groups, i.fmt, i.shape[-1]) if isinstance(i, Packed) else i for i in items]
     if not isinstance(items[0], Packed):

@@ -25,7 +25,7 @@ from flexh2o.host.memory_limit import process_limit
 from flexh2o.common.names import tier_label
 from flexh2o.host.process_memory import DEFAULT_GROWTH, Growth, process_growth
 from flexh2o.models.attention import PROBS_CHUNK_BYTES, observed_chunk_bytes
-from flexh2o.compression.gguf_blocks import BLOCK_BYTES, SIXTEEN_BIT, applies, keeps_16_bit
+from flexh2o.compression.gguf_blocks import BLOCK_BYTES, SIXTEEN_BIT, applies, keeps_16_bit, keeps_low_bit
 from flexh2o.compression.gpu_dequant import WORKSPACE_BYTES
 from flexh2o.compression.quant import BLOCK_VALUES, compressible, stored_row_bytes
 from flexh2o.offload.placed import split_rows
@@ -123,9 +123,10 @@ def stored_formats(layer, dtype_bytes: int, policy) -> list[tuple]:
         _PREPARED[key] = list(zip(layer.prepare([tuple(s) for s in key[1]], cat=cat_shapes),
                                   layer.prepare(list(key[2]), cat=cat_formats)))
     out, sixteen_bit = [], keeps_16_bit(policy, dtype_bytes)
+    low_bit = policy.compress_weight or keeps_low_bit(dtype_bytes)
     for shape, fmt in _PREPARED[key]:
         compressed = policy.compress_weight and compressible(shape)
-        kept = fmt if dtype_bytes == 4 and applies(fmt, compressed, sixteen_bit) else None
+        kept = fmt if dtype_bytes == 4 and applies(fmt, compressible(shape), sixteen_bit, low_bit) else None
         out.append((shape, kept or ("groups" if compressed else None)))
     return out
 
@@ -227,8 +228,9 @@ def load_transient(layers, dtype_bytes: int, policy) -> int:
 
     def layer(layer):
         sixteen_bit, read, widened = keeps_16_bit(policy, dtype_bytes), 0, 0
+        low_bit = policy.compress_weight or keeps_low_bit(dtype_bytes)
         for (_, shape), fmt in zip(layer.weight_specs(), layer.stored_formats()):
-            as_stored = dtype_bytes == 4 and applies(fmt, policy.compress_weight and compressible(shape), sixteen_bit)
+            as_stored = dtype_bytes == 4 and applies(fmt, compressible(shape), sixteen_bit, low_bit)
             read += nbytes(shape, fmt if as_stored else None)
             if dtype_bytes < 4 and fmt in BLOCK_BYTES and fmt not in SIXTEEN_BIT:
                 widened = max(widened, math.prod(shape) * 4)

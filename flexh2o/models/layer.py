@@ -9,7 +9,7 @@ import functools
 import torch
 
 from flexh2o.common.errors import UsageError
-from flexh2o.compression.gguf_blocks import keeps_16_bit
+from flexh2o.compression.gguf_blocks import is_low_bit, keeps_16_bit, keeps_low_bit
 from flexh2o.compression.quant import Packed, compressible, join, quantize, stored_row_bytes
 from flexh2o.offload.placed import split_rows
 
@@ -86,15 +86,19 @@ class Layer:
         gpu tier and in CPU memory, the rest on disk (split by rows); with
         compress_weight, matrices are placed as 4-bit groups and these shares are of compressed bytes."""
         self.tiers = tiers
-        packed = getattr(source, "get_packed", None) if policy.compress_weight else None
+        # A float32 run keeps a GGUF file's low-bit matrices as their blocks (gguf_blocks.py);
+        # --compress-weight quantizes the other matrices too.
+        low_bit = keeps_low_bit(tiers.dtype.itemsize)
+        packed = getattr(source, "get_packed", None) if policy.compress_weight or low_bit else None
         # Quantized for a float32 run, a checkpoint's 16-bit matrix is read as it is stored (widening is exact).
         as_stored = getattr(source, "get_as_stored", None) if policy.compress_weight and tiers.dtype == torch.float32 \
             else None
         sixteen_bit = getattr(source, "get_sixteen_bit", None) \
             if keeps_16_bit(policy, tiers.dtype.itemsize) else None
         raw = []
-        for name, shape in self.weight_specs():
-            tensor = packed(name, shape, tiers.dtype) if packed is not None and compressible(shape) else None
+        for (name, shape), fmt in zip(self.weight_specs(), self.stored_formats()):
+            wanted = policy.compress_weight or low_bit and is_low_bit(fmt)
+            tensor = packed(name, shape, tiers.dtype) if packed is not None and wanted and compressible(shape) else None
             if tensor is None and as_stored is not None and compressible(shape):
                 tensor = as_stored(name, shape)
             if tensor is None and sixteen_bit is not None and compressible(shape):
@@ -103,7 +107,7 @@ class Layer:
             if policy.compress_weight and compressible(shape) and not isinstance(tensor, Packed):
                 tensor = quantized(name, tensor, tiers.dtype)
             raw.append(tensor)
-        tensors = self.prepare(raw, cat=join)
+        tensors = self.prepare(raw, cat=functools.partial(join, lossless=not policy.compress_weight))
         compressed = [isinstance(t, Packed) or policy.compress_weight and compressible(t.shape) for t in tensors]
         row_bytes = [t.groups[0].numel() if isinstance(t, Packed) else stored_row_bytes(t.shape, tiers.dtype.itemsize, c)
                      for t, c in zip(tensors, compressed)]

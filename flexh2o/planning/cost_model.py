@@ -35,7 +35,7 @@ import numpy as np
 from flexh2o.host.devices import DTYPES
 from flexh2o.kv import POLICIES, budget, slot_bytes
 from flexh2o.kv.home import batch_split, cpu_attention_dtype
-from flexh2o.compression.gguf_blocks import SIXTEEN_BIT, keeps_16_bit
+from flexh2o.compression.gguf_blocks import SIXTEEN_BIT, is_low_bit, keeps_16_bit, keeps_low_bit
 from flexh2o.engine.preflight import DTYPE_OF, split_as_placed, stored_formats
 from flexh2o.compression.kernel_choice import MAX_ROWS, kernel_for
 from flexh2o.planning.attention_costs import decode_units, prompt_units
@@ -155,6 +155,9 @@ class CostModel:
         # Per matrix, whether its checkpoint stores it 16-bit (kept so where keeps_16_bit holds).
         self.stored_16_bit = [[fmt in SIXTEEN_BIT for (_, shape), fmt in zip(layer.weight_specs(), layer.stored_formats())
                                if len(shape) == 2] for layer in self.layers]
+        # and whether it stores it in low-bit blocks, which a float32 run keeps (gguf_blocks.py)
+        self.stored_low_bit = [[is_low_bit(fmt) for (_, shape), fmt in zip(layer.weight_specs(), layer.stored_formats())
+                                if len(shape) == 2] for layer in self.layers]
         self.stages = self._distinct_stages()
 
     def _distinct_stages(self) -> list[tuple[int, int]]:
@@ -317,18 +320,22 @@ class CostModel:
         elif self.kinds[j] == "OutputEmbed":
             rows = b  # only the last position predicts
         full_width, seconds, widened, widened_16_bit = 0, hw.layer_overhead, 0, 0
-        sixteen_bit = self.kinds[j] != "InputEmbed" and keeps_16_bit(policy, self.dtype_bytes)
+        checkpoint = self.kinds[j] != "InputEmbed"  # matrices as the checkpoint holds them
+        sixteen_bit = checkpoint and keeps_16_bit(policy, self.dtype_bytes)
+        low_bit = self.stored_low_bit[j] if checkpoint and keeps_low_bit(self.dtype_bytes) else [False] * len(matrices)
         any_rows = self.layers[j].one_of_a_kind and not self.on_cuda  # the head: never widened (WeightIO.multiplied_as_stored)
-        for shape, stored_16_bit in zip(matrices, self.stored_16_bit[j] if sixteen_bit else [False] * len(matrices)):
+        for shape, stored_16_bit, kept in zip(matrices, self.stored_16_bit[j] if sixteen_bit else [False] * len(matrices),
+                                              low_bit):
             flops = 2 * rows * shape[0] * shape[1]
-            rate = self.as_stored_rate(shape, rows, any_rows) if policy.compress_weight else None
+            as_stored = policy.compress_weight or kept
+            rate = self.as_stored_rate(shape, rows, any_rows) if as_stored else None
             if rate is not None:
                 seconds += flops / rate
                 continue
             full_width += flops  # 16-bit values multiplied as they are (native/blocks.c): about float32's rate
             if self.on_cuda:  # widened on the load stream instead: see _layer_weight_io
                 continue
-            widened += shape[0] * shape[1] if policy.compress_weight else 0
+            widened += shape[0] * shape[1] if as_stored else 0
             if stored_16_bit and rows > MAX_ROWS["groups"] and not any_rows:
                 widened_16_bit += shape[0] * shape[1]
         seconds += full_width / hw.matmul_rate(rows, self.dtype) if full_width else 0.0

@@ -1,6 +1,6 @@
-"""A GGUF file's Q4_0/Q4_1/Q8_0 matrices kept in their own blocks with --compress-weight
-(gguf_blocks.py, native/blocks.c): dequantized bit-equal to gguf_reader.py's widening, multiplied
-within float32 summation error of it, and a whole run equal to the widened one on every tier,
+"""A GGUF file's Q4_0/Q4_1/Q8_0 matrices kept in their own blocks in a float32 run (gguf_blocks.py,
+native/blocks.c): dequantized bit-equal to gguf_reader.py's widening, multiplied within float32
+summation error of it, and a whole run equal to the widened one (no kernels built) on every tier,
 full and H2O, with nothing widened while loading and the pre-flight counting the blocks' bytes."""
 
 import math
@@ -75,25 +75,27 @@ PLACEMENTS = {"memory": (100, 0), "cpu": (0, 100), "disk": (0, 0), "mixed": (40,
 @pytest.mark.skipif(native.library() is None, reason="no C compiler: the kernels cannot be built here")
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
 @pytest.mark.parametrize("kv", ["full", "h2o"])
-def test_a_run_on_kept_blocks_agrees_with_the_widened_run(tmp_path, placement, kv):
+def test_a_run_on_kept_blocks_agrees_with_the_widened_run(tmp_path, monkeypatch, placement, kv):
     model = tiny_blocks_model(tmp_path)
     ids = torch.randint(5, 64, (3, 10), generator=torch.Generator().manual_seed(0))
     h2o = dict(kv_policy="h2o", hh_ratio=0.3, recent_ratio=0.3) if kv == "h2o" else {}
     runs = {}
-    for compress in (False, True):
+    for kept, compress in ((False, False), (True, False), (True, True)):
+        monkeypatch.setenv("FLEXH2O_NATIVE", "1" if kept else "0")  # without kernels: widened while loading
         policy = Policy(3, 1, *PLACEMENTS[placement], compress_weight=compress, **h2o)
         with Engine.from_pretrained(model, policy, device="cpu", dtype=torch.float32,
                                     offload_dir=str(tmp_path / "off")) as engine:
             placed = [p for layer in engine.layers for p in layer.home if p.decoded_shape is not None]
-            if compress:
-                assert {p.fmt for p in placed} == {"Q4_0", "Q4_1", "Q8_0"}
-                assert sum(layer_bytes(engine.layers, 4, policy)) == placed_bytes(engine)
+            assert {p.fmt for p in placed} == ({"Q4_0", "Q4_1", "Q8_0"} if kept else set())
+            assert sum(layer_bytes(engine.layers, 4, policy)) == placed_bytes(engine)
             out = engine.generate(ids, max_new_tokens=6, output_scores=True)
-            runs[compress] = out
-    assert torch.equal(runs[True].sequences, runs[False].sequences)
+            runs[kept, compress] = out
+    assert torch.equal(runs[True, False].sequences, runs[False, False].sequences)
+    assert torch.equal(runs[True, True].sequences, runs[True, False].sequences)
+    assert all(torch.equal(a, b) for a, b in zip(runs[True, True].scores, runs[True, False].scores))
     # float32 sums in another order, through layers of unit-variance weights (logits near 35): the
     # widened product itself differs by 1e-5, the kernel's by up to 6e-4 (a wrong block: by whole units)
-    for a, b in zip(runs[True].scores, runs[False].scores):
+    for a, b in zip(runs[True, False].scores, runs[False, False].scores):
         assert (a - b).abs().max() <= 1e-4 * b.abs().max()
 
 
@@ -105,10 +107,24 @@ def test_q_k_v_in_two_formats_are_joined_as_flexh2os_groups(tmp_path):
         engine.generate(torch.randint(5, 64, (2, 6)), max_new_tokens=3)
 
 
-def test_without_compress_weight_the_file_is_widened_as_before(tmp_path):
+def test_without_kernels_or_in_a_16_bit_run_the_file_is_widened_while_loading(tmp_path, monkeypatch):
     model = tiny_blocks_model(tmp_path)
+    monkeypatch.setenv("FLEXH2O_NATIVE", "0")
     with Engine.from_pretrained(model, Policy(2), device="cpu", dtype=torch.float32) as engine:
         assert all(p.decoded_shape is None for layer in engine.layers for p in layer.home)
+    monkeypatch.delenv("FLEXH2O_NATIVE")
+    with Engine.from_pretrained(model, Policy(2), device="cpu", dtype=torch.bfloat16) as engine:
+        assert all(p.decoded_shape is None for layer in engine.layers for p in layer.home)
+
+
+def test_q_k_v_in_two_formats_are_widened_where_nothing_is_quantized(tmp_path):
+    """Without --compress-weight nothing may be quantized: the fused matrix is widened, exactly."""
+    model = tiny_blocks_model(tmp_path, mixed_qkv=True)
+    with Engine.from_pretrained(model, Policy(2), device="cpu", dtype=torch.float32) as engine:
+        attention = [layer for layer in engine.layers if "SelfAttention" in type(layer).__name__]
+        assert attention and all(layer.home[1].decoded_shape is None and layer.home[2].fmt == "Q4_0"
+                                 for layer in attention)
+        engine.generate(torch.randint(5, 64, (2, 6)), max_new_tokens=3)
 
 
 def test_in_bfloat16_the_blocks_are_quantized_into_groups_for_the_int4_kernel(tmp_path):

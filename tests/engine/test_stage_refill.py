@@ -43,14 +43,14 @@ CASES = {  # model, stages, gpu-batch size, gpu-batches, KV policy, placement pe
     "opt-2-tova-4-gpu-batches": ("wide", 2, 1, 4, {"kv_policy": "tova", "hh_ratio": 0.3}, [MEMORY, HALF], False,
                                  None),
 }
-SLOW_CASES = {"opt-2-tova-4-gpu-batches", "opt-2-compressed-on-disk"}  # make test-all
+SLOW_CASES = {"opt-2-tova-4-gpu-batches", "opt-2-compressed-on-disk", "opt-2-full"}  # make test-all
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES])
 def test_every_request_gets_what_it_gets_alone_across_stages(case, tiny_models, tmp_path):
     model, stages, b, nb, kv, placements, do_sample, chunk = CASES[case]
     directory, _ = tiny_models[model]
-    reqs = requests(5 * b * nb, seed=len(case), longest=12 if chunk is None else 20)
+    reqs = requests(4 * b * nb, seed=len(case), longest=12 if chunk is None else 20)
     want = alone(directory, reqs, do_sample=do_sample, **kv)
     mp.spawn(run_stage, args=(stages, free_port(), directory, dict(gpu_batch_size=b, num_gpu_batches=nb, **kv),
                               placements, reqs, do_sample, chunk, str(tmp_path)), nprocs=stages)
