@@ -193,20 +193,25 @@ def markdown(state: dict, t: dict) -> str:
     lines = [f"# Refilled slots against fixed blocks: SmolLM2, {t['records']} real prompts, max_tokens "
              f"{a['min_tokens']}-{a['max_tokens']}", "",
              f"Machine: {' and '.join(t['cpus'])}, {state['machine']['physical_cores']} cores, torch "
-             f"{state['machine']['torch']}. Command: `{state['command']}`. SmolLM2-135M-Instruct (GGUF, float32), "
+             f"{state['machine']['torch']}. Command: `{state['command']}`. SmolLM2-135M-Instruct (its Q4_1 GGUF, float32 "
+             "activations: flexh2o keeps the file's blocks, transformers widens them, llama-server multiplies "
+             "them by 8-bit activations), "
              f"chat prompts about Shakespeare passages of 16-400 tokens, greedy, each record's max_tokens drawn "
              f"uniformly from {a['min_tokens']}-{a['max_tokens']}, EOS respected, batch {a['batch']}, each run in its "
              f"own process under a {a['memory'] / 2**30:.1f} GiB memory cgroup; {t['chunks']} of "
              f"{a['total_chunks']} chunks, the contenders in turn, the first one rotating. Wall time from reading "
              "the prompts to the last result written, the model's loading excluded.", "",
              "| contender | generated tokens | wall s | generated tok/s | vs fixed blocks | vs transformers sorted "
-             "| padding | slots wasted after stop | peak memory |", "|---|---|---|---|---|---|---|---|---|"]
+             "| vs llama-server | padding | slots wasted after stop | peak memory |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    server = t.get("llama-server", {}).get("tokens_per_second")
     for name in t["contenders"]:
         s = t[name]
         rate = s["tokens_per_second"]
         lines.append(f"| {LABELS[name]} | {s['generated_tokens']} | {s['wall_seconds']:.0f} | {rate:.2f} | "
                      f"{rate / t['fixed']['tokens_per_second']:.2f}x | "
-                     f"{rate / t['hf-sorted']['tokens_per_second']:.2f}x | {s['padding_share']:.1%} | "
+                     f"{rate / t['hf-sorted']['tokens_per_second']:.2f}x | "
+                     f"{f'{rate / server:.2f}x' if server else '-'} | {s['padding_share']:.1%} | "
                      f"{s['slots_wasted_after_stop']:.1%} | {s['peak_bytes'] / 2**30:.2f} GiB |")
     lines += ["", f"Records whose text the refilled job and the fixed blocks agree on: {t['same_text_as_fixed']} of "
               f"{t['records']}.", ""]

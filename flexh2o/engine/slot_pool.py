@@ -100,6 +100,7 @@ class SlotPool:
         self.decide(i, range(len(self.joining)))
 
     def start_step(self, i: int):
+        """Token step i starts; its gpu-batches are decided by decide (all at once, or per micro-batch)."""
         self.i = i
 
     def decide(self, i: int, ks):

@@ -84,7 +84,8 @@ class Layer:
     def init_weight(self, source, tiers, policy):
         """Reads this layer's weights and places them: weight_shares() of the layer's bytes on the
         gpu tier and in CPU memory, the rest on disk (split by rows); with
-        compress_weight, matrices are placed as 4-bit groups and these shares are of compressed bytes."""
+        compress_weight, matrices are placed as 4-bit groups and these shares are of compressed bytes
+        (so are a GGUF file's low-bit matrices, kept as their blocks in a float32 run)."""
         self.tiers = tiers
         # A float32 run keeps a GGUF file's low-bit matrices as their blocks (gguf_blocks.py);
         # --compress-weight quantizes the other matrices too.
