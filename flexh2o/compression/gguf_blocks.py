@@ -6,13 +6,12 @@ blocks of 32 values, formats.py's LAYOUTS) instead of being widened to float (or
 --compress-weight, quantized again into quant.py's groups): no float copy of it is made while
 loading, nothing is lost, it is held and moved as the bytes llama.cpp reads, and at few rows the
 kernel multiplying it as stored is faster than float32's product (a 4-bit matrix is an eighth of
-the bytes to read). This is the default where flexh2o's kernels are built (keeps_low_bit), not a choice of
---compress-weight. It is dequantized
-into a compute buffer, or multiplied as stored (grouped_weight.matmul: the C kernels of
-native/blocks.c, float32 activations), as quant.py's groups are; the dequantized values are
-bit-equal to gguf_reader.py's. In other widths the matrices are quantized into quant.py's groups
-as before: the bfloat16 kernel (int4_tiles.py) takes those, and its bfloat16 scales could not
-hold a block's float16 ones.
+the bytes to read). This is the default where flexh2o's kernels are built (keeps_low_bit), not a
+choice of --compress-weight. It is dequantized into a compute buffer, or multiplied as stored
+(grouped_weight.matmul: the C kernels of native/blocks.c, float32 activations), as quant.py's
+groups are; the dequantized values are bit-equal to gguf_reader.py's. In other widths the matrices
+are widened, or with --compress-weight quantized into quant.py's groups: the bfloat16 kernel
+(int4_tiles.py) takes those, and its bfloat16 scales could not hold a block's float16 ones.
 
 A float32 run whose weights do not all sit on the compute tier keeps a 16-bit checkpoint's
 matrices 16-bit on every tier (keeps_16_bit), as blocks of 32 values with no scale: half the

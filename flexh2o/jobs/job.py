@@ -6,11 +6,10 @@ next record as soon as its sequence stops (EOS, its own max_tokens, one of its s
 Records join longest max_tokens first, so that the last ones to finish are short. Finished
 records go to the output a batch at a time, or after FLUSH_SECONDS (output.py).
 
-With fixed blocks (`fixed_blocks`) the records are cut into
-blocks (blocks.py), each at its shape's plan (plans.py), generating until every sequence of the
-block has stopped. Where a plan's batch exceeds the block's records (gpu-batches of equal size),
-the rest is filled with copies of its last prompt that stop after one token. Records go to the
-output as each block finishes.
+With fixed blocks (`fixed_blocks`) the records are cut into blocks (blocks.py), each at its
+shape's plan (plans.py), generating until every sequence of the block has stopped. Where a plan's
+batch exceeds the block's records (gpu-batches of equal size), the rest is filled with copies of
+its last prompt that stop after one token. Records go to the output as each block finishes.
 """
 
 import hashlib

@@ -135,16 +135,17 @@ def attend_own_slots(q, cache, scale: float) -> torch.Tensor | None:
     b, heads, _, d = q.shape
     k, v, pos = cache.k, cache.v, cache.pos
     if q.device.type != "cpu" or d % 8 or not all(t.dtype == torch.float32 and t.is_contiguous() for t in (k, v)) \
-            or not pos.is_contiguous():
+            or pos.dtype != torch.int32 or not pos.is_contiguous():
         return None
     lib = native.library()
     if lib is None:
         return None
     _, kv_heads, capacity, _ = k.shape
-    rows = (q * scale).reshape(b, kv_heads, heads // kv_heads, d).contiguous()
+    group = heads // kv_heads  # the query heads sharing a KV head
+    rows = (q * scale).reshape(b, kv_heads, group, d).contiguous()
     out = torch.empty_like(rows)
-    if lib.decode_attention(rows.data_ptr(), k.data_ptr(), v.data_ptr(), pos.data_ptr(), b, kv_heads,
-                            heads // kv_heads, capacity, cache.length, d, out.data_ptr(), torch.get_num_threads()):
+    if lib.decode_attention(rows.data_ptr(), k.data_ptr(), v.data_ptr(), pos.data_ptr(), b, kv_heads, group,
+                            capacity, cache.length, d, out.data_ptr(), torch.get_num_threads()):
         return None
     return out.view(b, heads, 1, d)
 

@@ -152,12 +152,11 @@ class CostModel:
         self.kinds = [type(layer).__name__ for layer in self.layers]
         # The 2-D weights each layer multiplies by, as (out, in).
         self.matrices = [[shape for _, shape in layer.weight_specs() if len(shape) == 2] for layer in self.layers]
-        # Per matrix, whether its checkpoint stores it 16-bit (kept so where keeps_16_bit holds).
-        self.stored_16_bit = [[fmt in SIXTEEN_BIT for (_, shape), fmt in zip(layer.weight_specs(), layer.stored_formats())
-                               if len(shape) == 2] for layer in self.layers]
-        # and whether it stores it in low-bit blocks, which a float32 run keeps (gguf_blocks.py)
-        self.stored_low_bit = [[is_low_bit(fmt) for (_, shape), fmt in zip(layer.weight_specs(), layer.stored_formats())
+        # Per matrix, the format its checkpoint stores it in (gguf_blocks.py): 16-bit ones are kept so
+        # where keeps_16_bit holds, low-bit blocks where keeps_low_bit does.
+        self.stored_formats = [[fmt for (_, shape), fmt in zip(layer.weight_specs(), layer.stored_formats())
                                 if len(shape) == 2] for layer in self.layers]
+        self.keeps_low_bit = keeps_low_bit(self.dtype_bytes)  # asked once, not at every step the search prices
         self.stages = self._distinct_stages()
 
     def _distinct_stages(self) -> list[tuple[int, int]]:
@@ -320,14 +319,14 @@ class CostModel:
         elif self.kinds[j] == "OutputEmbed":
             rows = b  # only the last position predicts
         full_width, seconds, widened, widened_16_bit = 0, hw.layer_overhead, 0, 0
-        checkpoint = self.kinds[j] != "InputEmbed"  # matrices as the checkpoint holds them
-        sixteen_bit = checkpoint and keeps_16_bit(policy, self.dtype_bytes)
-        low_bit = self.stored_low_bit[j] if checkpoint and keeps_low_bit(self.dtype_bytes) else [False] * len(matrices)
+        # The input embedding's matrix here (a projection) is not one the checkpoint stores in blocks.
+        formats = self.stored_formats[j] if self.kinds[j] != "InputEmbed" else [None] * len(matrices)
+        sixteen_bit, low_bit = keeps_16_bit(policy, self.dtype_bytes), self.keeps_low_bit
         any_rows = self.layers[j].one_of_a_kind and not self.on_cuda  # the head: never widened (WeightIO.multiplied_as_stored)
-        for shape, stored_16_bit, kept in zip(matrices, self.stored_16_bit[j] if sixteen_bit else [False] * len(matrices),
-                                              low_bit):
+        for shape, fmt in zip(matrices, formats):
             flops = 2 * rows * shape[0] * shape[1]
-            as_stored = policy.compress_weight or kept
+            stored_16_bit = sixteen_bit and fmt in SIXTEEN_BIT
+            as_stored = policy.compress_weight or low_bit and is_low_bit(fmt)
             rate = self.as_stored_rate(shape, rows, any_rows) if as_stored else None
             if rate is not None:
                 seconds += flops / rate
