@@ -90,11 +90,9 @@ CASES = {  # model, stages, gpu-batch size, gpu-batches, KV policy, placement pe
 }
 
 
-# Three cases in make test's 10 minutes; make test-all runs the rest.
-# Out of make test's 10 minutes (make test-all runs them): the llama case and the command line's
-# pipeline tests (tests/cli/test_distributed.py) cover their ground there.
-SLOW_CASES = {"opt-3-h2o-disk", "llama-3-full-stops-early", "opt-2-uneven-1-and-2", "opt-2-full",
-              "opt-2-h2o-2-per-micro-batch"}
+# Out of make test's 10 minutes (make test-all runs them): there, tests/engine/test_stage_refill.py and
+# the command line's pipeline tests (tests/cli/test_distributed.py) cover their ground.
+SLOW_CASES = set(CASES)
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES])

@@ -94,7 +94,7 @@ def loglikelihoods(task_samples: list) -> list:
     return [resp for s in task_samples for [resp] in s["resps"]]
 
 
-@pytest.mark.parametrize("kind", ["llama", pytest.param("opt", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) for k in ("llama", "opt")])  # make test-all
 def test_offline_tasks_agree_with_lm_evals_hf_model(word_models, kind):
     ours, theirs = samples(flexh2o_model(word_models[kind])), samples(hf_model(word_models[kind]))
     for task in ("flexh2o_lastword", "flexh2o_cloze"):
@@ -199,7 +199,8 @@ def test_lm_evals_own_batch_size_and_device_are_taken_and_values_typed():
     pytest.param(["--tasks"], "--tasks", "give one or more task names", marks=pytest.mark.slow),
     pytest.param(["--tasks", ""], "--tasks", "give one or more task names", marks=pytest.mark.slow),
     pytest.param(["--tasks", ","], "--tasks", "give one or more task names", marks=pytest.mark.slow),
-    (["--tasks", "no_such_task_of_flexh2o"], "--tasks", "unknown task(s) no_such_task_of_flexh2o"),
+    pytest.param(["--tasks", "no_such_task_of_flexh2o"], "--tasks", "unknown task(s) no_such_task_of_flexh2o",
+                 marks=pytest.mark.slow),  # lm-eval indexes every task it has first: 14 s
     pytest.param(["--tasks", "flexh2o_lastword,no_such_task_of_flexh2o"], "--tasks",
                  "unknown task(s) no_such_task_of_flexh2o", marks=pytest.mark.slow),
     (["--tasks", "flexh2o_lastword", "--limit", "0"], "--limit", "got '0'"),
