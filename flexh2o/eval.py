@@ -85,6 +85,7 @@ def perplexity(logprobs: "torch.Tensor") -> float:
 
 def evaluate(args) -> dict:
     # Imported once the flags parsed: torch is among them, and --help answers without it.
+    from flexh2o.common.version import version
     from flexh2o.engine.engine import Engine
     from flexh2o.host.devices import default_device, parse_dtype
     from flexh2o.models import resolve_model
@@ -126,9 +127,11 @@ def evaluate(args) -> dict:
         if args.agreement:  # the same weights, the full cache uncompressed
             engine.use_policy(kv_policy="full", hh_ratio=None, recent_ratio=None, compress_cache=False)
             full_logprobs, full_greedy = teacher_forced(engine, windows, args.prompt_len, progress=True)
-    result = {"model": spec.name, "text": args.text, "text_tokens": len(tokens), "prompt_len": args.prompt_len,
+    result = {"model": spec.name, "model_sha256": engine.model_sha256, "flexh2o_version": version(),
+              "text": args.text, "text_tokens": len(tokens), "prompt_len": args.prompt_len,
               "eval_len": args.eval_len, "windows": args.windows, "offset": args.offset, "policy": policy.to_dict(),
-              "dtype": args.dtype, "ppl": perplexity(logprobs), "tokens_scored": logprobs.numel(),
+              "dtype": str(engine.tiers.dtype).removeprefix("torch."), "ppl": perplexity(logprobs),
+              "tokens_scored": logprobs.numel(),
               "mean_nll": -logprobs.mean().item()}
     if args.agreement:
         result |= {"full_cache_ppl": perplexity(full_logprobs),
@@ -143,6 +146,8 @@ def describe(r: dict) -> str:
         f"{p['kv_policy']} (hh_ratio {p['hh_ratio']:g}, recent_ratio {p['recent_ratio'] or p['hh_ratio']:g})"
     lines = [f"model: {r['model']}\ttext: {r['text']} ({r['text_tokens']} tokens)\t{r['windows']} windows of "
              f"{r['prompt_len']} + {r['eval_len']} from token {r['offset']}",
+             f"model sha256: {r['model_sha256'] or 'none (dummy weights)'}\tdtype: {r['dtype']}\t"
+             f"flexh2o: {r['flexh2o_version']}",
              f"kv cache: {kv}" + (", weights compressed" if p["compress_weight"] else "")
              + (", cache compressed" if p["compress_cache"] else ""),
              f"perplexity: {r['ppl']:.4f} over {r['tokens_scored']} tokens (mean NLL {r['mean_nll']:.4f})"]

@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload-dir", default=None, metavar="DIR",
                    help="directory whose disk is measured (default: $TMPDIR/flexh2o_offload); its files are removed")
     p.add_argument("--force", action="store_true", help="measure again even if a profile is cached")
-    p.add_argument("--quick", action="store_true", help="small sizes: a few seconds, rough figures (for tests)")
+    p.add_argument("--quick", action="store_true", help="small sizes: under a minute, rough figures (for tests)")
     p.add_argument("--json-out", metavar="FILE", help="write the profile's JSON here too")
     return p
 
@@ -107,12 +107,12 @@ def check_args(args):
 def run(args) -> int:
     from flexh2o.profiling.measure import print_to_stderr
     check_args(args)
-    profile = None if args.force else cached_profile(args.device, print_to_stderr)
+    profile, why = (None, "--force") if args.force else cached_profile(args.device, print_to_stderr)
     if profile is not None:
         print(format_profile(profile))
         print(f"cached at {local_cache_path()} (use --force to measure again)")
         return write_json(args.json_out, profile)
-    profile = measure_here(args.device, args.offload_dir, args.quick, print_to_stderr)
+    profile = measure_here(args.device, args.offload_dir, args.quick, print_to_stderr, why)
     print(format_profile(profile))
     try:
         print(f"saved to {save_local(profile)}")

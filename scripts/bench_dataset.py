@@ -106,10 +106,13 @@ def child_transformers(args):
     from flexh2o.models import eos_ids, resolve_model
     from flexh2o.runs.prompts import load_tokenizer
     torch.set_grad_enabled(False)
-    spec, _ = resolve_model(MODEL, None)
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(MODEL), gguf_file=os.path.basename(MODEL),
-                                                 dtype=torch.float32).eval()
-    tokenizer = load_tokenizer(MODEL)
+    spec, _ = resolve_model(args.model, None)
+    if args.model.endswith(".gguf"):
+        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(args.model), gguf_file=os.path.basename(args.model),
+                                                     dtype=torch.float32).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    tokenizer = load_tokenizer(args.model)
     eos = eos_ids(spec)
     start = time.perf_counter()
     requests, rows = read_requests(args.chunk_file, tokenizer)
@@ -300,6 +303,7 @@ def main():
     p.add_argument("--chunk-file", help=argparse.SUPPRESS)
     p.add_argument("--out-file", help=argparse.SUPPRESS)
     p.add_argument("--global-longest", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--model", default=MODEL, help=argparse.SUPPRESS)  # the children's (bench_float32_job.py)
     args = p.parse_args()
     if args.child:
         return child_global_pad(args) if args.child == "global-pad" else child_transformers(args)

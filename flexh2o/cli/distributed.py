@@ -120,8 +120,10 @@ class Peers:
         for rank, other in enumerate(theirs):
             for key in settings:
                 if other.get(key) != theirs[0].get(key):
-                    raise UsageError(f"--{key.replace('_', '-')}", f"rank {rank} runs with {other.get(key)!r}, rank 0 "
-                                     f"with {theirs[0].get(key)!r}: every rank must run with the same")
+                    flag, what = ("--model", "model files whose SHA-256 is ") if key == "model_sha256" else \
+                        (f"--{key.replace('_', '-')}", "")
+                    raise UsageError(flag, f"rank {rank} runs with {what}{other.get(key)!r}, rank 0 with "
+                                     f"{what}{theirs[0].get(key)!r}: every rank must run with the same")
 
     def gather(self, prefix: str) -> list[str]:
         """The value every rank set under `prefix/rank`, waiting for the missing ones."""

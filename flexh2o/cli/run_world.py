@@ -13,6 +13,7 @@ import os
 import psutil
 import torch
 
+from flexh2o.checkpoints.fingerprint import model_sha256
 from flexh2o.cli.distributed import Peers
 from flexh2o.common.errors import UsageError
 from flexh2o.jobs.cli import job_settings, run_job
@@ -39,11 +40,11 @@ def check_world_flags(args, world, spec, planning: bool):
         raise UsageError("--peer-timeout", f"must be a positive number of seconds, got {args.peer_timeout:g}")
 
 
-def world_settings(args, spec, device, dtype) -> dict:
-    """What every rank must run with alike."""
+def world_settings(args, spec, weights_dir, device, dtype) -> dict:
+    """What every rank must run with alike (the model's files too: each node reads its own copy)."""
     settings = {"device": device.type, "pipeline_stages": args.pipeline_stages,
                 "gpu_batch_size": args.gpu_batch_size, "num_gpu_batches": args.num_gpu_batches,
-                **job_settings(args, spec), "compute_dtype": dtype_name(dtype, device)}  # as resolved here
+                **job_settings(args, spec, dtype_name(dtype, device), model_sha256(weights_dir))}
     if args.input:
         settings["output"] = os.path.abspath(args.output)
     else:
@@ -70,7 +71,7 @@ def run_in_world(args, world, policy, spec, weights_dir, device, dtype, caps, pl
     try:
         # Every rank compares the same settings and refuses alike: not told as a failure, which
         # could stop a rank before it says so itself.
-        peers.agree(world_settings(args, spec, device, dtype))
+        peers.agree(world_settings(args, spec, weights_dir, device, dtype))
     except BaseException:
         peers.close()
         raise

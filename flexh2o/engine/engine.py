@@ -29,6 +29,7 @@ from flexh2o.engine.schedule import Schedule
 from flexh2o.engine.sequences import Sequences
 from flexh2o.engine.slot_pool import SlotPool
 from flexh2o.offload.tiers import Tiers
+from flexh2o.checkpoints.fingerprint import model_sha256
 from flexh2o.checkpoints.weights import CheckpointWeights, DummyWeights, GGUFWeights
 
 @dataclass
@@ -98,6 +99,7 @@ class Engine:
         self.projected: dict | None = None  # the pre-flight projection per tier of the last generate call
         self.stage = None  # a pipeline stage's (pipeline.py): this process runs a slice of the layers
         self.cache_spec = spec  # the spec whose layer count the cache's pre-flight counts (a stage's slice)
+        self.model_sha256: str | None = None  # of the weights' files (fingerprint.py); None for dummy weights
         self.layer_indices = list(range(len(layers)))  # each layer's index in the whole model
 
     @classmethod
@@ -115,7 +117,7 @@ class Engine:
         dummy: deterministic random weights of the model's real size instead of reading any.
         device: "cuda", "cuda:N" or "cpu" (default: cuda when torch sees one).
         dtype: torch.float16, torch.bfloat16 or torch.float32, or their names (default: float16 on
-            CUDA; on a CPU, bfloat16 where it has bfloat16 units, else float32).
+            CUDA, float32 on a CPU: host/devices.py's default_dtype).
         offload_dir: the directory under which tensors placed on disk go, in a fresh sub-directory
             removed by close(); needed when the policy puts anything on disk.
         gpu_mem, cpu_mem, disk_mem: bytes each tier may use (default: what is free), and
@@ -185,6 +187,7 @@ class Engine:
             need = with_loading(weight_need(layers, dtype.itemsize, policy, device), none,
                                 load_transient(layers, dtype.itemsize, policy), device.type == "cuda")
         check_fits(need, caps, device, placement_flag)
+        digest = None if dummy else model_sha256(weights_dir)
         if before_loading is not None:
             before_loading()
         disk = DiskStore(offload_dir, bypass_page_cache, flush_writes=caps["limit"] is not None) if uses_disk else None
@@ -205,7 +208,7 @@ class Engine:
             tiers.close()
             raise
         engine = cls(spec, layers, policy, tiers, source.describe(), caps, placement_flag)
-        engine.stage, engine.cache_spec = stage, cache_spec
+        engine.stage, engine.cache_spec, engine.model_sha256 = stage, cache_spec, digest
         engine.layer_indices = list(indices) if indices is not None else list(range(len(layers)))
         return engine
 

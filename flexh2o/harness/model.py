@@ -15,7 +15,9 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
+from flexh2o.checkpoints.fingerprint import model_sha256
 from flexh2o.common.errors import UsageError
+from flexh2o.common.version import version
 from flexh2o.jobs.input import sampling
 from flexh2o.jobs.plans import FixedPlan
 from flexh2o.models import eos_ids, resolve_model
@@ -34,6 +36,7 @@ class FlexH2OLM(TemplateLM):
         super().__init__()
         self.settings = s = read_settings(model_args)
         self.spec, weights_dir = resolve_model(s.model, s.path)
+        self.weights_dir = weights_dir
         self.tokenizer = load_tokenizer(weights_dir)
         if self.tokenizer is None:
             raise UsageError("model_args model", f"{s.model} has no tokenizer files: requests cannot be tokenized")
@@ -161,6 +164,14 @@ class FlexH2OLM(TemplateLM):
                 gen_len=gen_len, placement_flag=f"model_args {PERCENT_KEYS}", **s.caps())
             self.plans = FixedPlan(self.engine.policy)
         return self.engine
+
+    def get_model_info(self) -> dict:
+        """What lm-eval adds to its results' config: the model, its files' SHA-256, the dtype, flexh2o's version."""
+        from flexh2o.host.devices import default_device, default_dtype, parse_dtype
+        s = self.settings
+        dtype = parse_dtype(s.dtype) if s.dtype is not None else default_dtype(s.device or default_device())
+        return {"model": self.spec.name, "model_sha256": model_sha256(self.weights_dir),
+                "dtype": str(dtype).removeprefix("torch."), "flexh2o_version": version()}
 
     def close(self):
         if self.engine is not None:

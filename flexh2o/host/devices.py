@@ -3,7 +3,6 @@
 import torch
 
 from flexh2o.common.errors import UsageError
-from flexh2o.host.machine import cpu_compute_dtype
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -13,7 +12,12 @@ def default_device() -> str:
 
 
 def default_dtype(device) -> torch.dtype:
-    return torch.float16 if torch.device(device).type == "cuda" else cpu_compute_dtype()
+    """float16 on CUDA; float32 on every CPU, even one that multiplies bfloat16 in hardware (AMX,
+    AVX512-BF16), where bfloat16 is faster: its rounding made a greedy record's text depend on which
+    other records shared its batch, while float32's differences between batch shapes, at the level
+    of its last bits, changed none (docs/design.md, "Results that do not depend on the batch").
+    --dtype bfloat16 still runs it."""
+    return torch.float16 if torch.device(device).type == "cuda" else torch.float32
 
 
 def parse_dtype(dtype) -> torch.dtype:

@@ -26,7 +26,7 @@ class HardwareProfile:
     name: str
     source: str
     device: str                  # what computes: "cuda" or "cpu" (then the gpu and cpu tiers are one RAM)
-    dtype: str                   # the dtype runs use on it (float16 on CUDA; bfloat16 or float32 on a CPU)
+    dtype: str                   # the dtype runs use on it by default (float16 on CUDA, float32 on a CPU)
     gpu_mem: int                 # bytes each tier holds
     cpu_mem: int
     disk_mem: int
@@ -69,6 +69,9 @@ class HardwareProfile:
     # Bytes/s between two pipeline stages' processes (profiling/link.py: two local processes over
     # gloo); None where not measured. Between machines it is the network's.
     link_bandwidth: float | None = None
+    # Seconds the measurement took (profiling/measure.py), which the next one announces it will take;
+    # None in shipped profiles and older ones.
+    measure_seconds: float | None = None
 
     def knows(self, dtype: str) -> bool:
         """Whether the profile has matrix-product figures for runs in this dtype."""
@@ -179,8 +182,9 @@ def check_fields(data: dict, where: str):
             bad("others_cpu_share", f"must be a share between 0 and 1, not {share!r}")
     if data.get("int4_matmul_flops") is not None:
         table("int4_matmul_flops", data["int4_matmul_flops"], None, rows=True)
-    if data.get("link_bandwidth") is not None:
-        number("link_bandwidth", data["link_bandwidth"])
+    for field in ("link_bandwidth", "measure_seconds"):
+        if data.get(field) is not None:
+            number(field, data[field])
     if data.get("kernels_build") is not None and not isinstance(data["kernels_build"], str):
         bad("kernels_build", f"must be a build's name (a string), not {data['kernels_build']!r}")
     kernel = data.get("dequant_kernel")

@@ -14,7 +14,9 @@ import time
 
 from tqdm import tqdm
 
+from flexh2o.checkpoints.fingerprint import model_sha256
 from flexh2o.common.errors import UsageError
+from flexh2o.common.version import version
 from flexh2o.models import eos_ids
 from flexh2o.planning.planner import plan_capacities
 from flexh2o.common.output_files import identity, write_json_atomic
@@ -68,9 +70,11 @@ def check_job_names(args):
                              f"{args.output}, its settings or its lock): give another path")
 
 
-def job_settings(args, spec) -> dict:
-    """What the output's records depend on: a resumed job must match them (placement and batch do not)."""
-    return {"model": spec.name, "path": args.path, "dtype": args.dtype, "input": args.input,
+def job_settings(args, spec, dtype: str, model_digest: str | None) -> dict:
+    """What the output's records depend on: a resumed job must match them (placement and batch do
+    not). dtype: the one the run computes in, as resolved (a default is recorded as what it chose);
+    model_digest: its files' SHA-256 (fingerprint.py)."""
+    return {"model": spec.name, "path": args.path, "model_sha256": model_digest, "dtype": dtype, "input": args.input,
             "kv_policy": args.kv_policy, "hh_ratio": args.hh_ratio, "recent_ratio": args.recent_ratio,
             "compress_weight": args.compress_weight, "compress_cache": args.compress_cache, "chat": args.chat,
             "max_tokens": args.gen_len, "do_sample": args.do_sample, "temperature": args.temperature,
@@ -88,7 +92,10 @@ def run_job(args, policy, spec, weights_dir, device, dtype, caps, planning: bool
     defaults = {"max_tokens": args.gen_len, "temperature": args.temperature if args.do_sample else 0.0,
                 "top_p": args.top_p, "top_k": args.top_k, "seed": None}
     job_input = JobInput(args.input, tokenizer, defaults, spec.max_positions, args.chat, args.skip_bad)
-    settings = {**job_settings(args, spec), "input_records": job_input.fingerprint}
+    provenance = {"model": spec.name, "model_sha256": model_sha256(weights_dir), "dtype": dtype_name(dtype, device),
+                  "flexh2o_version": version()}
+    settings = {**job_settings(args, spec, provenance["dtype"], provenance["model_sha256"]),
+                "input_records": job_input.fingerprint}
     output = open_output(args, settings, job_input, replica)
     if all(e.id in output.done for e in job_input.entries):  # a finished job run again: the model is not loaded
         if args.ordered and replica is None:
@@ -119,7 +126,8 @@ def run_job(args, policy, spec, weights_dir, device, dtype, caps, planning: bool
                               f"in {output.path}; run the same command again to finish the rest ({resume_command()})")
     engine = load_engine(args, spec, policy, device, dtype, caps, dummy=False, profile=profile, stage=stage)
     try:
-        generate_all(args, engine, job_input, output, tokenizer, spec, plans, read_seconds, ordered=replica is None)
+        generate_all(args, engine, job_input, output, tokenizer, spec, plans, read_seconds, ordered=replica is None,
+                     provenance=provenance)
     finally:
         engine.close()
         output.close()
@@ -162,7 +170,8 @@ def resume_command() -> str:
 
 
 def generate_all(args, engine, job_input, output, tokenizer, spec, plans, read_seconds: float = 0.0,
-                 ordered: bool = True) -> int:
+                 ordered: bool = True, provenance: dict | None = None) -> int:
+    """provenance: the model, its SHA-256, the dtype and flexh2o's version, which the summary records."""
     bar = None
     if not args.quiet:
         bar = tqdm(total=len(job_input.entries), initial=len(output.done & {e.id for e in job_input.entries}),
@@ -184,7 +193,7 @@ def generate_all(args, engine, job_input, output, tokenizer, spec, plans, read_s
         bar.close()
     if args.ordered and ordered:
         output.rewrite_in_order([e.id for e in job_input.entries])
-    summary = job.stats.summary()
+    summary = {**(provenance or {}), **job.stats.summary()}
     if output.writes:  # (a middle pipeline stage's records hold no tokens)
         print(format_summary(summary, output.path), flush=True)
     if args.json_out and output.writes:
@@ -196,7 +205,8 @@ def generate_all(args, engine, job_input, output, tokenizer, spec, plans, read_s
 
 
 def format_summary(s: dict, path: str) -> str:
-    return "\n".join([
+    return "\n".join(([f"model: {s['model']} (sha256 {s['model_sha256'] or 'none: dummy weights'}), {s['dtype']}, "
+                       f"flexh2o {s['flexh2o_version']}"] if "model" in s else []) + [
         f"records: {s['records']} ({s['written']} written now, {s['skipped_already_done']} already in {path}, "
         f"{s['bad_records']} bad)",
         (f"slots refilled: {s['refills']} times, new records joining at {s['join_steps']} token steps"

@@ -5,7 +5,7 @@ while the machine was busy and it is quiet now)."""
 from typing import TYPE_CHECKING
 
 from flexh2o.common.errors import UsageError
-from flexh2o.host.hardware import BUSY_SHARE, LOCAL, HardwareProfile, load_profile, save_local
+from flexh2o.host.hardware import BUSY_SHARE, LOCAL, HardwareProfile, load_profile, local_cache_path, save_local
 
 if TYPE_CHECKING:
     import torch
@@ -18,54 +18,90 @@ QUIET_SHARE = 0.05  # others' CPU share now low enough to measure a busy profile
 KERNEL_NAMES = {"native": "flexh2o's C kernels", "triton": "flexh2o's Triton kernel", "torch": "torch's operations"}
 
 
-def cached_profile(device: "torch.device", log) -> HardwareProfile | None:
-    """The cached local profile if it was measured with this kind of device; None otherwise."""
+def cached_profile(device: "torch.device", log) -> tuple[HardwareProfile | None, str | None]:
+    """(the cached local profile, None) where it describes this machine as it is; else (None, why it
+    is measured again). A profile measured while the machine was busy is kept, with a note, until a
+    run finds it quiet."""
     try:
         profile = load_profile(LOCAL)
     except UsageError as e:
-        log(f"note: the cached profile is unreadable ({e.message}): measuring again")
-        return None
-    if profile is not None and profile.device != device.type:
-        log(f"note: the cached profile was measured on {profile.device}, not {device.type}: measuring again")
-        return None
-    if profile is not None and profile.attention_costs is None:
-        log("note: the cached profile was measured by an older flexh2o (no attention calls): measuring again")
-        return None
-    if profile is not None and device.type in ("cpu", "cuda"):
-        from flexh2o.profiling.measure import dequant_kernel
-        now = dequant_kernel(device)
-        if profile.dequant_kernel != now:
-            log(f"note: the cached profile timed the dequantization of {KERNEL_NAMES[profile.dequant_kernel or 'torch']}, "
-                f"and this run dequantizes with {KERNEL_NAMES[now]}: measuring again")
-            return None
-        from flexh2o import native
-        if now == "native" and profile.kernels_build != native.build():
-            log("note: the cached profile timed another build of flexh2o's C kernels: measuring again")
-            return None
-    if profile is not None and (profile.others_cpu_share or 0) > BUSY_SHARE:
-        return None if quiet_now(profile.others_cpu_share, log) else profile
-    return profile
+        return None, f"the cached profile is unreadable ({e.message})"
+    if profile is None:
+        return None, f"no profile of this machine is cached yet ({local_cache_path()})"
+    why = stale(profile, device)
+    if why is not None:
+        return None, why
+    if (profile.others_cpu_share or 0) > BUSY_SHARE:
+        return quiet_now(profile, log)
+    return profile, None
 
 
-def quiet_now(then: float, log) -> bool:
-    """For a profile measured while other processes kept `then` of the CPU busy: whether the machine
-    is quiet enough now to measure it again; if not, a note on what its predictions are worth."""
+def stale(profile: HardwareProfile, device: "torch.device") -> str | None:
+    """Why a cached profile no longer describes this machine, or None."""
+    if profile.device != device.type:
+        return f"the cached profile was measured on {profile.device}, not {device.type}"
+    if profile.attention_costs is None:
+        return "the cached profile was measured by an older flexh2o (no attention calls)"
+    if device.type not in ("cpu", "cuda"):
+        return None
+    from flexh2o.profiling.measure import dequant_kernel
+    now = dequant_kernel(device)
+    if profile.dequant_kernel != now:
+        return (f"the cached profile timed the dequantization of {KERNEL_NAMES[profile.dequant_kernel or 'torch']}, "
+                f"and this run dequantizes with {KERNEL_NAMES[now]}")
+    from flexh2o import native
+    if now == "native" and profile.kernels_build != native.build():
+        return "the cached profile timed another build of flexh2o's C kernels"
+    return None
+
+
+def quiet_now(profile: HardwareProfile, log) -> tuple[HardwareProfile | None, str | None]:
+    """For a profile measured while other processes kept some of the CPU busy: (None, why) where the
+    machine is quiet enough now to measure it again; else (the profile, None), with a note on what
+    its predictions are worth."""
     from flexh2o.host.machine import others_cpu_share_now
-    now = others_cpu_share_now()
+    then, now = profile.others_cpu_share, others_cpu_share_now()
     if now <= QUIET_SHARE:
-        log(f"note: the cached profile was measured while other processes kept {then:.0%} of the CPU busy; the "
-            f"machine is quiet now ({now:.0%}): measuring again")
-        return True
+        return None, (f"the cached profile was measured while other processes kept {then:.0%} of the CPU busy, and "
+                      f"the machine is quiet now ({now:.0%})")
     log(f"note: the cached profile was measured while other processes kept {then:.0%} of the CPU busy (now "
         f"{now:.0%}): its figures may be low, and predictions off by as much (up to 30x for the per-layer "
         "overhead); the first run that finds the machine quiet measures it again, or now: "
         "python -m flexh2o.profile --force")
-    return False
+    return profile, None
 
 
-def measure_here(device: "torch.device", offload_dir: str, quick: bool, log) -> HardwareProfile:
+# Seconds a first measurement with the CPU computing took (python -m flexh2o.profile --force with an
+# empty cache, C kernels' build included: 78 s on a 2-core AMD EPYC otherwise idle, 2026-11-28),
+# announced where no earlier measurement here says better.
+FIRST_CPU_SECONDS = 80.0
+
+
+def expected(device: "torch.device") -> str:
+    """How long a measurement is expected to take here, and on what that rests."""
+    try:
+        before = load_profile(LOCAL)
+    except UsageError:
+        before = None
+    if before is not None and before.measure_seconds and before.device == device.type:
+        return f"about {about(before.measure_seconds)}, as the last one here took"
+    if device.type == "cpu":
+        return f"about {about(FIRST_CPU_SECONDS)}, as a first one on a 2-core CPU took"
+    return f"no earlier one here says how long (with the CPU computing: about {about(FIRST_CPU_SECONDS)})"
+
+
+def about(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
+
+
+def measure_here(device: "torch.device", offload_dir: str, quick: bool, log, why: str) -> HardwareProfile:
+    """Measures, announcing it first in one line: why, and how long it is expected to take."""
     from flexh2o.profiling.measure import measure
-    log(f"measuring this machine with {device.type} computing ({'a few seconds' if quick else 'about half a minute'})")
+    if quick:
+        log(f"note: measuring this machine roughly (--quick) with {device.type} computing ({why}): under a minute")
+    else:
+        log(f"note: measuring this machine with {device.type} computing ({why}): {expected(device)}; cached "
+            "for later runs")
     return measure(device, offload_dir, quick=quick, log=log)
 
 
@@ -77,9 +113,9 @@ def ensure_local_profile(device, offload_dir: str, log=None, fresh: bool = False
     from flexh2o.profiling.measure import print_to_stderr
     log = log or print_to_stderr
     device = torch.device(device or default_device())
-    profile = None if fresh else cached_profile(device, log)
+    profile, why = (None, "a fresh profile was asked for") if fresh else cached_profile(device, log)
     if profile is None:
-        profile = measure_here(device, offload_dir, False, log)
+        profile = measure_here(device, offload_dir, False, log, why)
         try:
             save_local(profile)
         except OSError as e:

@@ -26,7 +26,7 @@ from flexh2o.offload.offload_dir import existing_ancestor
 from flexh2o.engine.engine import Engine
 from flexh2o.host.devices import default_dtype
 from flexh2o.kv.home import cpu_attention_dtype
-from flexh2o.host.machine import LoadMeter, cpu_model
+from flexh2o.host.machine import LoadMeter, cpu_has_native_bf16, cpu_model
 from flexh2o.engine.preflight import capacities
 from flexh2o.profiling.memory_growth import calibrate
 from flexh2o.models.opt import OPTSpec
@@ -315,11 +315,13 @@ def source_line(device: torch.device, quick: bool) -> str:
 def process_growth(device: torch.device, offload_dir: str, quick: bool, log) -> dict | None:
     """What a run's process grows by beyond its projection, per dtype, at torch's thread count
     (host/process_memory.py); where the CPU computes, as only there do the tiers share the process's memory.
-    quick: one probe, of the default dtype."""
+    The default dtype, and bfloat16 where the CPU computes it natively: elsewhere its probes took over a
+    minute, for runs no one makes (the pre-flight allows its default growth there). quick: one probe,
+    of the default dtype."""
     if device.type != "cpu":
         return None
     threads = torch.get_num_threads()
-    dtypes = [default_dtype(device)] if quick else matmul_dtypes(device)
+    dtypes = [default_dtype(device)] + ([torch.bfloat16] if not quick and cpu_has_native_bf16() else [])
     return {dtype_name(d): {str(threads): calibrate(dtype_name(d), threads, offload_dir, log, quick)} for d in dtypes}
 
 
@@ -344,13 +346,14 @@ def logged(log, what: str, fn, *args):
 
 def measure(device: torch.device, offload_dir: str, quick: bool = False, log=print_to_stderr) -> HardwareProfile:
     """Measures this machine with `device` computing and disk files in `offload_dir`. quick: small
-    sizes, a few seconds in all, rough figures (for tests)."""
+    sizes, well under a minute in all, rough figures (for tests)."""
     device = torch.device(device)
-    meter = LoadMeter()
+    meter, start = LoadMeter(), time.perf_counter()
     with torch.no_grad():
         profile = _measure(device, offload_dir, quick, log)
     others = meter.result()["others_cpu_share"]
     warn_if_others_were_busy(others, log)
+    profile = dataclasses.replace(profile, measure_seconds=time.perf_counter() - start)
     # A quick profile's figures are rough anyway (tests): it is not marked for measuring again.
     return profile if quick else dataclasses.replace(profile, others_cpu_share=others)
 

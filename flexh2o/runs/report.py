@@ -12,6 +12,7 @@ import time
 import torch
 
 from flexh2o.kv import budget, cache_bytes
+from flexh2o.common.version import version
 from flexh2o.host.machine import describe_machine
 from flexh2o.host.process_memory import read_status
 from flexh2o.engine.preflight import growth_bytes, layer_bytes
@@ -83,8 +84,10 @@ def build_report(engine, stats, policy, sample_text=None, predicted=None, genera
     return {
         "model": spec.name,
         "weights": engine.weights_source,
+        "model_sha256": engine.model_sha256,
         "device": str(engine.tiers.compute),
         "dtype": str(engine.tiers.dtype).removeprefix("torch."),
+        "flexh2o_version": version(),
         "policy": policy.to_dict(),
         "batch_size": batch,
         "prompt_len": stats.prompt_len,
@@ -149,6 +152,7 @@ def format_report(r: dict) -> str:
     device = tier_label("gpu", r["device"])
     lines = [
         f"model: {r['model']}\tweights: {r['weights']}\tdevice: {r['device']}\tdtype: {r['dtype']}",
+        f"model sha256: {r['model_sha256'] or 'none (dummy weights)'}\tflexh2o: {r['flexh2o_version']}",
         f"batch: {r['batch_size']} ({p['gpu_batch_size']} x {p['num_gpu_batches']} gpu-batches)\t"
         f"prompt_len: {r['prompt_len']}\tgen_len: {r['gen_len']}"
         + (f"\t(ran {r['steps_done']} token steps; decode projected to gen_len from them, as FlexGen's "

@@ -8,6 +8,8 @@ import sys
 import pytest
 
 
+from flexh2o.checkpoints.fingerprint import model_sha256
+from flexh2o.common.version import version
 from flexh2o.host.devices import default_dtype
 from flexh2o.run import main
 from conftest import REPO
@@ -36,7 +38,10 @@ def test_cli_run_writes_every_figure(tmp_path):
     assert report["disk_io"]["page_cache"] != "used" and report["disk_io"]["bytes_read"] > 0
     assert not (tmp_path / "off").exists()  # created for the run, removed with its files
     assert report["machine"]["logical_cores"] >= 1 and report["machine"]["torch"]
+    assert (report["model"], report["model_sha256"], report["dtype"]) == ("opt-125m", None, "float32")  # dummy weights
+    assert report["flexh2o_version"] == version()
     assert "total throughput" in r.stdout and "decode latency" in r.stdout
+    assert f"model sha256: none (dummy weights)\tflexh2o: {version()}" in r.stdout
     # The CPU computes here: the gpu tier is named as what it is (the JSON keys keep their names).
     assert "peak compute device (CPU) mem:" in r.stdout and "gpu mem" not in r.stdout
     assert [f for f in os.listdir(tmp_path) if f.startswith(".tmp")] == []
@@ -64,11 +69,12 @@ def test_prompts_file_with_real_weights_prints_a_sample(model_with_tokenizer, tm
     prompts.write_text("the cat sat on a mat\nthe dog ran\n")
     out = tmp_path / "r.json"
     r = cli("--model", str(model_with_tokenizer), "--prompt-len", "8", "--gen-len", "3", "--gpu-batch-size", "2",
-            "--prompts-file", str(prompts), "--json-out", str(out), "--device", "cpu", "--dtype", "float32")
+            "--prompts-file", str(prompts), "--json-out", str(out), "--device", "cpu")
     assert r.returncode == 0, r.stderr
     assert "[1] '" in r.stdout and "[2] '" in r.stdout  # the text each prompt got
     report = json.loads(out.read_text())
     assert isinstance(report["sample"], str) and len(report["generated"]) == 2
+    assert (report["dtype"], report["model_sha256"]) == ("float32", model_sha256(str(model_with_tokenizer)))
 
 
 def test_bad_input_from_a_subprocess_is_one_line_without_traceback():

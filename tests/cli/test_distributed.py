@@ -18,7 +18,7 @@ from flexh2o.jobs.replicas import deal, part_path
 from conftest import REPO, last_line
 from test_job import prompt, records, run, wait_for_lines
 
-JOB = ["--dtype", "float32", "--quiet", "--gpu-batch-size", "2", "--gen-len", "8"]
+JOB = ["--quiet", "--gpu-batch-size", "2", "--gen-len", "8"]  # the default dtype: records as in one process
 
 
 def test_without_torchrun_the_world_is_one_process():
@@ -87,7 +87,7 @@ def job_prompts(tmp_path):
                                    ["--hh-ratio", "0.3", "--weights", "gpu=0,cpu=50,disk=50"]])
 def test_two_replicas_merge_into_what_one_process_writes(model_with_tokenizer, job_prompts, tmp_path, flags):
     alone, merged = tmp_path / "alone.jsonl", tmp_path / "merged.jsonl"
-    assert run(model_with_tokenizer, job_prompts, alone, *JOB[3:], *flags) == 0
+    assert run(model_with_tokenizer, job_prompts, alone, *JOB[1:], *flags) == 0
     results = finish(start_world(model_with_tokenizer, job_prompts, merged, 2, lambda rank: flags))
     assert [code for code, _, _ in results] == [0, 0], results
     assert "merged: 14 of 14 records from 2 replicas" in results[0][1]
@@ -127,7 +127,7 @@ def test_a_killed_rank_stops_the_other_and_the_same_command_finishes_the_job(mod
     many.write_text("\n".join(prompt(1 + (7 * i) % 25, i) for i in range(40)) + "\n")
     alone, out, off = tmp_path / "alone.jsonl", tmp_path / "out.jsonl", tmp_path / "off"
     flags = ["--weights", "gpu=0,cpu=50,disk=50", "--offload-dir", str(off), "--peer-timeout", "3"]
-    assert run(model_with_tokenizer, many, alone, *JOB[3:], *flags) == 0
+    assert run(model_with_tokenizer, many, alone, *JOB[1:], *flags) == 0
     procs = start_world(model_with_tokenizer, many, out, 2, lambda rank: flags)
     reached = wait_for_lines(procs[1], tmp_path / "out.jsonl.parts" / "replica-1.jsonl", 2)
     procs[1].send_signal(signal.SIGKILL)
@@ -152,7 +152,7 @@ def run_folder(off, pid: int) -> str:
 
 def test_torchrun_starts_the_replicas(model_with_tokenizer, job_prompts, tmp_path):
     alone, merged = tmp_path / "alone.jsonl", tmp_path / "merged.jsonl"
-    assert run(model_with_tokenizer, job_prompts, alone, *JOB[3:]) == 0
+    assert run(model_with_tokenizer, job_prompts, alone, *JOB[1:]) == 0
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend",
                            "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "flexh2o.run", "--model",
                            str(model_with_tokenizer), "--input", str(job_prompts), "--output", str(merged), *JOB],
@@ -163,7 +163,7 @@ def test_torchrun_starts_the_replicas(model_with_tokenizer, job_prompts, tmp_pat
 
 def test_one_process_takes_over_the_parts_replicas_left(model_with_tokenizer, job_prompts, tmp_path, capsys):
     alone, out = tmp_path / "alone.jsonl", tmp_path / "out.jsonl"
-    assert run(model_with_tokenizer, job_prompts, alone, *JOB[3:]) == 0
+    assert run(model_with_tokenizer, job_prompts, alone, *JOB[1:]) == 0
     lines = alone.read_text().splitlines(keepends=True)
     for replica, share in enumerate((lines[:3], lines[5:7])):  # what two replicas had written when stopped
         part = part_path(str(out), replica)
@@ -173,7 +173,7 @@ def test_one_process_takes_over_the_parts_replicas_left(model_with_tokenizer, jo
         with open(part + ".job.json", "w") as f:
             f.write(open(str(alone) + ".job.json").read())
     capsys.readouterr()
-    assert run(model_with_tokenizer, job_prompts, out, *JOB[3:]) == 0
+    assert run(model_with_tokenizer, job_prompts, out, *JOB[1:]) == 0
     assert "records: 14 (9 written now, 5 already in" in capsys.readouterr().out
     assert records(out) == records(alone)
     assert not os.path.exists(str(out) + ".parts")
@@ -186,7 +186,7 @@ PIPELINE = ["--num-gpu-batches", "2", "--weights", "gpu=100,cpu=0,disk=0", "--pi
 @pytest.mark.parametrize("size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_pipeline_stages_write_what_one_process_writes(model_with_tokenizer, job_prompts, tmp_path, size):
     alone, merged = tmp_path / "alone.jsonl", tmp_path / "merged.jsonl"
-    assert run(model_with_tokenizer, job_prompts, alone, *JOB[3:], *PIPELINE[:4]) == 0
+    assert run(model_with_tokenizer, job_prompts, alone, *JOB[1:], *PIPELINE[:4]) == 0
     results = finish(start_world(model_with_tokenizer, job_prompts, merged, size, lambda rank: PIPELINE))
     assert [code for code, _, _ in results] == [0] * size, results
     assert records(merged) == records(alone)
@@ -212,7 +212,7 @@ def test_a_pipeline_given_no_batch_or_placement_is_planned_once_for_every_stage(
     alone, merged = tmp_path / "alone.jsonl", tmp_path / "merged.jsonl"
     assert run(model_with_tokenizer, job_prompts, alone, "--gen-len", "8", "--gpu-batch-size", "2") == 0
     results = finish(start_world(model_with_tokenizer, job_prompts, merged, 2, lambda rank: ["--pipeline-stages", "2"],
-                                 job=["--dtype", "float32", "--quiet", "--gen-len", "8"]))
+                                 job=["--quiet", "--gen-len", "8"]))
     assert [code for code, _, _ in results] == [0, 0], results
     assert "note: planned 2 pipeline stages" in results[0][2]
     assert records(merged) == records(alone)
@@ -237,7 +237,7 @@ def test_a_planned_pipeline_replica_with_nothing_left_lets_the_others_plan_their
     with open(part + ".job.json", "w") as f:
         f.write(open(str(alone) + ".job.json").read())
     results = finish(start_world(model_with_tokenizer, job_prompts, out, 4, lambda rank: ["--pipeline-stages", "2"],
-                                 job=["--dtype", "float32", "--quiet", "--gen-len", "8"]), timeout=180)
+                                 job=["--quiet", "--gen-len", "8"]), timeout=180)
     assert [code for code, _, _ in results] == [0] * 4, results
     assert "note: planned 2 pipeline stages" in results[2][2] and "planned" not in results[0][2]
     assert records(out) == records(alone)

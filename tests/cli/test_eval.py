@@ -7,6 +7,8 @@ import pytest
 import torch
 
 import flexh2o.eval
+from flexh2o.checkpoints.fingerprint import model_sha256
+from flexh2o.common.version import version
 from flexh2o import Engine, Policy
 
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran"]
@@ -65,6 +67,8 @@ def test_eval_cli_writes_ppl_and_settings_and_repeats_itself(model_with_tokenize
     r = results[0]
     assert r["tokens_scored"] == 4 * 8 and r["ppl"] > 1 and 0 <= r["agreement"] <= 1 and r["full_cache_ppl"] > 1
     assert r["policy"]["kv_policy"] == "h2o" and r["prompt_len"] == 16 and r["windows"] == 4
+    assert (r["dtype"], r["model_sha256"], r["flexh2o_version"]) == \
+        ("float32", model_sha256(str(model_with_tokenizer)), version())
     assert {k: v for k, v in r.items() if k != "seconds"} == {k: v for k, v in results[1].items() if k != "seconds"}
     captured = capsys.readouterr()
     assert "perplexity:" in captured.out

@@ -19,6 +19,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalL
 from flexh2o import lm_eval as command  # noqa: E402
 from flexh2o.engine.engine import Engine  # noqa: E402
 from flexh2o.harness.model import FlexH2OLM  # noqa: E402
+from flexh2o.checkpoints.fingerprint import model_sha256  # noqa: E402
+from flexh2o.common.version import version  # noqa: E402
 
 TASKS = ("flexh2o_lastword", "flexh2o_lastword_gen", "flexh2o_cloze")
 LIMIT = 4
@@ -88,6 +90,12 @@ def hf_model(directory, **kwargs):
 
 def flexh2o_model(directory, **kwargs):
     return FlexH2OLM(model=directory, dtype="float32", gpu_batch_size=8, **kwargs)
+
+
+def test_lm_evals_results_record_the_model_its_files_the_dtype_and_the_version(word_models):
+    lm = FlexH2OLM(model=word_models["llama"], gpu_batch_size=8)  # the default dtype
+    assert lm.get_model_info() == {"model": os.path.basename(word_models["llama"]), "dtype": "float32",
+                                   "model_sha256": model_sha256(word_models["llama"]), "flexh2o_version": version()}
 
 
 def loglikelihoods(task_samples: list) -> list:

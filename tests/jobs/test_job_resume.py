@@ -16,7 +16,7 @@ from flexh2o.runs.prompts import load_tokenizer
 from flexh2o.run import main
 from conftest import REPO, fail_from, last_line
 
-JOB = ["--dtype", "float32", "--quiet", "--gpu-batch-size", "2", "--gen-len", "3"]
+JOB = ["--quiet", "--gpu-batch-size", "2", "--gen-len", "3"]  # the default dtype: resumed records as uninterrupted
 RECORDS = [{"id": f"r{n}", "prompt": p} for n, p in enumerate(
     ["the cat sat", "on a mat", "the dog ran", "a cat ran on the mat", "dog", "the mat sat on a dog"])]
 
@@ -152,16 +152,18 @@ def limited(size: int):
 def test_a_file_size_limit_for_real_is_one_line_and_resumable(model_with_tokenizer, tmp_path):
     """`ulimit -f`: the kernel refuses the write past the limit with EFBIG (python ignores SIGXFSZ)."""
     path, out, whole = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "whole.jsonl"
-    write_jsonl(path, RECORDS)
+    records = [{"id": f"r{n}", "prompt": r["prompt"]} for n, r in enumerate(RECORDS * 4)]  # more bytes than the settings
+    write_jsonl(path, records)
     assert run_job(model_with_tokenizer, path, whole) == 0
     first_block = sum(map(len, whole.read_bytes().splitlines(keepends=True)[:2]))
     limit = max(os.path.getsize(str(whole) + ".job.json"), first_block) + 1  # the settings and the first block fit
+    assert limit < whole.stat().st_size
     cmd = [sys.executable, "-m", "flexh2o.run", "--model", str(model_with_tokenizer), *JOB, "--input", str(path),
            "--output", str(out)]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, preexec_fn=limited(limit))
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert last_line(r.stderr).startswith(f"error: cannot write {out}: File too large;")
-    assert 2 <= len(lines(out)) < len(RECORDS)
+    assert 2 <= len(lines(out)) < len(records)
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert sorted(x["id"] for x in lines(out)) == sorted(x["id"] for x in RECORDS)
+    assert sorted(x["id"] for x in lines(out)) == sorted(x["id"] for x in records)

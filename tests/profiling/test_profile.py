@@ -129,6 +129,35 @@ def test_ensure_local_profile_measures_only_without_a_cache(cache_home, quick_pr
     assert len(calls) == 1 and os.path.isfile(local_cache_path())
 
 
+def test_each_measurement_is_announced_in_one_line_with_why_and_how_long(cache_home, quick_profile, monkeypatch):
+    """The first with the figure a first one took on a 2-core CPU (FIRST_CPU_SECONDS); a later one with
+    what the last one took; never one without a note saying why."""
+    local = flexh2o.profiling.local_profile
+    from flexh2o import native
+    took = replace(quick_profile[0], measure_seconds=42.4, source="measured", dequant_kernel="native",
+                   kernels_build=native.build())
+    monkeypatch.setattr(flexh2o.profiling.measure, "dequant_kernel", lambda device: "native")
+    calls, notes = [], []
+    monkeypatch.setattr(flexh2o.profiling.measure, "measure", lambda *a, **k: calls.append(a) or notes.append("-") or took)
+    offload = str(cache_home / "offload")
+    assert local.ensure_local_profile("cpu", offload, log=notes.append) == took
+    assert notes == [f"note: measuring this machine with cpu computing (no profile of this machine is cached yet "
+                     f"({local_cache_path()})): about {local.about(local.FIRST_CPU_SECONDS)}, as a first one on a "
+                     "2-core CPU took; cached for later runs", "-"]
+    notes.clear()
+    assert local.ensure_local_profile("cpu", offload, log=notes.append) == took and notes == []  # cached: silent
+    monkeypatch.setattr(flexh2o.profiling.measure, "dequant_kernel", lambda device: "torch")
+    local.ensure_local_profile("cpu", offload, log=notes.append)
+    assert len(notes) == 2 and notes[0].startswith("note: measuring this machine with cpu computing (the cached "
+                                                   "profile timed the dequantization of ")
+    assert notes[0].endswith("): about 42 s, as the last one here took; cached for later runs")
+    assert len(calls) == 2 and all("\n" not in n for n in notes)
+
+
+def test_a_measurement_records_how_long_it_took(quick_profile):
+    assert 0 < quick_profile[0].measure_seconds < 600
+
+
 @pytest.mark.parametrize("args, flag", [(["--device", "tpu"], "--device"), (["--device", ""], "--device"),
                                          (["--offload-dir", "{file}/below"], "--offload-dir"),
                                          (["--json-out", "{tmp}"], "--json-out")])

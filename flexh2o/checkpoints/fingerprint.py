@@ -1,0 +1,96 @@
+"""A model's identity in the outputs: the SHA-256 of its files.
+
+A GGUF file is one file. A model directory is its config, the weight files the engine reads and
+its tokenizer's files: their digest is the SHA-256 of one line per file, its name and its own
+SHA-256. A file's SHA-256 is computed once per version of the file (its path, size, modification
+time and inode) and kept in $XDG_CACHE_HOME/flexh2o/file_hashes.json, so that only the first run
+on a file of many gigabytes reads it whole.
+"""
+
+import glob
+import hashlib
+import json
+import os
+
+from flexh2o.common.output_files import write_json_atomic
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "added_tokens.json", "tokenizer.model")
+ANNOUNCE_BYTES = 1 << 30  # reading more than this is announced first
+CHUNK = 8 << 20
+
+
+def cache_path() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "flexh2o", "file_hashes.json")
+
+
+def model_files(path: str) -> list[str]:
+    """The files whose bytes make the model at `path` (a GGUF file or a model directory)."""
+    if os.path.isfile(path):
+        return [path]
+    weights = sorted(glob.glob(os.path.join(path, "*.safetensors"))) or sorted(glob.glob(os.path.join(path, "*.bin")))
+    named = [os.path.join(path, n) for n in ("config.json", *TOKENIZER_FILES)]
+    return sorted([p for p in named if os.path.isfile(p)] + weights)
+
+
+def model_sha256(path: str | None, log=None) -> str | None:
+    """The SHA-256 of the model at `path` (see above); None for dummy weights (no path). log: where
+    a long first read is announced (default: stderr)."""
+    if path is None:
+        return None
+    files = model_files(path)
+    cache = _read_cache()
+    keys = {f: _key(f) for f in files}
+    todo = [f for f in files if cache.get(keys[f]) is None]
+    size = sum(os.path.getsize(f) for f in todo)
+    if size > ANNOUNCE_BYTES:
+        (log or _stderr)(f"note: reading {size / 2**30:.1f} GiB of {path} once for its SHA-256, which the outputs "
+                         f"record (about {size / 1e9:.0f} s at 1 GB/s; kept in {cache_path()} for later runs)")
+    for f in todo:
+        real = keys[f].split("|", 1)[0] + "|"
+        for stale in [k for k in cache if k.startswith(real)]:  # the same file's earlier versions
+            del cache[stale]
+        cache[keys[f]] = _file_sha256(f)
+    if todo:
+        _write_cache(cache)
+    if os.path.isfile(path):
+        return cache[keys[path]]
+    lines = "".join(f"{os.path.basename(f)} {cache[keys[f]]}\n" for f in files)
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+
+def _key(path: str) -> str:
+    st = os.stat(path)
+    return f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+
+
+def _file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(CHUNK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _read_cache() -> dict:
+    try:
+        with open(cache_path(), encoding="utf-8") as f:
+            cache = json.load(f)
+        return cache if isinstance(cache, dict) else {}
+    except (OSError, ValueError):  # none yet, or broken: computed again
+        return {}
+
+
+def _write_cache(cache: dict):
+    """Best effort: a cache that cannot be written costs the next run a read, nothing else."""
+    try:
+        os.makedirs(os.path.dirname(cache_path()), exist_ok=True)
+        write_json_atomic(cache_path(), {k: v for k, v in cache.items() if isinstance(v, str)})
+    except OSError:
+        pass
+
+
+def _stderr(line: str):
+    import sys
+    print(line, file=sys.stderr, flush=True)
