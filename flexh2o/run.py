@@ -62,9 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "filesystem allows it, else each read's pages are evicted after it, readahead off")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     p.add_argument("--dtype", default=None,
-                   help="float16 (CUDA default), bfloat16 or float32 (CPU default: a record's text then does not depend "
-                        "on its batch; bfloat16 is faster on CPUs with AMX or AVX512-BF16, but its rounding makes it "
-                        "depend)")
+                   help="float16 (CUDA default), bfloat16 or float32 (CPU default: a record's text then does not "
+                        "depend on its batch; bfloat16 is faster on CPUs with AMX or AVX512-BF16, but its rounding "
+                        "makes it depend)")
     p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the synthetic prompts, dummy weights and sampling")
     p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=1.0, metavar="T",

@@ -108,8 +108,8 @@ def child_transformers(args):
     torch.set_grad_enabled(False)
     spec, _ = resolve_model(args.model, None)
     if args.model.endswith(".gguf"):
-        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(args.model), gguf_file=os.path.basename(args.model),
-                                                     dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(args.model),
+                                                     gguf_file=os.path.basename(args.model), dtype=torch.float32).eval()
     else:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     tokenizer = load_tokenizer(args.model)

@@ -41,11 +41,22 @@ def float32_directory(data_dir: str) -> str:
     """SmolLM2 as transformers widens its GGUF, saved as float32 safetensors with its tokenizer."""
     path = os.path.join(data_dir, "smollm2-135m-float32")
     if not os.path.isfile(os.path.join(path, "config.json")):
+        import shutil
         import torch
+        from safetensors.torch import save_file
         from transformers import AutoModelForCausalLM, AutoTokenizer
         where, name = os.path.dirname(MODEL), os.path.basename(MODEL)
         model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
-        model.save_pretrained(path + ".tmp", safe_serialization=True)
+        shutil.rmtree(path + ".tmp", ignore_errors=True)
+        os.makedirs(path + ".tmp")
+        # transformers will not save a model loaded from GGUF: its tensors and config are written here
+        tied = model.config.tie_word_embeddings
+        save_file({k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")},
+                  os.path.join(path + ".tmp", "model.safetensors"), metadata={"format": "pt"})
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        with open(os.path.join(path + ".tmp", "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
         AutoTokenizer.from_pretrained(where, gguf_file=name).save_pretrained(path + ".tmp")
         os.replace(path + ".tmp", path)
     return path
@@ -86,8 +97,8 @@ def markdown(state: dict) -> str:
              f"{state['machine']['torch']}; bfloat16 natively: {'yes' if state['native_bf16'] else 'no'}. Command: "
              f"`{state['command']}`. {a['prompts']} chat prompts about Shakespeare passages, greedy, each record's "
              f"max_tokens drawn from {a['min_tokens']}-{a['max_tokens']}, EOS respected, batch {a['batch']}, each run "
-             f"in its own process under a {a['memory'] / 2**30:.1f} GiB memory cgroup, {len(state['rounds'])} rounds "
-             "of the contenders in turn, the first one rotating. Wall time from reading the prompts to the last "
+             f"in its own process under a {a['memory'] / 2**30:.1f} GiB memory cgroup, {len(state['rounds'])} "
+             f"round{'s' if len(state['rounds']) > 1 else ''} of the contenders in turn, the first one rotating. Wall time from reading the prompts to the last "
              "result written, the model's loading excluded; sums over the rounds.", "",
              "| contender | generated tokens | wall s | generated tok/s | vs transformers | peak memory |",
              "|---|---|---|---|---|---|"]
@@ -97,7 +108,8 @@ def markdown(state: dict) -> str:
                      f"{rate[n]:.2f} | {rate[n] / rate['hf-sorted']:.2f}x | {peak / 2**30:.2f} GiB |")
     same = {n: sum(first[n]["texts"].get(i) == t for i, t in first["fixed"]["texts"].items()) for n in names}
     lines += ["", "Records whose text equals the float32 fixed blocks' (first round): " +
-              ", ".join(f"{LABELS[n]} {same[n]} of {len(first['fixed']['texts'])}" for n in names if n != "fixed"), ""]
+              "; ".join(f"{LABELS[n]}: {same[n]} of {len(first['fixed']['texts'])}" for n in names if n != "fixed")
+              + ".", ""]
     return "\n".join(lines)
 
 

@@ -4,7 +4,8 @@ A GGUF file is one file. A model directory is its config, the weight files the e
 its tokenizer's files: their digest is the SHA-256 of one line per file, its name and its own
 SHA-256. A file's SHA-256 is computed once per version of the file (its path, size, modification
 time and inode) and kept in $XDG_CACHE_HOME/flexh2o/file_hashes.json, so that only the first run
-on a file of many gigabytes reads it whole.
+on a file of many gigabytes reads it whole. A file in the Hugging Face hub's cache is not read at
+all: the hub names a large file's blob after its SHA-256.
 """
 
 import glob
@@ -42,11 +43,14 @@ def model_sha256(path: str | None, log=None) -> str | None:
     files = model_files(path)
     cache = _read_cache()
     keys = {f: _key(f) for f in files}
+    for f in files:
+        if cache.get(keys[f]) is None and (named := hub_blob_sha256(f)) is not None:
+            cache[keys[f]] = named
     todo = [f for f in files if cache.get(keys[f]) is None]
     size = sum(os.path.getsize(f) for f in todo)
     if size > ANNOUNCE_BYTES:
         (log or _stderr)(f"note: reading {size / 2**30:.1f} GiB of {path} once for its SHA-256, which the outputs "
-                         f"record (about {size / 1e9:.0f} s at 1 GB/s; kept in {cache_path()} for later runs)")
+                         f"record (kept in {cache_path()} for later runs)")
     for f in todo:
         real = keys[f].split("|", 1)[0] + "|"
         for stale in [k for k in cache if k.startswith(real)]:  # the same file's earlier versions
@@ -58,6 +62,16 @@ def model_sha256(path: str | None, log=None) -> str | None:
         return cache[keys[path]]
     lines = "".join(f"{os.path.basename(f)} {cache[keys[f]]}\n" for f in files)
     return hashlib.sha256(lines.encode()).hexdigest()
+
+
+def hub_blob_sha256(path: str) -> str | None:
+    """The SHA-256 the hub's cache names a file by (snapshots/REV/NAME links to blobs/SHA256), or None."""
+    real = os.path.realpath(path)
+    name = os.path.basename(real)
+    if os.path.basename(os.path.dirname(real)) == "blobs" and len(name) == 64 and \
+            all(c in "0123456789abcdef" for c in name):
+        return name
+    return None
 
 
 def _key(path: str) -> str:

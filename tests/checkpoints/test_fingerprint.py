@@ -62,6 +62,19 @@ def test_dummy_weights_have_none_and_a_long_read_is_announced(cache, monkeypatch
     assert len(notes) == 1  # cached: nothing to announce
 
 
+def test_a_file_in_the_hubs_cache_is_named_by_its_sha256_and_not_read(cache, monkeypatch):
+    data = b"safetensors bytes"
+    blobs, snapshot = cache / "models--org--m" / "blobs", cache / "models--org--m" / "snapshots" / "abc"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    (blobs / sha(data)).write_bytes(data)
+    (snapshot / "model.safetensors").symlink_to(blobs / sha(data))
+    (snapshot / "config.json").write_bytes(b"{}")  # a small file the hub keeps by its git hash: read
+    monkeypatch.setattr(fingerprint, "_file_sha256", lambda p: "read:" + os.path.basename(p))
+    assert fingerprint.model_sha256(str(snapshot)) == \
+        sha(f"config.json read:config.json\nmodel.safetensors {sha(data)}\n".encode())
+
+
 def test_a_broken_or_unwritable_cache_costs_a_read_and_nothing_else(cache, monkeypatch):
     path = cache / "m.gguf"
     path.write_bytes(b"weights")

@@ -108,8 +108,9 @@ def test_refilled_slots_write_what_fixed_blocks_write_with_less_waste(model_with
                             + "\n" for n in range(30)))
     summaries = {}
     shape = ["--gpu-batch-size", "3", "--num-gpu-batches", "2"]
-    for mode, flags in (("one by one", ["--gpu-batch-size", "1", "--fixed-blocks"]), ("fixed", [*shape, "--fixed-blocks"]),
-                        ("refilled", shape), ("every 3", [*shape, "--join-every", "3"])):
+    for mode, flags in (("one by one", ["--gpu-batch-size", "1", "--fixed-blocks"]),
+                        ("fixed", [*shape, "--fixed-blocks"]), ("refilled", shape),
+                        ("every 3", [*shape, "--join-every", "3"])):
         out, summary = tmp_path / f"{mode}.jsonl", tmp_path / f"{mode}.json"
         assert run(model_with_tokenizer, path, out, "--json-out", str(summary), *flags) == 0
         summaries[mode] = json.load(open(summary))["job"]

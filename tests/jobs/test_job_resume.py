@@ -152,7 +152,7 @@ def limited(size: int):
 def test_a_file_size_limit_for_real_is_one_line_and_resumable(model_with_tokenizer, tmp_path):
     """`ulimit -f`: the kernel refuses the write past the limit with EFBIG (python ignores SIGXFSZ)."""
     path, out, whole = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "whole.jsonl"
-    records = [{"id": f"r{n}", "prompt": r["prompt"]} for n, r in enumerate(RECORDS * 4)]  # more bytes than the settings
+    records = [{"id": f"r{n}", "prompt": r["prompt"]} for n, r in enumerate(RECORDS * 4)]  # more than the settings
     write_jsonl(path, records)
     assert run_job(model_with_tokenizer, path, whole) == 0
     first_block = sum(map(len, whole.read_bytes().splitlines(keepends=True)[:2]))

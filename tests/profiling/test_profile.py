@@ -138,7 +138,8 @@ def test_each_measurement_is_announced_in_one_line_with_why_and_how_long(cache_h
                    kernels_build=native.build())
     monkeypatch.setattr(flexh2o.profiling.measure, "dequant_kernel", lambda device: "native")
     calls, notes = [], []
-    monkeypatch.setattr(flexh2o.profiling.measure, "measure", lambda *a, **k: calls.append(a) or notes.append("-") or took)
+    monkeypatch.setattr(flexh2o.profiling.measure, "measure",
+                        lambda *a, **k: calls.append(a) or notes.append("-") or took)
     offload = str(cache_home / "offload")
     assert local.ensure_local_profile("cpu", offload, log=notes.append) == took
     assert notes == [f"note: measuring this machine with cpu computing (no profile of this machine is cached yet "
@@ -155,7 +156,7 @@ def test_each_measurement_is_announced_in_one_line_with_why_and_how_long(cache_h
 
 
 def test_a_measurement_records_how_long_it_took(quick_profile):
-    assert 0 < quick_profile[0].measure_seconds < 600
+    assert quick_profile[0].measure_seconds > 0 and from_dict(quick_profile[0].to_dict(), "t").measure_seconds > 0
 
 
 @pytest.mark.parametrize("args, flag", [(["--device", "tpu"], "--device"), (["--device", ""], "--device"),
