@@ -91,6 +91,7 @@ def evaluate(args) -> dict:
     from flexh2o.models import resolve_model
     from flexh2o.engine.policy import Policy
     from flexh2o.runs.prompts import load_tokenizer
+    from flexh2o.runs.setup import dtype_name
     from flexh2o.offload.offload_dir import default_offload_dir
     for flag in ("prompt_len", "eval_len", "windows", "num_gpu_batches"):
         if getattr(args, flag) < 1:
@@ -130,7 +131,7 @@ def evaluate(args) -> dict:
     result = {"model": spec.name, "model_sha256": engine.model_sha256, "flexh2o_version": version(),
               "text": args.text, "text_tokens": len(tokens), "prompt_len": args.prompt_len,
               "eval_len": args.eval_len, "windows": args.windows, "offset": args.offset, "policy": policy.to_dict(),
-              "dtype": str(engine.tiers.dtype).removeprefix("torch."), "ppl": perplexity(logprobs),
+              "dtype": dtype_name(engine.tiers.dtype, device), "ppl": perplexity(logprobs),
               "tokens_scored": logprobs.numel(),
               "mean_nll": -logprobs.mean().item()}
     if args.agreement:

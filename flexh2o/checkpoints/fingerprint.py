@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 
+from flexh2o.common.cache_dir import cache_dir
 from flexh2o.common.output_files import write_json_atomic
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -22,8 +23,7 @@ CHUNK = 8 << 20
 
 
 def cache_path() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "flexh2o", "file_hashes.json")
+    return cache_dir("file_hashes.json")
 
 
 def model_files(path: str) -> list[str]:

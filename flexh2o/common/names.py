@@ -11,6 +11,13 @@ def tier_label(tier: str, device_type: str) -> str:
     return "compute device (CPU)" if tier == "gpu" and device_type == "cpu" else tier
 
 
+def duration(seconds: float) -> str:
+    """A predicted duration as people say it: 40 s, 3.5 min, 2.1 h."""
+    if seconds < 120:
+        return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s"
+    return f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
 def add_kv_flags(parser):
     """The KV policy flags every command line that runs the engine shares."""
     parser.add_argument("--kv-policy", choices=KV_POLICY_NAMES, default=None,

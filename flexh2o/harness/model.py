@@ -167,11 +167,11 @@ class FlexH2OLM(TemplateLM):
 
     def get_model_info(self) -> dict:
         """What lm-eval adds to its results' config: the model, its files' SHA-256, the dtype, flexh2o's version."""
-        from flexh2o.host.devices import default_device, default_dtype, parse_dtype
+        from flexh2o.host.devices import default_device
+        from flexh2o.runs.setup import dtype_name
         s = self.settings
-        dtype = parse_dtype(s.dtype) if s.dtype is not None else default_dtype(s.device or default_device())
         return {"model": self.spec.name, "model_sha256": model_sha256(self.weights_dir),
-                "dtype": str(dtype).removeprefix("torch."), "flexh2o_version": version()}
+                "dtype": dtype_name(s.dtype, s.device or default_device()), "flexh2o_version": version()}
 
     def close(self):
         if self.engine is not None:

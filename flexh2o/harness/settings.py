@@ -13,7 +13,7 @@ DEFAULT_GPU_BATCH = 16
 class Settings:
     model: str
     path: str | None = None
-    dtype: str | None = None           # default: the engine's (float32 on this kind of CPU)
+    dtype: str | None = None           # default: the engine's (float32 on a CPU)
     device: str | None = None
     offload_dir: str | None = None     # default: flexh2o.run's
     gpu_batch_size: int | None = None  # default: lm-eval's --batch_size, else DEFAULT_GPU_BATCH

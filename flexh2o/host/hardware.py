@@ -12,6 +12,7 @@ import math
 import os
 from dataclasses import MISSING, asdict, dataclass, fields
 
+from flexh2o.common.cache_dir import cache_dir
 from flexh2o.common.errors import UsageError
 from flexh2o.common.output_files import write_json_atomic
 
@@ -202,8 +203,7 @@ def check_fields(data: dict, where: str):
 
 
 def local_cache_path() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "flexh2o", "hardware", "local.json")
+    return cache_dir("hardware", "local.json")
 
 
 def shipped() -> list[str]:

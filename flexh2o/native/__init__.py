@@ -19,6 +19,8 @@ import subprocess
 import tempfile
 import threading
 
+from flexh2o.common.cache_dir import cache_dir as flexh2o_cache_dir
+
 SOURCES = ("quant4.c", "blocks.c", "attention.c")
 HEADERS = ("common.h",)  # hashed with the sources: a change to them is a new build
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
@@ -29,8 +31,7 @@ _loaded: dict = {}
 
 
 def cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "flexh2o", "native")
+    return flexh2o_cache_dir("native")
 
 
 def _cpu_id() -> str:

@@ -5,6 +5,7 @@ while the machine was busy and it is quiet now)."""
 from typing import TYPE_CHECKING
 
 from flexh2o.common.errors import UsageError
+from flexh2o.common.names import duration
 from flexh2o.host.hardware import BUSY_SHARE, LOCAL, HardwareProfile, load_profile, local_cache_path, save_local
 
 if TYPE_CHECKING:
@@ -84,14 +85,10 @@ def expected(device: "torch.device") -> str:
     except UsageError:
         before = None
     if before is not None and before.measure_seconds and before.device == device.type:
-        return f"about {about(before.measure_seconds)}, as the last one here took"
+        return f"about {duration(before.measure_seconds)}, as the last one here took"
     if device.type == "cpu":
-        return f"about {about(FIRST_CPU_SECONDS)}, as a first one on a 2-core CPU took"
-    return f"no earlier one here says how long (with the CPU computing: about {about(FIRST_CPU_SECONDS)})"
-
-
-def about(seconds: float) -> str:
-    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
+        return f"about {duration(FIRST_CPU_SECONDS)}, as a first one on a 2-core CPU took"
+    return f"no earlier one here says how long (with the CPU computing: about {duration(FIRST_CPU_SECONDS)})"
 
 
 def measure_here(device: "torch.device", offload_dir: str, quick: bool, log, why: str) -> HardwareProfile:

@@ -8,6 +8,7 @@ the flags that reproduce it.
 import sys
 
 from flexh2o.common.errors import UsageError
+from flexh2o.common.names import duration
 from flexh2o.host.hardware import LOCAL, load_profile, local_cache_path
 from flexh2o.planning.planner import describe_caps, plan_capacities, run_flags
 from flexh2o.planning.search import search
@@ -109,9 +110,3 @@ def planned_stage_policy(args, policy, spec, dtype: str, caps: dict, profile, of
     peers.wait_for([key])
     return Policy(**json.loads(peers.store.get(key))[stage.index])
 
-
-def duration(seconds: float) -> str:
-    """A predicted duration as people say it: 40 s, 3.5 min, 2.1 h."""
-    if seconds < 120:
-        return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s"
-    return f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"

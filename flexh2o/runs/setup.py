@@ -11,10 +11,10 @@ from flexh2o.engine.engine import Engine
 from flexh2o.host.devices import default_dtype
 from flexh2o.offload.buffers import TIERS
 from flexh2o.engine.preflight import capacities, format_size, run_need, weight_need
-from flexh2o.common.names import tier_label
+from flexh2o.common.names import duration, tier_label
 from flexh2o.planning.placement import WeightNeeds, describe as describe_placement, fits, fitted_placement, no_fit_error
 from flexh2o.engine.policy import Policy, placement_flag
-from flexh2o.runs.auto_plan import cached_local_profile, duration, local_profile, planned_policy, planned_stage_policy
+from flexh2o.runs.auto_plan import cached_local_profile, local_profile, planned_policy, planned_stage_policy
 
 
 def choose_policy(args, policy, spec, device, dtype, caps, planning, stage=None):

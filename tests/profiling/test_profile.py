@@ -14,6 +14,7 @@ import flexh2o.host.machine
 import flexh2o.profiling.measure
 import flexh2o.profile
 import flexh2o.profiling.local_profile
+from flexh2o.common.names import duration
 from flexh2o.host.devices import default_dtype
 from flexh2o.host.hardware import COPIES, HardwareProfile, from_dict, load_profile, local_cache_path, save_local
 from flexh2o.planning.attention_costs import CALLS, seconds
@@ -143,7 +144,7 @@ def test_each_measurement_is_announced_in_one_line_with_why_and_how_long(cache_h
     offload = str(cache_home / "offload")
     assert local.ensure_local_profile("cpu", offload, log=notes.append) == took
     assert notes == [f"note: measuring this machine with cpu computing (no profile of this machine is cached yet "
-                     f"({local_cache_path()})): about {local.about(local.FIRST_CPU_SECONDS)}, as a first one on a "
+                     f"({local_cache_path()})): about {duration(local.FIRST_CPU_SECONDS)}, as a first one on a "
                      "2-core CPU took; cached for later runs", "-"]
     notes.clear()
     assert local.ensure_local_profile("cpu", offload, log=notes.append) == took and notes == []  # cached: silent

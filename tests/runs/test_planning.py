@@ -148,5 +148,5 @@ def test_a_planned_run_keeps_the_gpu_batch_count_it_is_given(model_with_tokenize
 
 
 def test_predicted_durations_read_as_people_say_them():
-    from flexh2o.runs.auto_plan import duration
+    from flexh2o.common.names import duration
     assert [duration(s) for s in (0.14, 42.4, 210, 7500)] == ["0.1 s", "42 s", "3.5 min", "2.1 h"]
