@@ -6,8 +6,8 @@ lm_eval takes it; this command adds `--model flexh2o`, `--batch_size auto` (flex
 gpu-batch, 16) unless a batch size is given, `--device` as flexh2o chooses it (CUDA when available,
 else the CPU) unless a device is given (as --device or as model_args device, not two different
 ones), and the project's offline tasks (configs/tasks) as `--include_path` unless one is given.
---tasks and --limit are checked first: a missing or unknown task or a limit that takes no example
-is one line. Plain `lm_eval --model flexh2o` cannot work: lm-eval finds
+--tasks, --limit and model_args are checked first: a missing or unknown task, a limit that takes no
+example or a bad model argument is one line. Plain `lm_eval --model flexh2o` cannot work: lm-eval finds
 models only among its own modules or ones imported before it runs, so this command imports
 flexh2o's first (flexh2o/harness/model.py registers it) and then runs lm-eval's command line.
 
@@ -92,6 +92,17 @@ def check_tasks_and_limit(argv: list):
                              f"below 1), got {text!r}")
 
 
+def check_model_args(argv: list):
+    """model_args read as the model will read them, before lm-eval indexes its tasks (seconds): a bad
+    key or value is one line at once. Ones given in a --config file or as JSON wait for the model."""
+    words = [w for w in values(argv, "--model_args", "-a") or [] if w]
+    if given(argv, "--config", "-C") or not words or any("=" not in w for w in words):
+        return
+    batch = values(argv, "--batch_size", "-b", many=False)
+    from flexh2o.harness.settings import read_settings
+    read_settings({**dict(w.split("=", 1) for w in words), "batch_size": batch[0] if batch else None})
+
+
 def device_argv(argv: list) -> list:
     """The arguments with one device: model_args device and --device agree (and --device then goes,
     lm-eval would pass the model two), or flexh2o's default device is added where neither is given."""
@@ -130,6 +141,7 @@ def harness_argv(argv: list) -> list:
         raise UsageError("--model", "this command runs lm-eval with --model flexh2o; give the model as "
                          "--model_args model=PATH")
     check_tasks_and_limit(argv)
+    check_model_args(argv)
     out = ["run", "--model", "flexh2o", *device_argv(argv)]
     if not given(argv, "--batch_size", "-b"):
         out += ["--batch_size", "auto"]

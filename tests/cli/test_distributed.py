@@ -16,7 +16,8 @@ from flexh2o.common.errors import UsageError
 from flexh2o.jobs.input import Entry
 from flexh2o.jobs.replicas import deal, part_path
 from conftest import REPO, last_line
-from test_job import prompt, records, run, wait_for_lines
+from test_job import prompt, records, run
+from test_job_resume import wait_for_lines
 
 JOB = ["--quiet", "--gpu-batch-size", "2", "--gen-len", "8"]  # the default dtype: records as in one process
 

@@ -61,8 +61,12 @@ KV = {name: ({} if name == "full" else {"kv_policy": name, "hh_ratio": 0.3})
       for name in POLICIES}
 
 
-@pytest.mark.parametrize("kv", list(KV))
-@pytest.mark.parametrize("placement", list(PLACEMENTS))
+# make test runs each eviction once, the placements taking turns; make test-all runs every pair.
+PAIRS = [(p, kv) if list(PLACEMENTS).index(p) == list(KV).index(kv) % len(PLACEMENTS)
+         else pytest.param(p, kv, marks=pytest.mark.slow) for p in PLACEMENTS for kv in KV]
+
+
+@pytest.mark.parametrize("placement,kv", PAIRS)
 def test_every_request_gets_what_it_gets_alone(tiny_models, tmp_path, kv, placement):
     """Four slots in two gpu-batches, 20 requests: each slot refilled about five times."""
     directory, _ = tiny_models["tiny"]
@@ -147,14 +151,18 @@ def test_join_every_must_be_a_whole_number_of_steps(tiny_models):
             engine.generate_refilled(iter(requests(2)), lambda *a: None, 4, 4, join_every=0)
 
 
+# The slow ones are in make test-all; prompts joining in chunks on the simulated device are also in
+# the CUDA-graph test below.
 @pytest.mark.parametrize("placement", [{}, dict(w_gpu_percent=30, w_cpu_percent=40, cache_gpu_percent=34,
                                                 cache_cpu_percent=33, act_gpu_percent=0, act_cpu_percent=100,
                                                 hh_ratio=0.3),
-                                       dict(w_gpu_percent=0, w_cpu_percent=50, cache_gpu_percent=0,
-                                            cache_cpu_percent=100, cpu_cache_compute=True),
+                                       pytest.param(dict(w_gpu_percent=0, w_cpu_percent=50, cache_gpu_percent=0,
+                                                         cache_cpu_percent=100, cpu_cache_compute=True),
+                                                    marks=pytest.mark.slow),
                                        dict(cache_gpu_percent=50, cache_cpu_percent=0, compress_cache=True),
-                                       dict(w_gpu_percent=50, w_cpu_percent=50, cache_gpu_percent=0,
-                                            cache_cpu_percent=50, prompt_chunk=4)])
+                                       pytest.param(dict(w_gpu_percent=50, w_cpu_percent=50, cache_gpu_percent=0,
+                                                         cache_cpu_percent=50, prompt_chunk=4),
+                                                    marks=pytest.mark.slow)])
 def test_refilled_slots_on_a_simulated_cuda_device(tiny_models, tmp_path, monkeypatch, placement):
     """The CUDA branches (streams, per-row slots written through the loaded buffers) give the CPU's
     tokens, with no ordering violation."""

@@ -4,6 +4,7 @@ weight loads."""
 
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -150,17 +151,42 @@ def test_h2o_evicts_through_the_harness_and_the_weights_load_once(word_models, m
     assert max(abs(a - b) for (a, _), (b, _) in zip(full, h2o)) > 1e-3  # a 20% budget changes the scores
 
 
-# Each case runs lm-eval's command up to its task index (about 12 s): the default run keeps a few, `make
-# test-all` runs them all.
+# A key or value that is wrong whatever the model: refused before lm-eval reads its task index.
 @pytest.mark.parametrize("model_args, flag", [
     ("bogus=1", "model_args bogus"),
-    pytest.param("kv_policy=h2o,hh_ratio=0.001", "model_args hh_ratio", marks=pytest.mark.slow),
-    pytest.param("kv_policy=h2o,hh_ratio=0.2,recent_ratio=0.001", "model_args recent_ratio", marks=pytest.mark.slow),
-    pytest.param("max_length=20", "--tasks", marks=pytest.mark.slow),
-    pytest.param("gpu_batch_size=zero", "model_args gpu_batch_size", marks=pytest.mark.slow),
-    pytest.param("kv_policy=lru", "model_args kv_policy", marks=pytest.mark.slow),
-    pytest.param("max_length=1000", "model_args max_length", marks=pytest.mark.slow),
-    pytest.param("kv_policy=h2o", "model_args hh_ratio", marks=pytest.mark.slow),
+    ("gpu_batch_size=zero", "model_args gpu_batch_size"),
+    ("kv_policy=lru", "model_args kv_policy"),
+    ("kv_policy=h2o", "model_args hh_ratio"),
+    ("compress_cache=maybe", "model_args compress_cache"),
+])
+def test_a_bad_model_argument_is_one_line_before_lm_eval_starts(word_models, monkeypatch, capsys, model_args, flag):
+    import lm_eval.__main__
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", lambda: pytest.fail("lm-eval started"))
+    code = command.main(["--model_args", f"model={word_models['llama']}", model_args, "--tasks", "flexh2o_lastword"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith(f"error: {flag}:"), err[-1]
+
+
+def test_good_model_arguments_and_ones_lm_eval_reads_itself_go_on_to_lm_eval(word_models, monkeypatch):
+    import lm_eval.__main__
+    started = []
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", lambda: started.append(sys.argv[sys.argv.index("--model_args"):]))
+    model = word_models["llama"]
+    for model_args in ([f"model={model},kv_policy=h2o,hh_ratio=0.2", "compress_cache=true"],
+                       [json.dumps({"model": model, "bogus": 1})]):  # JSON: the model reads it, and refuses it then
+        assert command.main(["--model_args", *model_args, "--tasks", "flexh2o_lastword", "--batch_size", "4"]) == 0
+        assert started[-1][1:1 + len(model_args)] == model_args
+    assert len(started) == 2
+
+
+# Ones that take the model or the task's requests to see: each case runs lm-eval's command up to its
+# task index (about 12 s), so they are in make test-all only.
+@pytest.mark.slow
+@pytest.mark.parametrize("model_args, flag", [
+    ("kv_policy=h2o,hh_ratio=0.001", "model_args hh_ratio"),
+    ("kv_policy=h2o,hh_ratio=0.2,recent_ratio=0.001", "model_args recent_ratio"),
+    ("max_length=20", "--tasks"),
+    ("max_length=1000", "model_args max_length"),
 ])
 def test_bad_input_is_one_line_before_any_weight_loads(word_models, monkeypatch, capsys, model_args, flag):
     monkeypatch.setattr(Engine, "load", lambda *a, **k: pytest.fail("weights loaded"))  # from_pretrained too

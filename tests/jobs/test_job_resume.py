@@ -1,24 +1,32 @@
-"""A resumed dataset job never mixes two inputs or two jobs, error records never take a real record's id, and a
+"""A dataset job killed (SIGKILL, Ctrl-C) resumes to what an uninterrupted one writes; a resume never mixes two
+inputs, two settings or two versions of the model files; error records never take a real record's id; and a
 write that fails (a full disk, a file-size limit, an I/O error) is one line, keeps whole records only and resumes."""
 
 import errno
 import json
 import os
 import resource
+import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from flexh2o.common.errors import UsageError
 from flexh2o.jobs.input import JobInput
+from flexh2o.jobs.output import complete_records
 from flexh2o.runs.prompts import load_tokenizer
 from flexh2o.run import main
 from conftest import REPO, fail_from, last_line
+import test_job
+from test_job import prompt, records, run
 
 JOB = ["--quiet", "--gpu-batch-size", "2", "--gen-len", "3"]  # the default dtype: resumed records as uninterrupted
 RECORDS = [{"id": f"r{n}", "prompt": p} for n, p in enumerate(
     ["the cat sat", "on a mat", "the dog ran", "a cat ran on the mat", "dog", "the mat sat on a dog"])]
+mixed_prompts = test_job.mixed_prompts  # the fixture, shared
 
 
 def write_jsonl(path, records):
@@ -164,6 +172,104 @@ def test_a_file_size_limit_for_real_is_one_line_and_resumable(model_with_tokeniz
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert last_line(r.stderr).startswith(f"error: cannot write {out}: File too large;")
     assert 2 <= len(lines(out)) < len(records)
-    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
+    assert run_job(model_with_tokenizer, path, out) == 0  # the same job, resumed without the limit
     assert sorted(x["id"] for x in lines(out)) == sorted(x["id"] for x in records)
+
+
+def test_a_killed_job_resumes_to_what_an_uninterrupted_one_writes(model_with_tokenizer, mixed_prompts, tmp_path):
+    path, _ = mixed_prompts
+    whole, cut = tmp_path / "whole.jsonl", tmp_path / "cut.jsonl"
+    flags = ["--gpu-batch-size", "3", "--gen-len", "5"]
+    assert run(model_with_tokenizer, path, whole, *flags) == 0
+    lines = open(whole, "rb").read().splitlines(keepends=True)
+    # as if killed after the second block, in the middle of writing the third
+    cut.write_bytes(b"".join(lines[:6]) + lines[6][:11])
+    os.link(str(whole) + ".job.json", str(cut) + ".job.json")
+    assert len(complete_records(cut)[0]) == 6
+    assert run(model_with_tokenizer, path, cut, *flags) == 0
+    assert records(cut) == records(whole)
+    assert len(open(cut).read().splitlines()) == 10  # every id exactly once
+    before = cut.read_bytes()
+    assert run(model_with_tokenizer, path, cut, *flags) == 0  # done already: nothing to do
+    assert cut.read_bytes() == before
+
+
+def test_resuming_with_other_settings_is_refused_unless_overwrite(model_with_tokenizer, mixed_prompts, tmp_path,
+                                                                   capsys):
+    path, _ = mixed_prompts
+    out = tmp_path / "out.jsonl"
+    assert run(model_with_tokenizer, path, out, "--gpu-batch-size", "5", "--gen-len", "2") == 0
+    capsys.readouterr()
+    assert run(model_with_tokenizer, path, out, "--gpu-batch-size", "5", "--gen-len", "3") == 2
+    err = capsys.readouterr().err
+    assert "--output" in err and "max_tokens=2" in err and "--overwrite" in err
+    assert run(model_with_tokenizer, path, out, "--gpu-batch-size", "5", "--gen-len", "3", "--overwrite") == 0
+    assert all(r["completion_tokens"] <= 3 for r in records(out).values())
+
+
+def test_resuming_with_another_version_of_the_model_files_is_refused(model_with_tokenizer, mixed_prompts, tmp_path,
+                                                                     capsys):
+    path, _ = mixed_prompts
+    model, out = tmp_path / "model", tmp_path / "out.jsonl"
+    shutil.copytree(model_with_tokenizer, model)
+    assert run(model, path, out, "--gpu-batch-size", "5", "--gen-len", "2") == 0
+    before = json.load(open(str(out) + ".job.json"))["model_sha256"]
+    with open(model / "tokenizer_config.json", "a") as f:
+        f.write("\n")  # the same tokenizer, other bytes: the job cannot tell what else changed
+    capsys.readouterr()
+    assert run(model, path, out, "--gpu-batch-size", "5", "--gen-len", "2") == 2
+    err = capsys.readouterr().err
+    assert f"was made with model_sha256={before!r}, this run has " in err and "--overwrite" in err
+
+
+def start_job(model_dir, input_path, output_path, *flags):
+    return subprocess.Popen([sys.executable, "-m", "flexh2o.run", "--model", str(model_dir), "--input", str(input_path),
+                             "--output", str(output_path), "--quiet", *flags],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_lines(proc, path, n, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if path.exists() and path.read_bytes().count(b"\n") >= n:
+            return True
+        time.sleep(0.002)
+    return False
+
+
+@pytest.fixture
+def many_prompts(tmp_path):
+    path = tmp_path / "many.txt"
+    path.write_text("\n".join(prompt(1 + (7 * i) % 25, i) for i in range(48)) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("after", [1, pytest.param(20, marks=pytest.mark.slow)])  # 20: make test-all
+def test_a_job_killed_with_sigkill_finishes_on_the_same_command(model_with_tokenizer, many_prompts, tmp_path, after):
+    flags = ["--gpu-batch-size", "2", "--gen-len", "12", "--weights", "gpu=0,cpu=50,disk=50",
+             "--offload-dir", str(tmp_path / "off")]
+    whole, killed = tmp_path / "whole.jsonl", tmp_path / "killed.jsonl"
+    assert run(model_with_tokenizer, many_prompts, whole, *flags) == 0
+    proc = start_job(model_with_tokenizer, many_prompts, killed, *flags)
+    reached = wait_for_lines(proc, killed, after)
+    proc.kill()
+    proc.communicate()
+    assert reached, "the job ended before it could be killed"
+    kept = len(complete_records(killed)[0])
+    assert after <= kept < 48
+    assert run(model_with_tokenizer, many_prompts, killed, *flags) == 0
+    assert records(killed) == records(whole)
+    assert len(killed.read_text().splitlines()) == 48
+
+
+def test_ctrl_c_says_how_many_records_are_safe_and_how_to_resume(model_with_tokenizer, many_prompts, tmp_path):
+    out = tmp_path / "out.jsonl"
+    proc = start_job(model_with_tokenizer, many_prompts, out, "--gpu-batch-size", "2", "--gen-len", "12")
+    assert wait_for_lines(proc, out, 2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    line = [x for x in err.splitlines() if x.startswith("stopped by SIGINT")]
+    assert len(line) == 1, err
+    kept = len(complete_records(out)[0])
+    assert f"{kept} of 48 records are safe in {out}" in line[0] and "--input" in line[0]
