@@ -170,7 +170,8 @@ def test_a_bad_model_argument_is_one_line_before_lm_eval_starts(word_models, mon
 def test_good_model_arguments_and_ones_lm_eval_reads_itself_go_on_to_lm_eval(word_models, monkeypatch):
     import lm_eval.__main__
     started = []
-    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", lambda: started.append(sys.argv[sys.argv.index("--model_args"):]))
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate",
+                        lambda: started.append(sys.argv[sys.argv.index("--model_args"):]))
     model = word_models["llama"]
     for model_args in ([f"model={model},kv_policy=h2o,hh_ratio=0.2", "compress_cache=true"],
                        [json.dumps({"model": model, "bogus": 1})]):  # JSON: the model reads it, and refuses it then
