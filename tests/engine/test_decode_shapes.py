@@ -18,10 +18,12 @@ from test_simulated_cuda import MATRIX, NEW_TOKENS, assert_same, cpu_reference, 
 
 KV_POLICIES = {name: dict(kv_policy=name, hh_ratio=0.3) if name != "full" else {} for name in POLICIES}
 # Every policy with everything on the device; the full cache and H2O also with the cache split
-# across the tiers, compressed, and partly attended by the CPU.
+# across the tiers, compressed, and partly attended by the CPU (make test takes each of those
+# placements with one of the two in turn, make test-all with both).
+SPLIT = ("weights-disk-cache-cpu", "compressed-mixed", "cpu-cache-compute-mixed-h2o")
 CASES = [(kv, "all-on-gpu") for kv in KV_POLICIES] + \
-    [(kv, placement) for kv in ("full", "h2o")
-     for placement in ("weights-disk-cache-cpu", "compressed-mixed", "cpu-cache-compute-mixed-h2o")]
+    [(kv, placement) if ("full", "h2o")[SPLIT.index(placement) % 2] == kv
+     else pytest.param(kv, placement, marks=pytest.mark.slow) for kv in ("full", "h2o") for placement in SPLIT]
 
 
 class Calls(TorchFunctionMode):
