@@ -45,7 +45,7 @@ def fixed_blocks(engine, recs, batch: int) -> int:
 
 
 def refilled(engine, recs) -> int:
-    from flexh2o.engine.slot_pool import Request
+    from flexh2o.engine.slot_request import Request
     done = []
     engine.generate_refilled(iter([Request(ids, m) for ids, m in recs]), lambda r, t, why: done.append(len(t)),
                              max(len(ids) for ids, _ in recs), max(m for _, m in recs), eos_token_id=None)

@@ -6,11 +6,11 @@ A record generates the same tokens whatever its slot and whenever it joins (engi
 so the schedule of a job with another --join-every follows from each record's own completion
 length alone: this replays SlotPool's rules (records join largest max_tokens first; free slots
 join at steps that are multiples of N, or whenever nothing runs; a joining record's prompt step
-gives its first token) and counts, per N, the token steps, the decode slots (row x step, a
-gpu-batch's rows counted where any of them decodes, plus one per joining record), the share of
-them spent on slots whose sequence had stopped, and the steps at which records joined (each a
-prompt call per layer). With --measured, the replay of the job's own N is checked against the
-counts the job reported.
+gives its first token) and counts, per N, the token steps, the decode slots (a running row x
+step: a decode step computes no stopped row, plus one per joining record), the slots left idle
+(a free row x step while records still waited for a join step), and the steps at which records
+joined (each a prompt call per layer). With --measured, the replay of the job's own N is checked
+against the counts the job reported.
 """
 
 import argparse
@@ -23,14 +23,15 @@ def replay(limits: list[int], lengths: list[int], gpu_batch_size: int, join_ever
     batch = gpu_batch_size * num_gpu_batches
     waiting = sorted(range(len(limits)), key=lambda n: (-limits[n], n))
     left = [0] * batch  # tokens each row's sequence has yet to generate (0: free)
-    steps = decode_slots = joins = joined = 0
+    steps = decode_slots = joins = joined = idle = 0
     i = 0
     while waiting or any(left):
         decoding = [r for r in range(batch) if left[r]]
         joining = []
         if i % join_every == 0 or not decoding:
             joining = [r for r in range(batch) if not left[r]][: len(waiting)]
-        decode_slots += gpu_batch_size * len({r // gpu_batch_size for r in decoding})
+        decode_slots += len(decoding)
+        idle += min(batch - len(decoding) - len(joining), len(waiting) - len(joining))
         for r in decoding:
             left[r] -= 1
         for r in joining:
@@ -41,7 +42,7 @@ def replay(limits: list[int], lengths: list[int], gpu_batch_size: int, join_ever
         i += 1
     slots = decode_slots + joined
     return {"join_every": join_every, "token_steps": steps, "decode_slots": slots, "join_steps": joins,
-            "wasted_after_stop": 1 - sum(lengths) / slots}
+            "idle_share": idle / (idle + slots)}
 
 
 def main():
@@ -69,11 +70,11 @@ def main():
         print(f"replay of --join-every {a.measured_every}: {mine['decode_slots']} decode slots, {mine['join_steps']} "
               f"join steps; the job reported {job['decode_slots']} and {job['join_steps']}: "
               f"{'the same' if ok else 'DIFFERENT'}")
-    print("| --join-every | token steps | decode slots | wasted after stop | join steps |")
+    print("| --join-every | token steps | decode slots | idle slots while records waited | join steps |")
     print("|---|---|---|---|---|")
     for n in a.every:
         r = replay(limits, lengths, a.gpu_batch_size, n, a.num_gpu_batches)
-        print(f"| {n} | {r['token_steps']} | {r['decode_slots']} | {r['wasted_after_stop']:.1%} | {r['join_steps']} |")
+        print(f"| {n} | {r['token_steps']} | {r['decode_slots']} | {r['idle_share']:.1%} | {r['join_steps']} |")
 
 
 if __name__ == "__main__":

@@ -276,8 +276,8 @@ class Engine:
             self.tiers.clear_pool()
         times = schedule.step_seconds
         read = (self.tiers.disk.bytes_read if self.tiers.disk else 0) - read_before
-        self.last_stats = GenerationStats(policy.batch_size, prompt_len, gen_len, steps_done, times[0],
-                                          sum(times[1:]), schedule.compute_seconds,
+        self.last_stats = GenerationStats(policy.batch_size, prompt_len, gen_len, steps_done,
+                                          schedule.prefill_seconds, schedule.decode_seconds, schedule.compute_seconds,
                                           self.tiers.io_seconds - io_before, read, schedule.step_allocations,
                                           schedule.step_dequant_seconds, schedule.step_io_tasks,
                                           schedule.step_handoffs, schedule.step_h2d_bytes, schedule.finish_seconds,
@@ -287,7 +287,7 @@ class Engine:
     def generate_refilled(self, requests, on_done, prompt_len: int, gen_len: int, do_sample: bool = False,
                           temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                           eos_token_id: int | None = -1, pad_token_id: int | None = None,
-                          join_every: int = 1, prompt_chunk: int | None = None) -> SlotPool:
+                          join_every: int = 1, prompt_chunk: int | None = None, wait_for_work=None) -> SlotPool:
         """Generates every request of `requests` (an iterator of slot_pool.Request) in the policy's
         batch of slots, a stopped sequence's slot taking the next request (continuous batching).
 
@@ -296,8 +296,11 @@ class Engine:
         longest prompt and the largest max_new_tokens among the requests, which size each slot's
         cache (and the pre-flight). join_every: free slots take new requests every this many token
         steps. prompt_chunk: a longer prompt joins this many tokens per token step (full cache,
-        uncompressed; None: whole). Sampling as generate's, each request from its own seed. Returns
-        the pool, whose counts say how it went; last_stats holds the run's times."""
+        uncompressed; None: whole). Sampling as generate's, each request from its own seed (and with
+        its own sampler where it brings one). wait_for_work: where given, called when nothing runs and
+        nothing waits, returning once a request may wait (True) or to end the run (False): the run
+        then lasts as long as its caller wants (a server). Returns the pool, whose counts say how it
+        went; last_stats holds the run's times."""
         policy, spec = self.policy, self.spec
         check_generate_arguments(spec.vocab_size, do_sample, temperature, top_k, top_p, None, eos_token_id,
                                  pad_token_id, False, False, None)
@@ -311,7 +314,7 @@ class Engine:
         pad = spec.pad_token_id if pad_token_id is None else pad_token_id
         pool = SlotPool(requests, policy.batch_size, policy.gpu_batch_size,
                         Sampler(do_sample, temperature, top_k, top_p, 0), eos, pad, self.tiers.compute, on_done,
-                        join_every, prompt_chunk)
+                        join_every, prompt_chunk, wait_for_work)
         self._run(pool, prompt_len, gen_len, 1 << 62, None, False)
         return pool
 

@@ -14,6 +14,10 @@ from tqdm import tqdm
 from flexh2o.engine.decode_graphs import DecodeGraphs, why_not
 from flexh2o.offload.held_weights import loaded_with
 
+# Token steps whose own figures (seconds, I/O tasks, allocations...) are kept; the seconds of every
+# step are summed. A server's run lasts as long as the server, and its lists would grow for ever.
+KEPT_STEPS = 1 << 16
+
 
 class Schedule:
     """The zig-zag over `layers` for every gpu-batch. `groups`: the gpu-batches as groups that go
@@ -51,12 +55,14 @@ class Schedule:
         self.graphs = None  # the decode steps' CUDA graphs, where they can be (use_graphs)
         self.finish_seconds = 0.0  # after the last token step, until its cache stores are done
         self.compute_seconds = 0.0  # forward passes only, without waiting for their inputs
+        self.prefill_seconds = self.decode_seconds = 0.0  # the first token step's, and the others' summed
 
     def use_graphs(self):
         """Decode steps as CUDA graphs from the second on, where every weight and cache slot stays on
         the GPU (decode_graphs.why_not)."""
         if why_not(self) is None:
             self.graphs = DecodeGraphs(self.layers, self.seqs)
+            self.seqs.fixed_shape = True  # a graph replays one shape: every row of the gpu-batch
 
     def run(self, gen_len: int, progress: bool = False) -> int:
         """Generates up to gen_len tokens; returns how many token steps ran (fewer when all hit EOS)."""
@@ -76,9 +82,15 @@ class Schedule:
             if i == 0:
                 bar.set_postfix_str("", refresh=False)
             stop = self.end_token(i)
-            self.step_seconds.append(time.perf_counter() - start)
-            for per_step, before, now in zip(self.per_step, counts, self.counts()):
-                per_step.append(now - before)
+            seconds = time.perf_counter() - start
+            if i == 0:
+                self.prefill_seconds = seconds
+            else:
+                self.decode_seconds += seconds
+            if i < KEPT_STEPS:
+                self.step_seconds.append(seconds)
+                for per_step, before, now in zip(self.per_step, counts, self.counts()):
+                    per_step.append(now - before)
             if stop:
                 self.layers[0].release_weight()  # the next token's first weights may be loading
                 for layer in self.loaded_early:

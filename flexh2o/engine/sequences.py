@@ -47,6 +47,14 @@ class Step:
     # ([b], CPU memory): what Keyformer's noise and temperature follow (kv/keyformer.py).
     row_seeds: torch.Tensor | None = None
     row_gen_lens: torch.Tensor | None = None
+    # A decode step over some rows of its gpu-batch only (slot_pool.py leaves out rows whose
+    # sequence stopped or has not started): those rows, ascending; its tensors hold them alone.
+    # None: every row.
+    computed_rows: list | None = None
+    # A prompt step whose sequences asked for their prompt tokens' log-probabilities (echo):
+    # score_prompt(hidden [b, s, hidden], head) is called by the output layer before it picks,
+    # head(h) giving the logits [..., vocab] (float32) of hidden states h [..., hidden].
+    score_prompt: Callable | None = None
 
     def generated_before(self, device):
         """i - 1, the tokens generated before this decode step: the step's device tensor where it
@@ -83,6 +91,7 @@ def prompt_step(i: int, k: int, ids, valid, choose, device, **extra) -> Step:
 
 class Sequences:
     refills = False  # a fixed batch: every sequence starts at the prompt step (slot_pool.py refills)
+    fixed_shape = True  # and every decode step computes every row
 
     def __init__(self, input_ids, attention_mask, gen_len, gpu_batch_size, sampler,
                  eos_token_id, pad_token_id, keep_scores, device, forced=None, row_limits=None, stop_check=None):

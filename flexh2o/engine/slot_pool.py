@@ -12,44 +12,41 @@ output is never read and whose cache row the prompt step then rewrites whole.
 Each sequence keeps its own place: its prompt's real tokens fill its cache slots from 0 (no
 padding stored), its position and the full cache's slot for a new token are its prompt length
 plus the tokens it generated, and it samples from a generator of its own seed, drawing once per
-token as it would alone.
-"""
+token as it would alone; a request may bring its own sampling settings.
 
-from dataclasses import dataclass
-from typing import Callable
+A decode step computes only the rows whose sequence runs: a row whose sequence stopped (or that
+has none yet, or takes its prompt in chunks) is left out, its cache untouched, so that a pool's
+tail, with nothing left waiting, computes no stopped row. Where every decode step must keep the
+gpu-batch's shape (`fixed_shape`: a CUDA graph replays one shape, pipeline stages expect it),
+such a row is computed and its output ignored.
+
+A request can be cancelled from any thread (`Request.cancelled`): it leaves its row, or the
+queue, at the next token step, and on_done hears "cancelled".
+"""
 
 import torch
 
+from flexh2o.engine.logprobs import prompt_scores, scores
 from flexh2o.engine.sequences import Step, prompt_step
+from flexh2o.engine.slot_request import Request, seeds_of
 
 
 JOIN_PADDING = 0.1  # the most of a joining group's prompt positions that may be padding
 
 
-@dataclass
-class Request:
-    ids: list                           # the prompt's token ids
-    max_new_tokens: int
-    seed: int | None = None             # the seed of this sequence's sampling generator
-    stop_check: Callable | None = None  # (its new tokens, a CPU tensor) -> whether they end it (stop strings)
-    tag: object = None                  # the caller's, handed back with the result
-
-
-def seeds_of(requests: list) -> torch.Tensor:
-    """The requests' seeds (0 for none), as Step.row_seeds."""
-    return torch.tensor([r.seed or 0 for r in requests], dtype=torch.long)
-
-
 class SlotPool:
-    """The state of `batch` slots fed from `requests` (an iterator of Request); `on_done(request,
-    tokens, reason)` receives each finished sequence's new tokens (ending with the EOS token where one
-    ended it) and "stop" (EOS or stop check) or "length"."""
+    """The state of `batch` slots fed from `requests` (an iterator of Request; it may also yield None
+    while nothing waits); `on_done(request, tokens, reason)` receives each finished sequence's new
+    tokens (ending with the EOS token where one ended it) and "stop" (EOS or stop check), "length"
+    or "cancelled". wait_for_work(), where given, is called when nothing runs and nothing waits: it
+    returns once a request may be waiting, True, or False to end the run (a server's pool idles)."""
 
     refills = True
+    fixed_shape = False  # decode steps over every row of the gpu-batch (set by CUDA graphs and pipeline stages)
 
     def __init__(self, requests, batch: int, gpu_batch_size: int, sampler, eos_token_id, pad_token_id: int, device,
-                 on_done, join_every: int = 1, prompt_chunk: int | None = None):
-        self.requests, self.waiting = iter(requests), []
+                 on_done, join_every: int = 1, prompt_chunk: int | None = None, wait_for_work=None):
+        self.requests, self.waiting, self.wait_for_work = iter(requests), [], wait_for_work
         self.batch, self.gpu_batch_size, self.join_every = batch, gpu_batch_size, join_every
         self.prompt_chunk = prompt_chunk
         self.prefilling = {}  # row -> (its request, prompt tokens in its cache): a prompt taken in chunks
@@ -57,6 +54,7 @@ class SlotPool:
         self.eos = None if eos_token_id is None else torch.tensor(eos_token_id).view(-1)
         self.request = [None] * batch
         self.generators = [None] * batch
+        self.samplers = [sampler] * batch  # each row's request's
         self.new_tokens = [[] for _ in range(batch)]
         self.real_len = torch.zeros(batch, dtype=torch.long)
         self.generated = torch.zeros(batch, dtype=torch.long)
@@ -69,7 +67,8 @@ class SlotPool:
         self.joining = [[] for _ in range(gpu_batches)]  # per gpu-batch: (row, request), whole prompts joining
         self.chunks = [[] for _ in range(gpu_batches)]   # and (row, request, first token): one chunk each
         self.refill_joins = [[] for _ in range(gpu_batches)]  # per refill step: the rows it starts, or None
-        self.uniforms = None if sampler.greedy else torch.zeros(batch, dtype=torch.float64)
+        self.computed = [None] * gpu_batches  # per gpu-batch: the rows its decode step in flight computes
+        self.uniforms = torch.zeros(batch, dtype=torch.float64)  # each sampling row's number of this step
         # Where tokens are applied later than chosen (a pipeline's stages, stage_refill.py): chosen
         # tokens are only returned, and take() applies them.
         self.deferred = False
@@ -85,9 +84,15 @@ class SlotPool:
         return slice(k * self.gpu_batch_size, (k + 1) * self.gpu_batch_size)
 
     def _peek(self):
-        if not self.waiting:
-            self.waiting = [r for r in [next(self.requests, None)] if r is not None]
-        return self.waiting[0] if self.waiting else None
+        while not self.waiting:
+            request = next(self.requests, None)
+            if request is None:
+                return None
+            if request.cancelled:
+                self.on_done(request, [], "cancelled")
+            else:
+                self.waiting = [request]
+        return self.waiting[0]
 
     def _take(self):
         request = self._peek()
@@ -109,6 +114,7 @@ class SlotPool:
         random numbers."""
         rows = range(self.rows(ks[0]).start, min(self.rows(ks[-1]).stop, self.batch))
         part = slice(rows.start, rows.stop)
+        self._drop_cancelled(rows)
         self.decoding[part] = self.active[part]
         for k in ks:
             self.joining[k], self.chunks[k] = [], []
@@ -130,9 +136,16 @@ class SlotPool:
         if joined and self._join_step != i:
             self.joins += 1
             self._join_step = i
-        if self.uniforms is not None:
-            for row in self.decoding[part].nonzero().flatten().add(rows.start).tolist():
+        for row in self.decoding[part].nonzero().flatten().add(rows.start).tolist():
+            if not self.samplers[row].greedy:
                 self.uniforms[row] = torch.rand(1, generator=self.generators[row], dtype=torch.float64)
+
+    def _drop_cancelled(self, rows: range):
+        """Rows among `rows` whose request was cancelled are freed (a prompt in chunks forgotten)."""
+        for row in rows:
+            request = self.request[row] if self.active[row] else self.prefilling.get(row, (None,))[0]
+            if request is not None and request.cancelled:
+                self._leave(row, "cancelled")
 
     def steps(self, i: int, num_gpu_batches: int, device_counters: bool = False) -> list:
         """The decode step of every gpu-batch with a running sequence (None for the others)."""
@@ -140,22 +153,29 @@ class SlotPool:
         return [self.step(i, k) if self.decoding[self.rows(k)].any() else None for k in range(num_gpu_batches)]
 
     def step(self, i: int, k: int) -> Step:
-        rows, dev = self.rows(k), self.device
-        ids = self.last[rows].unsqueeze(1)
-        # A row that runs no sequence (stopped, or never filled) repeats its last position: its
-        # cache slot there is rewritten with what is never read. A row taking its prompt in chunks
-        # writes at its next chunk's first slot, which that chunk then rewrites.
-        positions = (self.real_len[rows] + self.generated[rows] - 1).clamp_(min=0)
-        for row, (_, start) in self.prefilling.items():
-            if rows.start <= row < rows.stop:
-                positions[row - rows.start] = start
+        whole, dev = self.rows(k), self.device
+        computed = None
+        rows = list(range(whole.start, min(whole.stop, self.batch)))
+        if not self.fixed_shape and not bool(self.decoding[whole].all()):
+            computed = self.decoding[whole].nonzero().flatten().tolist()
+            rows = [whole.start + r for r in computed]
+        self.computed[k] = rows
+        index = torch.tensor(rows)
+        ids = self.last[index].unsqueeze(1)
+        # (fixed_shape) A row that runs no sequence (stopped, or never filled) repeats its last
+        # position: its cache slot there is rewritten with what is never read. A row taking its
+        # prompt in chunks writes at its next chunk's first slot, which that chunk then rewrites.
+        positions = (self.real_len[index] + self.generated[index] - 1).clamp_(min=0)
+        for n, row in enumerate(rows):
+            if row in self.prefilling:
+                positions[n] = self.prefilling[row][1]
         positions = positions.unsqueeze(1)
         slots = positions.squeeze(1)
         self.decode_slots += slots.shape[0]
         return Step(i, k, False, ids.to(dev), positions.to(dev), None, None,
                     lambda logits: self._choose(k, logits), True, host_token_ids=ids, host_positions=positions,
-                    row_slots=slots.to(dev), fill=int(slots.max()) + 1, before=(self.generated[rows] - 1).to(dev),
-                    row_seeds=self.seeds[rows], row_gen_lens=self.gen_lens[rows])
+                    row_slots=slots.to(dev), fill=int(slots.max()) + 1, before=(self.generated[index] - 1).to(dev),
+                    row_seeds=self.seeds[index], row_gen_lens=self.gen_lens[index], computed_rows=computed)
 
     def refill_steps(self, i: int, num_gpu_batches: int) -> list:
         """Per gpu-batch, the prompt steps of the requests joining at token step i: one for the
@@ -184,20 +204,27 @@ class SlotPool:
             self.prefilling.pop(row, None)
             joining = [(row, request)]
             choose = self._joiner(i, joining)
+        score = None
+        if request.prompt_logprobs is not None:  # the chunk's positions, each but the prompt's last
+            if start == 0:
+                request.prompt_scores = []
+            end = min(stop, len(request.ids) - 1)
+            score = lambda hidden, head: request.prompt_scores.extend(prompt_scores(  # noqa: E731
+                hidden[0, : end - start], head, request.ids[start + 1: end + 1], request.prompt_logprobs))
         return Step(i, k, True, ids.to(self.device), positions.to(self.device),
                     torch.ones_like(ids, dtype=torch.bool).to(self.device), None, choose, False,
                     host_token_ids=ids, host_positions=positions, refill=[(row - k * self.gpu_batch_size, 0)],
-                    chunk_start=start, row_seeds=seeds_of([request])), joining
+                    chunk_start=start, row_seeds=seeds_of([request]), score_prompt=score), joining
 
     def _joiner(self, i: int, joining: list):
         """The function that takes the joining rows' prompt logits: their generators seeded, each
         drawing its first random number."""
         for row, request in joining:
             self.generators[row] = torch.Generator().manual_seed(request.seed or 0)
-        uniforms = None
-        if not self.sampler.greedy:
-            uniforms = torch.cat([torch.rand(1, generator=self.generators[row], dtype=torch.float64)
-                                  for row, _ in joining])
+            self.samplers[row] = request.sampler or self.sampler
+        uniforms = torch.cat([torch.zeros(1, dtype=torch.float64) if self.samplers[row].greedy else
+                              torch.rand(1, generator=self.generators[row], dtype=torch.float64)
+                              for row, _ in joining])
         self.joined += len(joining)
         self.in_flight += len(joining)
         return lambda logits: self._join(joining, logits, uniforms)
@@ -227,9 +254,16 @@ class SlotPool:
             ids[n, s - len(request.ids):] = torch.tensor(request.ids)
             valid[n, s - len(request.ids):] = True
         self.prompt_positions += ids.numel()
+        scored = [(n, request) for n, (_, request) in enumerate(joining) if request.prompt_logprobs is not None]
+
+        def score(hidden, head):  # each position of a prompt but its last, the token after it
+            for n, request in scored:
+                request.prompt_scores = prompt_scores(hidden[n, s - len(request.ids): s - 1], head, request.ids[1:],
+                                                      request.prompt_logprobs)
         return prompt_step(i, k, ids, valid, self._joiner(i, joining), self.device,
                            refill=[(row - k * self.gpu_batch_size, s - len(request.ids)) for row, request in joining],
-                           row_seeds=seeds_of([request for _, request in joining])), joining
+                           row_seeds=seeds_of([request for _, request in joining]),
+                           score_prompt=score if scored else None), joining
 
     def _choose(self, k: int, logits):
         """Gpu-batch k's decode logits [b, vocab] -> the next tokens [b, 1] (on the device); the
@@ -237,9 +271,11 @@ class SlotPool:
         uniforms = self.uniforms_of(k)
         return self.chosen(self.i, k, logits, self.pick(logits, None if uniforms is None else uniforms.to(logits.device)))
 
-    # What a replayed decode step (decode_graphs.py) asks of the sequences, as Sequences has it.
+    # What a replayed decode step (decode_graphs.py) asks of the sequences, as Sequences has it: the
+    # pool's own sampler picks every row on the device (a graph holds one pick), and chosen() picks
+    # again the rows whose request brought its own.
     def uniforms_of(self, k: int) -> torch.Tensor | None:
-        return None if self.uniforms is None else self.uniforms[self.rows(k)]
+        return None if self.sampler.greedy else self.uniforms[self.computed[k]]
 
     def pick(self, logits, uniforms):
         return self.sampler.pick(logits, uniforms)
@@ -247,17 +283,45 @@ class SlotPool:
     def chosen(self, i: int, k: int, logits, picked):
         """The tokens picked on the device for gpu-batch k's decode: the running rows' recorded
         (unless deferred)."""
-        tokens = picked.cpu()
+        rows = self.computed[k]
+        tokens = self._own_picks(rows, logits, picked.cpu(), self.uniforms[rows])
+        self._score(rows, logits, tokens)
         if not self.deferred:
             self.take_decode(k, tokens)
         return tokens.unsqueeze(1).to(self.device)
 
     def _join(self, joining, logits, uniforms):
         """The joining rows' prompt logits [r, vocab] -> their first tokens."""
-        tokens = self.sampler.pick(logits, None if uniforms is None else uniforms.to(logits.device)).cpu()
+        rows = [row for row, _ in joining]
+        tokens = self._own_picks(rows, logits, self.sampler.pick(logits, uniforms.to(logits.device)).cpu(), uniforms,
+                                 [request for _, request in joining])
+        self._score(rows, logits, tokens, [request for _, request in joining])
         if not self.deferred:
             self.take_join(joining, tokens)
         return tokens.unsqueeze(1).to(self.device)
+
+    def _own_picks(self, rows: list, logits, tokens, uniforms, requests: list | None = None):
+        """tokens [n] (CPU) as the pool's sampler picked them for `rows`, each row whose request
+        brings its own sampler picked again by it (requests: the rows' own, where they have not
+        taken their rows yet)."""
+        own: dict = {}
+        for n, row in enumerate(rows):
+            request = self.request[row] if requests is None else requests[n]
+            sampler = request.sampler if request is not None else None
+            if sampler is not None and sampler is not self.sampler:
+                own.setdefault(sampler, []).append(n)
+        for sampler, index in own.items():
+            at = torch.tensor(index)
+            picked = sampler.pick(logits[at.to(logits.device)], uniforms[at].to(logits.device))
+            tokens[at] = picked.cpu()
+        return tokens
+
+    def _score(self, rows: list, logits, tokens, requests: list | None = None):
+        """Each row whose request asks for log-probabilities: the chosen token's, kept with it."""
+        for n, row in enumerate(rows):
+            request = self.request[row] if requests is None else requests[n]
+            if request is not None and request.logprobs is not None and (requests is not None or self.decoding[row]):
+                request.token_scores += scores(logits[n: n + 1], tokens[n: n + 1], request.logprobs)
 
     def take(self, k: int, decode, refills: list):
         """Gpu-batch k's chosen tokens of the step in flight, applied: its decode's [b] (None where it
@@ -274,14 +338,14 @@ class SlotPool:
         return bool(self.decoding[self.rows(k)].any()), [len(j) if j else 0 for j in self.refill_joins[k]]
 
     def take_decode(self, k: int, tokens):
-        rows = self.rows(k)
-        for n, row in enumerate(range(rows.start, min(rows.stop, self.batch))):
+        for n, row in enumerate(self.computed[k]):
             if self.decoding[row]:
                 self._accept(row, int(tokens[n]))
 
     def take_join(self, joining: list, tokens):
         for n, (row, request) in enumerate(joining):
             self.request[row], self.new_tokens[row] = request, []
+            self.samplers[row] = request.sampler or self.sampler
             self.real_len[row], self.generated[row] = len(request.ids), 0
             self.seeds[row], self.gen_lens[row] = request.seed or 0, request.max_new_tokens
             self.active[row] = True
@@ -294,6 +358,8 @@ class SlotPool:
         tokens.append(token)
         self.generated[row] += 1
         self.last[row] = token
+        if request.on_token is not None:
+            request.on_token(request, token)
         reason = None
         if self.eos is not None and bool((self.eos == token).any()):
             reason = "stop"
@@ -302,10 +368,21 @@ class SlotPool:
         elif len(tokens) >= request.max_new_tokens:
             reason = "length"
         if reason is not None:
-            self.active[row] = False
-            self.request[row], self.generators[row] = None, None
-            self.on_done(request, tokens, reason)
+            self._leave(row, reason)
+
+    def _leave(self, row: int, reason: str):
+        """The row's sequence ends (or its prompt, taken in chunks, is dropped): the row is free."""
+        if self.active[row]:
+            request, tokens = self.request[row], self.new_tokens[row]
+        else:
+            request, tokens = self.prefilling.pop(row)[0], []
+        self.active[row] = False
+        self.request[row], self.generators[row] = None, None
+        self.on_done(request, tokens, reason)
 
     def all_finished(self) -> bool:
-        """Nothing runs and nothing waits."""
-        return not self.active.any() and not self.prefilling and not self.in_flight and self._peek() is None
+        """Nothing runs and nothing waits (where wait_for_work is given: and it ends the run)."""
+        while not self.active.any() and not self.prefilling and not self.in_flight and self._peek() is None:
+            if self.wait_for_work is None or not self.wait_for_work():
+                return True
+        return False

@@ -27,6 +27,7 @@ class RefillStageSchedule(StageSchedule):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.seqs.deferred = True
+        self.seqs.fixed_shape = True  # the stages exchange every row of a micro-batch
 
     def begin_token(self, i: int):
         self.seqs.start_step(i)

@@ -16,7 +16,7 @@ import hashlib
 import time
 from dataclasses import dataclass, field
 
-from flexh2o.engine import slot_pool
+from flexh2o.engine.slot_request import Request
 from flexh2o.runs.prompts import pad_prompts
 from flexh2o.jobs.blocks import ROUND_TO, block_shape, plan_blocks, round_up
 from flexh2o.jobs.input import Entry, JobInput
@@ -144,11 +144,7 @@ class Job:
 
         def requests():
             for entry in entries:
-                request, ids = self.input.tokens(entry)
-                check = None if not request.stop else \
-                    (lambda new, stops=request.stop: holds_stop(self.tokenizer, new, stops))
-                seed = request.seed if request.seed is not None else default_seed(self.job_seed, request.id)
-                yield slot_pool.Request(ids, request.max_tokens, seed, check, (entry, request))
+                yield record_request(self.input, entry, self.tokenizer, self.job_seed)
 
         def flush():
             if finished:
@@ -228,12 +224,26 @@ class Job:
         return records
 
     def _record(self, entry, request, tokens: list[int]) -> tuple:
-        """(the output record, tokens generated) of a record whose sequence generated `tokens`."""
-        new, hit_eos = until_eos(tokens, self.eos_ids)
-        text, stopped = cut_at_stop(self.tokenizer.decode(new, skip_special_tokens=True), request.stop)
-        completion = len(new) + hit_eos  # the EOS token counts as generated
-        return self.formatter.result(entry, request, text, "stop" if hit_eos or stopped else "length",
-                                     entry.prompt_tokens, completion), completion
+        return result_record(self.formatter, self.tokenizer, self.eos_ids, entry, request, tokens)
+
+
+def record_request(job_input, entry, tokenizer, job_seed: int, **extra) -> Request:
+    """A record as a slot pool's request, tagged (entry, parsed record): its prompt's ids, its
+    max_tokens, its seed (its own, or the job's for its id) and its stop strings; `extra`: more of
+    Request's fields."""
+    request, ids = job_input.tokens(entry)
+    check = None if not request.stop else (lambda new, stops=request.stop: holds_stop(tokenizer, new, stops))
+    seed = request.seed if request.seed is not None else default_seed(job_seed, request.id)
+    return Request(ids, request.max_tokens, seed, check, (entry, request), **extra)
+
+
+def result_record(formatter, tokenizer, eos_ids, entry, request, tokens: list[int]) -> tuple:
+    """(the output record, tokens generated) of a record whose sequence generated `tokens`."""
+    new, hit_eos = until_eos(tokens, eos_ids)
+    text, stopped = cut_at_stop(tokenizer.decode(new, skip_special_tokens=True), request.stop)
+    completion = len(new) + hit_eos  # the EOS token counts as generated
+    return formatter.result(entry, request, text, "stop" if hit_eos or stopped else "length",
+                            entry.prompt_tokens, completion), completion
 
 
 def holds_stop(tokenizer, tokens, stops) -> bool:

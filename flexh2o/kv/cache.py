@@ -40,11 +40,17 @@ class KVCache:
         score = tiers.alloc(tier, (batch, kv_heads, capacity), dtype=torch.float32, zero=True) if with_score else None
         return pos, score
 
-    def row(self, r: int) -> "KVCache":
-        """Sequence r's slots, as a cache of one sequence whose writes land in this one."""
-        view = KVCache(*(None if t is None else t[r: r + 1] for t in (self.k, self.v, self.pos, self.score)))
+    def rows(self, start: int, stop: int) -> "KVCache":
+        """Sequences [start, stop)'s slots, as a cache of those sequences whose writes land in this one
+        (what it writes is its own `written` and `length`: the caller hands them on)."""
+        view = KVCache(*(None if t is None else t[start:stop] for t in (self.k, self.v, self.pos, self.score)),
+                       length=self.length)
         view.cpu_attended = self.cpu_attended
         return view
+
+    def row(self, r: int) -> "KVCache":
+        """Sequence r's slots (rows)."""
+        return self.rows(r, r + 1)
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.k, self.v, self.pos, self.score) if t is not None]

@@ -67,9 +67,9 @@ class CompressedKVCache(KVCache):
         cache.every_slot = tiers.on_cuda and tier == "gpu"
         return cache
 
-    def row(self, r: int) -> "CompressedKVCache":
-        view = CompressedKVCache(self.k[:, r: r + 1], self.v[:, r: r + 1], self.pos[r: r + 1],
-                                 None if self.score is None else self.score[r: r + 1], self.head_dim)
+    def rows(self, start: int, stop: int) -> "CompressedKVCache":
+        view = CompressedKVCache(self.k[:, start:stop], self.v[:, start:stop], self.pos[start:stop],
+                                 None if self.score is None else self.score[start:stop], self.head_dim, self.length)
         view.clock, view.every_slot, view.cpu_attended = self.clock, self.every_slot, self.cpu_attended
         return view
 

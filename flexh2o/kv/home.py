@@ -222,7 +222,7 @@ class CacheHome:
                 quantize_slot_major(src[:, :, :buf.length], dst)
             return out
         slot_groups = None
-        if slots is not None:
+        if slots is not None:  # (a row at slot -1, not computed, gives groups that _write_slots drops)
             seq, head = slot_grid(slots)
             slot_groups = tuple(quantize(t[seq, head, slots], check=False) for t in (buf.k, buf.v))
         rows = [tuple(quantize(t[r, :, :buf.length].transpose(0, 1), check=False) for t in (buf.k, buf.v))
@@ -247,8 +247,12 @@ class CacheHome:
         tiers = self.tiers
         n, kv_heads = slots.shape
         written = tiers.host(slots)
-        seq, head = slot_grid(written)
+        seq, head = (t.expand(n, kv_heads) for t in slot_grid(written))
         values = [tiers.host(g) for g in groups] if groups else [tiers.gather_slots(src, slots) for src in (buf.k, buf.v)]
+        kept = written >= 0  # -1: a row the step did not compute (slot_pool.py leaves stopped rows out)
+        if not bool(kept.all()):
+            written, seq, head = written[kept], seq[kept], head[kept]
+            values = [data[kept] for data in values]
         if part.k_file is None:
             for mem, data in zip((part.k_mem, part.v_mem), values):
                 mem[written, seq, head] = data
@@ -257,7 +261,7 @@ class CacheHome:
         rows = (written * (n * kv_heads) + seq * kv_heads + head).flatten()
         order = rows.argsort()
         for file, data in zip((part.k_file, part.v_file), values):
-            tiers.disk.write_rows(file, rows[order], data.flatten(0, 1)[order])  # [n * kv_heads, width]
+            tiers.disk.write_rows(file, rows[order], data.reshape(rows.shape[0], -1)[order])  # [entries, width]
 
     def _write_row(self, part, buf, r: int, groups):
         """Slots [0, length) of sequence r, every KV head (slot-major: [length, kv_heads, width])."""

@@ -76,17 +76,20 @@ class CachedAttention(Layer):
         return out.transpose(1, 2).reshape(b, n, heads * d)
 
     def _decode_parts(self, q, k, v, scale, step, parts):
-        """One new token per sequence, against each part of the cache where it lives."""
+        """One new token per computed sequence, against each part of the cache where it lives."""
+        pieces = computed_pieces(step.computed_rows, parts)
         # A part the CPU attends over (cpu_cache_compute): its q and new K/V start towards the
         # CPU first, so that copy and the CPU's attention overlap the device's own parts.
         on_cpu = {n: self.tiers.start_host_copy([t[rows] for t in (q, k, v, step.positions)], cache.k.dtype)
-                  for n, (rows, cache) in enumerate(parts) if cache.cpu_attended}
+                  for n, (rows, cache, _) in enumerate(pieces) if cache.cpu_attended}
         outs = [None if n in on_cpu else self._decode(q[rows], k[rows], v[rows], step.positions[rows], cache,
                                                       scale, step.for_rows(rows))
-                for n, (rows, cache) in enumerate(parts)]
+                for n, (rows, cache, _) in enumerate(pieces)]
         for n, copied in on_cpu.items():
-            rows, cache = parts[n]
+            rows, cache, _ = pieces[n]
             outs[n] = self._decode(*copied.wait(), cache, scale, step.for_rows(rows)).to(q.device, q.dtype)
+        if step.computed_rows is not None:
+            hand_back_writes(pieces, parts)
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _decode(self, q, k_new, v_new, positions, cache, scale, step):
@@ -152,3 +155,42 @@ class CachedAttention(Layer):
             self.kv.prompt(view, *own, step)
             cache.length = max(cache.length, view.length)
             cache.refilled.append(row - rows.start)
+
+
+def computed_pieces(computed: list | None, parts: list) -> list:
+    """(the step's rows, a cache, where it lies in its part) for each run of neighbouring computed
+    rows within one part of the cache: the part's cache itself where the run covers it, else a view
+    of the run's rows. computed: the gpu-batch's rows the step computes, ascending (None: every one)."""
+    if computed is None:
+        return [(rows, cache, None) for rows, cache in parts]
+    pieces, n = [], 0
+    for rows, cache in parts:
+        inside = [r for r in computed if rows.start <= r < rows.stop]
+        runs = []
+        for r in inside:
+            if runs and runs[-1][1] == r:
+                runs[-1][1] = r + 1
+            else:
+                runs.append([r, r + 1])
+        for start, stop in runs:
+            whole = (start, stop) == (rows.start, rows.stop)
+            view = cache if whole else cache.rows(start - rows.start, stop - rows.start)
+            pieces.append((slice(n, n + stop - start), view, None if whole else (cache, start - rows.start)))
+            n += stop - start
+    return pieces
+
+
+def hand_back_writes(pieces: list, parts: list):
+    """What the views of a step over some rows wrote, handed to the caches they view: the slot each
+    (sequence, KV head) wrote (-1 for a row the step did not compute) and the slots in use."""
+    for _, cache in parts:
+        views = [(view, where[1]) for _, view, where in pieces if where is not None and where[0] is cache]
+        if not views:
+            continue
+        written = torch.full(cache.pos.shape[:2], -1, dtype=torch.long, device=cache.pos.device)
+        for view, start in views:
+            if view.written is not None:
+                written[start: start + view.written.shape[0]] = view.written
+            cache.length = max(cache.length, view.length)
+        cache.written = written
+

@@ -175,6 +175,10 @@ class OutputEmbed(Layer):
         return [("norm.weight", (s.hidden_size,)), (head, (s.vocab_size, s.hidden_size))]
 
     def forward(self, hidden, step):
-        norm, head = self.weights
-        x = rms_norm(hidden[:, -1], norm, self.spec.rms_norm_eps)  # only the last position predicts the next token
-        return step.choose_next(logits(x, head).float())
+        norm, weight = self.weights
+
+        def head(h):
+            return logits(rms_norm(h, norm, self.spec.rms_norm_eps), weight).float()
+        if step.score_prompt is not None:
+            step.score_prompt(hidden, head)
+        return step.choose_next(head(hidden[:, -1]))  # only the last position predicts the next token

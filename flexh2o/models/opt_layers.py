@@ -113,10 +113,14 @@ class OutputEmbed(Layer):
 
     def forward(self, hidden, step):
         s = self.spec
-        w = list(self.weights)
-        x = hidden[:, -1]  # only the last position predicts the next token
-        if s.final_layer_norm:
-            x = _layer_norm(x, w.pop(0), w.pop(0))
-        if s.embed_dim != s.hidden_size:
-            x = linear(x, w.pop(0))
-        return step.choose_next(logits(x, w.pop(0)).float())
+
+        def head(x):
+            w = list(self.weights)
+            if s.final_layer_norm:
+                x = _layer_norm(x, w.pop(0), w.pop(0))
+            if s.embed_dim != s.hidden_size:
+                x = linear(x, w.pop(0))
+            return logits(x, w.pop(0)).float()
+        if step.score_prompt is not None:
+            step.score_prompt(hidden, head)
+        return step.choose_next(head(hidden[:, -1]))  # only the last position predicts the next token

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flexh2o import Engine, Policy, UsageError
-from flexh2o.engine.slot_pool import Request
+from flexh2o.engine.slot_request import Request
 from flexh2o.kv import POLICIES
 from simulated_cuda import SimulatedCuda
 
@@ -79,6 +79,9 @@ def test_every_request_gets_what_it_gets_alone(tiny_models, tmp_path, kv, placem
     assert pool.joined == 20 and pool.joins > 5
     assert max(pool.row_joins) >= 5  # a slot refilled many times
     assert sum(stats.step_allocations[2:]) == 0  # nothing allocated once the first steps ran
+    # A decode step computes the running rows alone: each token but a request's first (its prompt
+    # step's) took one decode slot, and a stopped or empty row none.
+    assert pool.decode_slots == sum(len(tokens) - 1 for tokens in got.values())
 
 
 def test_a_sampled_request_draws_from_its_own_seed_in_any_order(tiny_models, tmp_path):
@@ -197,9 +200,10 @@ def test_decode_steps_replay_as_cuda_graphs_while_slots_are_refilled(tiny_models
     simulated = SimulatedCuda(seed=2)
     mode = simulated.install(monkeypatch)
     try:
-        got, _, _ = refilled(directory, reqs, policy, tmp_path, prompt_chunk=chunk)
+        got, pool, _ = refilled(directory, reqs, policy, tmp_path, prompt_chunk=chunk)
     finally:
         mode.__exit__(None, None, None)
     simulated.check()
     assert got == want
     assert len(simulated.graphs) == 2 and all(g.replays > 5 for g in simulated.graphs)
+    assert pool.decode_slots > sum(len(tokens) - 1 for tokens in got.values())  # a graph computes every row
