@@ -11,60 +11,19 @@ if __name__ == "__main__":  # first, before torch loads: a signal while it does 
 
 import argparse
 
-from flexh2o.common.names import add_kv_flags
+from flexh2o.common.names import add_engine_flags, add_model_flags
 from flexh2o.common.errors import OneLineErrorParser
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineErrorParser(prog="python -m flexh2o.run", description=__doc__.split("\n\n")[1].strip())
-    p.add_argument("--model", default="opt-125m",
-                   help="a preset (opt-125m, opt-350m, opt-1.3b, opt-2.7b, opt-6.7b, opt-13b, opt-30b, opt-66b, "
-                        "opt-175b, smollm2-135m, llama-2-7b-hf, llama-3.1-8b; also as their HF names, e.g. "
-                        "facebook/opt-1.3b), a directory with an HF config.json (and safetensors or .bin weights, "
-                        "a tokenizer for text), or a .gguf file (weights, config and tokenizer in one)"),
-    p.add_argument("--path", help="directory holding the weights for a preset --model")
-    p.add_argument("--dummy", action="store_true",
-                   help="deterministic dummy weights (the default for a preset --model without --path)")
+    add_model_flags(p)
     p.add_argument("--prompt-len", type=int, default=512, metavar="N",
                    help="tokens per prompt: synthetic prompts have exactly N, --prompts-file prompts are padded to N")
     p.add_argument("--gen-len", type=int, default=32, metavar="N", help="tokens to generate per prompt")
-    p.add_argument("--gpu-batch-size", type=int, default=None, metavar="N",
-                   help="sequences per gpu-batch (default: planned, with the placement, by the cost model)")
-    p.add_argument("--num-gpu-batches", type=int, default=None, metavar="N",
-                   help="gpu-batches per block (default: planned, else 1)")
-    p.add_argument("--max-batch", type=int, default=None, metavar="N",
-                   help="when planning: the largest batch (sequences) to consider")
+    add_engine_flags(p)
     p.add_argument("--batch", type=int, default=None, metavar="N",
                    help="when planning: a batch of exactly N sequences (--prompts-file: its prompts' count)")
-    p.add_argument("--allow-compression", action="store_true",
-                   help="when planning: let the plan store weights and/or cache as 4-bit groups")
-    p.add_argument("--percent", type=float, nargs=6, default=None,
-                   metavar=("W_GPU", "W_CPU", "CACHE_GPU", "CACHE_CPU", "ACT_GPU", "ACT_CPU"),
-                   help="FlexGen's six placement percentages; the rest of each kind goes to disk")
-    for kind, what in (("weights", "weights"), ("cache", "the KV cache"), ("act", "activations")):
-        p.add_argument(f"--{kind}", metavar="gpu=P,cpu=P,disk=P",
-                       help=f"placement of {what} in percent (the same as three of --percent's numbers)")
-    add_kv_flags(p)
-    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
-                   help="overlap weight / cache I/O with compute (default: on)")
-    p.add_argument("--cpu-cache-compute", action="store_true",
-                   help="on CUDA, attend over a CPU-resident cache on the CPU instead of moving it")
-    p.add_argument("--compress-weight", action="store_true",
-                   help="store weight matrices as 4-bit groups of 64 (4.5 bits per value) on every tier")
-    p.add_argument("--compress-cache", action="store_true",
-                   help="store the KV cache as 4-bit groups of 64 along head_dim on every tier")
-    for tier in ("gpu", "cpu", "disk"):
-        p.add_argument(f"--{tier}-mem", metavar="SIZE", help=f"cap on the {tier} tier, e.g. 16GB (default: detected)")
-    p.add_argument("--max-memory", metavar="SIZE",
-                   help="memory the whole process may use, e.g. 8GB (default: the limit of its memory cgroup, if any)")
-    p.add_argument("--no-page-cache", action="store_true",
-                   help="disk reads skip the page cache (benchmarks measure the disk): O_DIRECT where the "
-                        "filesystem allows it, else each read's pages are evicted after it, readahead off")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
-    p.add_argument("--dtype", default=None,
-                   help="float16 (CUDA default), bfloat16 or float32 (CPU default: a record's text then does not "
-                        "depend on its batch; bfloat16 is faster on CPUs with AMX or AVX512-BF16, but its rounding "
-                        "makes it depend)")
     p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the synthetic prompts, dummy weights and sampling")
     p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=1.0, metavar="T",
@@ -82,8 +41,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--cut-gen-len", type=int, metavar="N",
                        help="run N (>= 4) of --gen-len's token steps, the cache sized for all of them, and project "
                             "decode to --gen-len from them as FlexGen's --cut-gen-len does; never stops at EOS")
-    p.add_argument("--offload-dir", default=None, metavar="DIR",
-                   help="directory for tensors placed on disk (default: $TMPDIR/flexh2o_offload)")
     p.add_argument("--json-out", metavar="FILE", help="write the report's figures, the policy and the machine as JSON here")
     p.add_argument("--prompts-file", metavar="FILE",
                    help="UTF-8 text, one prompt per line, no blank line between prompts, each at most --prompt-len "

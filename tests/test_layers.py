@@ -16,8 +16,9 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "flexh2o"
 # Bottom first: a module may import from its own layer and those before it. The root's modules
 # (the `python -m` commands and the public API) stand above every layer.
 LAYERS = ["common", "host", "native", "compression", "checkpoints", "offload", "kv", "models", "engine",
-          "planning", "profiling", "runs", "jobs", "harness", "cli"]
-ROOT_MODULES = {"flexh2o", "flexh2o.run", "flexh2o.plan", "flexh2o.profile", "flexh2o.eval", "flexh2o.lm_eval"}
+          "planning", "profiling", "runs", "jobs", "harness", "cli", "server"]
+ROOT_MODULES = {"flexh2o", "flexh2o.run", "flexh2o.plan", "flexh2o.profile", "flexh2o.eval", "flexh2o.lm_eval",
+                "flexh2o.serve"}
 
 
 def modules() -> dict[str, pathlib.Path]:

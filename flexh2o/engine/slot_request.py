@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 
 
-@dataclass
+@dataclass(eq=False)  # each request is itself: hashed and compared by identity
 class Request:
     ids: list                           # the prompt's token ids
     max_new_tokens: int

@@ -72,7 +72,11 @@ class Request:
 
 
 class BadRecord(ValueError):
-    pass
+    """What is wrong with a record; param: the field it is about, where one is (an OpenAI error's)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 def sampling(temperature: float, top_p: float, top_k: int) -> Sampling:
@@ -97,54 +101,59 @@ def detect_format(path: str) -> str:
     return "text"
 
 
-def _number(record: dict, key: str, kind, default, low, high, low_open=False):
+def number_field(record: dict, key: str, kind, default, low, high, low_open=False):
+    """record[key] (default where absent or null): a number of `kind` (int: no fraction) within
+    [low, high] ((low, high] where low_open)."""
     value = record.get(key, default)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-        raise BadRecord(f"{key} must be {'an integer' if kind is int else 'a number'}, got {shown(value)}")
+        raise BadRecord(f"{key} must be {'an integer' if kind is int else 'a number'}, got {shown(value)}", key)
     if isinstance(value, int) and not -high <= value <= high:  # (beyond a float's range, math.isfinite raises)
-        raise BadRecord(f"{key} must be within [{low}, {high}], got {shown(value)}")
+        raise BadRecord(f"{key} must be within [{low}, {high}], got {shown(value)}", key)
     if not math.isfinite(value) or value > high or value < low or (low_open and value == low):
-        raise BadRecord(f"{key} must be within {'(' if low_open else '['}{low}, {high}], got {value!r}")
+        raise BadRecord(f"{key} must be within {'(' if low_open else '['}{low}, {high}], got {value!r}", key)
     return kind(value)
 
 
-def check_text(name: str, text: str):
+def check_text(name: str, text: str, param: str | None = None):
     """Refuses a string that no UTF-8 file can hold (a lone UTF-16 surrogate, from a \\ud800 escape)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise BadRecord(f"{name} holds a lone UTF-16 surrogate ({text[e.start]!a} at character {e.start}), "
-                        "not text") from None
+                        "not text", param) from None
 
 
-def _stops(value) -> tuple:
+def stop_strings(value) -> tuple:
+    """A record's stop: none, a non-empty string, or a list of at most MAX_STOPS of them."""
     if value is None:
         return ()
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOPS:
         raise BadRecord(f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them, "
-                        f"got {shown(value)}")
+                        f"got {shown(value)}", "stop")
     for s in stops:
-        check_text("stop", s)
+        check_text("stop", s, "stop")
     return tuple(stops)
 
 
-def _messages(value) -> list:
+def chat_messages(value) -> list:
+    """A record's messages: a non-empty list of {"role", "content"} objects with string values."""
     if not isinstance(value, list) or not value:
-        raise BadRecord("messages must be a non-empty list of {\"role\", \"content\"} objects")
+        raise BadRecord("messages must be a non-empty list of {\"role\", \"content\"} objects", "messages")
     for m in value:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise BadRecord("each message needs a string role and a string content")
-        check_text("a message's role", m["role"])
-        check_text("a message's content", m["content"])
+            raise BadRecord("each message needs a string role and a string content", "messages")
+        check_text("a message's role", m["role"], "messages")
+        check_text("a message's content", m["content"], "messages")
     return value
 
 
-def parse_record(text: str, fmt: str, line: int, defaults: dict) -> Request:
+def parse_record(text: str, fmt: str, line: int, defaults: dict, urls: tuple = OPENAI_URLS) -> Request:
     """One line of the file as a Request (BadRecord saying what is wrong otherwise). defaults:
-    max_tokens, temperature, top_p, top_k, seed of the command line."""
+    max_tokens (None: what the model's positions leave after the prompt), temperature, top_p,
+    top_k, seed of the command line. urls: the endpoints an OpenAI Batch record may name."""
     if fmt == "text":
         return Request(str(line), text, None, defaults["max_tokens"],
                        sampling(defaults["temperature"], defaults["top_p"], defaults["top_k"]), (), defaults["seed"])
@@ -158,8 +167,8 @@ def parse_record(text: str, fmt: str, line: int, defaults: dict) -> Request:
         raise BadRecord("a record must be a JSON object")
     if fmt == "openai":
         rid, body = record.get("custom_id"), record.get("body")
-        if record.get("method", "POST") != "POST" or record.get("url") not in OPENAI_URLS:
-            raise BadRecord(f"url must be one of {', '.join(OPENAI_URLS)} with method POST")
+        if record.get("method", "POST") != "POST" or record.get("url") not in urls:
+            raise BadRecord(f"url must be {' or '.join(urls)} with method POST", "url")
         if not isinstance(body, dict):
             raise BadRecord("body must be a JSON object")
         chat = record["url"] == OPENAI_URLS[0]
@@ -167,29 +176,29 @@ def parse_record(text: str, fmt: str, line: int, defaults: dict) -> Request:
         if "max_completion_tokens" in body and "max_tokens" not in body:
             record["max_tokens"] = body["max_completion_tokens"]
         prompt = None if chat else record.get("prompt")
-        messages = _messages(record.get("messages")) if chat else None
+        messages = chat_messages(record.get("messages")) if chat else None
     else:
         rid = record.get("id", line)
         prompt, messages = record.get("prompt"), record.get("messages")
         if (prompt is None) == (messages is None):
             raise BadRecord("give exactly one of prompt and messages")
         if messages is not None:
-            messages = _messages(messages)
+            messages = chat_messages(messages)
     if isinstance(rid, bool) or not isinstance(rid, (str, int)) or (isinstance(rid, str) and not rid) or \
             (isinstance(rid, int) and not -MAX_ID <= rid < MAX_ID):
         raise BadRecord(f"id must be a non-empty string or an integer within a signed 64-bit integer, got {shown(rid)}")
     if isinstance(rid, str):
-        check_text("id", rid)
+        check_text("id", rid, "custom_id" if fmt == "openai" else "id")
     if messages is None and (not isinstance(prompt, str) or not prompt):
         raise BadRecord("prompt must be a non-empty string")
     if messages is None:
-        check_text("prompt", prompt)
-    max_tokens = _number(record, "max_tokens", int, defaults["max_tokens"], 1, 1 << 20)
-    chosen = sampling(_number(record, "temperature", float, defaults["temperature"], 0.0, 100.0),
-                      _number(record, "top_p", float, defaults["top_p"], 0.0, 1.0, low_open=True),
-                      _number(record, "top_k", int, defaults["top_k"], 0, 1 << 31))
-    seed = _number(record, "seed", int, defaults["seed"], 0, MAX_SEED)
-    return Request(str(rid), prompt, messages, max_tokens, chosen, _stops(record.get("stop")), seed,
+        check_text("prompt", prompt, "prompt")
+    max_tokens = number_field(record, "max_tokens", int, defaults["max_tokens"], 1, 1 << 20)
+    chosen = sampling(number_field(record, "temperature", float, defaults["temperature"], 0.0, 100.0),
+                      number_field(record, "top_p", float, defaults["top_p"], 0.0, 1.0, low_open=True),
+                      number_field(record, "top_k", int, defaults["top_k"], 0, 1 << 31))
+    seed = number_field(record, "seed", int, defaults["seed"], 0, MAX_SEED)
+    return Request(str(rid), prompt, messages, max_tokens, chosen, stop_strings(record.get("stop")), seed,
                    rid if isinstance(rid, int) else None)
 
 
@@ -260,8 +269,8 @@ class JobInput:
     """The records of an input file: format, and one Entry per record, in file order."""
 
     def __init__(self, path: str, tokenizer, defaults: dict, max_positions: int, chat: bool = False,
-                 skip_bad: bool = False):
-        self.path, self.tokenizer, self.defaults, self.chat = path, tokenizer, defaults, chat
+                 skip_bad: bool = False, urls: tuple = OPENAI_URLS):
+        self.path, self.tokenizer, self.defaults, self.chat, self.urls = path, tokenizer, defaults, chat, urls
         try:
             self.format = detect_format(path)
         except OSError as e:
@@ -269,13 +278,15 @@ class JobInput:
         self.entries, self.bad, seen, read = [], 0, set(), []
         for line, offset, text in lines_of(path, read):
             try:
-                request = parse_record(text, self.format, line, defaults)
+                request = parse_record(text, self.format, line, defaults, urls)
                 if request.id in seen:
                     raise BadRecord(f"id {request.id!r} appears twice")
                 n = len(prompt_ids(tokenizer, request, chat))
                 if n == 0:
                     raise BadRecord("the prompt has no tokens")
-                if n + request.max_tokens > max_positions:
+                if request.max_tokens is None:
+                    request.max_tokens = max_positions - n
+                if request.max_tokens < 1 or n + request.max_tokens > max_positions:
                     raise BadRecord(f"{n} prompt tokens + max_tokens {request.max_tokens} exceed the model's "
                                     f"{max_positions} positions")
             except BadRecord as e:
@@ -312,7 +323,9 @@ class JobInput:
 
     def request(self, entry: Entry) -> Request:
         self.check_unchanged()
-        return parse_record(read_line(self.path, entry.offset), self.format, entry.line, self.defaults)
+        request = parse_record(read_line(self.path, entry.offset), self.format, entry.line, self.defaults, self.urls)
+        request.max_tokens = entry.max_tokens  # (the default, where it depends on the prompt's length)
+        return request
 
     def tokens(self, entry: Entry) -> tuple[Request, list[int]]:
         request = self.request(entry)

@@ -23,7 +23,7 @@ from flexh2o.engine.engine import Engine
 from flexh2o.common.errors import UsageError
 from flexh2o.jobs.job import Job
 from flexh2o.jobs.plans import FixedPlan
-from flexh2o.jobs.input import BadRecord, Entry, Request, _messages, check_text, prompt_ids, sampling
+from flexh2o.jobs.input import BadRecord, Entry, Request, chat_messages, check_text, prompt_ids, sampling
 from flexh2o.models import eos_ids, resolve_model
 from flexh2o.engine.policy import Policy
 from flexh2o.runs.prompts import load_tokenizer
@@ -53,7 +53,7 @@ class _Prompts:
                                  f"messages, got {str(p)[:80]!r}")
             try:
                 if messages is not None:
-                    _messages(messages)
+                    chat_messages(messages)
                 else:
                     check_text("the prompt", p)
             except BadRecord as e:

@@ -9,7 +9,6 @@ import torch
 
 from flexh2o import Engine, Policy
 from flexh2o.engine.sampling import Sampler
-from flexh2o.engine.slot_request import Request
 from test_slot_pool import EOS, alone, refilled, requests
 
 
