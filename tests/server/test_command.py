@@ -1,0 +1,80 @@
+"""`python -m flexh2o.serve`: its help, bad flags and setups each one line before anything is bound or
+loaded, the log line per request, and a state dir that one server at a time uses."""
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from flexh2o.serve import build_parser
+from flexh2o.server.command import serve_parsed
+from serving import server, word_llama  # noqa: F401 - fixtures
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def serve(argv: list, capsys) -> tuple[int, str]:
+    code = serve_parsed(build_parser().parse_args(argv))
+    return code, capsys.readouterr().err.strip()
+
+
+def test_help_answers_without_loading_torch():
+    done = subprocess.run([sys.executable, "-c", "import sys, runpy; sys.argv = ['serve', '--help']; "
+                           "runpy.run_module('flexh2o.serve', run_name='__main__')"], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0 and "--max-model-len" in done.stdout and "--state-dir" in done.stdout
+
+
+@pytest.mark.parametrize("flags,flag", [
+    (["--port", "70000"], "--port"), (["--max-queued", "0"], "--max-queued"), (["--max-model-len", "1"],
+                                                                                "--max-model-len"),
+    (["--max-model-len", "100000"], "--max-model-len"), (["--host", "0.0.0.0"], "--host"),
+    (["--max-body-size", "lots"], "--max-body-size"), (["--prompt-chunk", "4", "--hh-ratio", "0.2"], "--prompt-chunk"),
+    (["--shutdown-timeout", "-1"], "--shutdown-timeout"), (["--api-key", " "], "--api-key")])
+def test_a_bad_flag_is_one_line(word_llama, capsys, flags, flag):  # noqa: F811
+    code, err = serve(["--model", word_llama, "--gpu-batch-size", "2", *flags], capsys)
+    assert code == 2 and err.splitlines() == [err.splitlines()[-1]] and err.startswith(f"error: {flag}:"), err
+
+
+def test_a_model_without_a_tokenizer_and_a_port_in_use(word_llama, tmp_path, capsys):  # noqa: F811
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        os.symlink(os.path.join(word_llama, name), bare / name)
+    code, err = serve(["--model", str(bare), "--gpu-batch-size", "2"], capsys)
+    assert code == 2 and err.startswith("error: --model:") and "tokenizer" in err
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        code, err = serve(["--model", word_llama, "--gpu-batch-size", "2", "--port", str(taken.getsockname()[1])], capsys)
+    finally:
+        taken.close()
+    assert code == 2 and err.splitlines()[-1].startswith("error: --port: cannot listen on 127.0.0.1:")
+
+
+def test_a_state_dir_that_is_a_link_or_in_use_is_refused(word_llama, server, tmp_path, capsys):  # noqa: F811
+    os.symlink(tmp_path, tmp_path / "link")
+    code, err = serve(["--model", word_llama, "--gpu-batch-size", "2", "--state-dir", str(tmp_path / "link")], capsys)
+    assert code == 2 and err.startswith("error: --state-dir:") and "symlink" in err
+    in_use = server.service.state.files.directory.rsplit("/files", 1)[0]
+    code, err = serve(["--model", word_llama, "--gpu-batch-size", "2", "--state-dir", in_use], capsys)
+    assert code == 2 and "another server uses" in err
+
+
+def test_one_log_line_per_request_with_its_prompt_only_when_asked(server, caplog):  # noqa: F811
+    caplog.set_level(logging.INFO, logger="flexh2o.serve")
+    client, model = server.client(), server.service.state.ctx.model
+    client.completions.create(model=model, prompt="the secret river", max_tokens=2, temperature=0)
+    lines = [r.getMessage() for r in caplog.records if r.name == "flexh2o.serve"]
+    assert len(lines) == 1 and lines[0].startswith("POST /v1/completions 200 ") and "prompt_tokens=3" in lines[0]
+    assert "secret" not in lines[0]
+    server.service.state.log_prompts = True  # as --log-prompts sets it
+    try:
+        client.completions.create(model=model, prompt="the secret river", max_tokens=2, temperature=0)
+    finally:
+        server.service.state.log_prompts = False
+    assert "secret" in [r.getMessage() for r in caplog.records if r.name == "flexh2o.serve"][-1]
