@@ -50,7 +50,7 @@ class Running:
     def __init__(self, argv: list[str]):
         from flexh2o.serve import build_parser
         from flexh2o.server.command import serve_parsed
-        args = build_parser().parse_args(argv + ["--port", "0", "--quiet"])
+        args = build_parser().parse_args(argv + ["--quiet"] + ([] if "--port" in argv else ["--port", "0"]))
         ready, self.code = threading.Event(), None
 
         def on_ready(service, url):

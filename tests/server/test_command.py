@@ -78,3 +78,62 @@ def test_one_log_line_per_request_with_its_prompt_only_when_asked(server, caplog
     finally:
         server.service.state.log_prompts = False
     assert "secret" in [r.getMessage() for r in caplog.records if r.name == "flexh2o.serve"][-1]
+
+
+def test_health_says_loading_until_the_model_is_loaded(word_llama, tmp_path, monkeypatch):  # noqa: F811
+    """The weights held from loading until the test has seen /health answer 503 "loading" and a
+    completion refused with 503."""
+    import threading
+    import urllib.error
+    import urllib.request
+
+    import flexh2o.server.command as command
+    from serving import Running
+    seen, load = threading.Event(), command.load_engine
+    monkeypatch.setattr(command, "load_engine", lambda *a, **k: seen.wait(60) and load(*a, **k))
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    url = f"http://127.0.0.1:{port}"
+    answers = []
+
+    def watch():
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(url + "/health", timeout=5)
+            except urllib.error.HTTPError as e:
+                answers.append((e.code, e.read().decode()))
+                try:
+                    urllib.request.urlopen(urllib.request.Request(url + "/v1/completions", b'{"prompt": "hi"}'))
+                except urllib.error.HTTPError as refused:
+                    answers.append((refused.code, refused.read().decode()))
+                seen.set()
+                return
+            except OSError:
+                pass
+            threading.Event().wait(0.05)
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    server = Running(["--model", word_llama, "--gpu-batch-size", "2", "--offload-dir", str(tmp_path), "--port",
+                      str(port)])
+    watcher.join()
+    try:
+        assert answers[0] == (503, '{"status":"loading"}') and answers[1][0] == 503 and "loading" in answers[1][1]
+        assert urllib.request.urlopen(url + "/health").status == 200
+    finally:
+        assert server.stop() == 0
+
+
+def test_the_api_key_may_come_from_the_environment(word_llama, tmp_path, monkeypatch):  # noqa: F811
+    import openai
+
+    from serving import Running
+    monkeypatch.setenv("FLEXH2O_API_KEY", "from-env")
+    server = Running(["--model", word_llama, "--gpu-batch-size", "2", "--offload-dir", str(tmp_path)])
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            server.client().models.list()
+        assert server.client(api_key="from-env").models.list().data
+    finally:
+        assert server.stop() == 0

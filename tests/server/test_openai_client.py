@@ -12,7 +12,7 @@ import openai
 import pytest
 import torch
 
-from serving import WORDS, server, word_llama  # noqa: F401 - fixtures
+from serving import WORDS, server, start, word_llama  # noqa: F401 - fixtures
 
 PROMPTS = ["the red ship and the blue sea", "one two three", "a cat on the hill at night",
            "the king of the city was old", "hello world", "river"]
@@ -123,7 +123,7 @@ def test_echo_and_logprobs_as_lm_eval_asks_for_them(server, word_llama):
     assert all(t.top_logprobs[0].logprob == pytest.approx(t.logprob) for t in content)  # greedy: the likeliest
 
 
-def test_a_request_gets_the_same_text_whatever_else_is_in_flight(server):
+def alone_and_together(server) -> tuple[list, list]:
     """Greedy and seeded sampled requests, each alone, then all at once from 8 threads (4 rows)."""
     client = server.client()
     model = server.service.state.ctx.model
@@ -135,8 +135,26 @@ def test_a_request_gets_the_same_text_whatever_else_is_in_flight(server):
     alone = [ask(a) for a in asks]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         together = list(pool.map(ask, asks))
-    assert together == alone
     assert len(set(alone)) > len(asks) // 2
+    return alone, together
+
+
+def test_a_request_gets_the_same_text_whatever_else_is_in_flight(server):
+    alone, together = alone_and_together(server)
+    assert together == alone
+
+
+@pytest.mark.parametrize("flags", [
+    ["--hh-ratio", "0.3", "--weights", "gpu=50,cpu=25,disk=25", "--cache", "gpu=50,cpu=0,disk=50", "--compress-cache"],
+    ["--prompt-chunk", "3", "--cache", "gpu=50,cpu=50,disk=0", "--compress-weight"]])
+def test_every_placement_and_policy_keeps_a_request_to_its_own_text(word_llama, tmp_path, flags):  # noqa: F811
+    """H2O with weights and a compressed cache partly on disk; prompts in chunks beside 4-bit weights."""
+    running = start(word_llama, tmp_path, *flags)
+    try:
+        alone, together = alone_and_together(running)
+    finally:
+        assert running.stop() == 0
+    assert together == alone
 
 
 def wait_for(condition, what: str, seconds: float = 60):
