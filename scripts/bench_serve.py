@@ -14,7 +14,9 @@ in its own process under the same memory cgroup, with the same threads:
 - flexh2o-serve: `python -m flexh2o.serve --gpu-batch-size B --max-model-len L` (float32), and in
   the same cgroup the clients: C concurrent `openai.AsyncOpenAI` clients, each sending the next
   record as soon as its last answer ended (its chat template applied here, sent as token ids to
-  /v1/completions, streamed with usage);
+  /v1/completions, streamed with usage), the records in the order the job takes them (largest
+  max_tokens first: sent in file order, a long record coming last runs alone at the end, in any
+  engine);
 - llama-server: llama.cpp's server (bench_vs_llamacpp.py builds it) with -np B slots of L tokens,
   the same threads, sent the same requests by the same clients (its /v1/completions).
 
@@ -80,7 +82,9 @@ async def load(url: str, model: str, requests: list, clients: int) -> dict:
     """Every request, from `clients` concurrent clients; wall time, tokens, latencies and texts."""
     import openai
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=24 * 3600)
-    todo = list(range(len(requests)))[::-1]
+    # In the order the offline job takes them (largest max_tokens first), so that the servers and the
+    # job face the same schedule: a long record sent last would run alone at the end.
+    todo = sorted(range(len(requests)), key=lambda n: (-requests[n]["max_tokens"], n))[::-1]
     first, gaps, texts, tokens, errors = [], [], {}, 0, []
 
     async def one(n: int):

@@ -143,7 +143,7 @@ class SlotPool:
     def _drop_cancelled(self, rows: range):
         """Rows among `rows` whose request was cancelled are freed (a prompt in chunks forgotten)."""
         for row in rows:
-            request = self.request[row] if self.active[row] else self.prefilling.get(row, (None,))[0]
+            request = self.request[row] or self.prefilling.get(row, (None,))[0]  # (None where the row is free)
             if request is not None and request.cancelled:
                 self._leave(row, "cancelled")
 

@@ -12,7 +12,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 
-from flexh2o.server.access import Access, BodyTooLarge, _too_large
+from flexh2o.server.access import Access
 from flexh2o.server.batch_routes import batch_routes
 from flexh2o.server.errors import ApiError, unavailable
 from flexh2o.server.routes import generation_routes
@@ -25,6 +25,7 @@ class ServerState:
     def __init__(self, ctx, eos, metrics, log_prompts: bool = False):
         self.status = "loading"
         self.ctx, self.eos, self.metrics, self.log_prompts = ctx, eos, metrics, log_prompts
+        self.engine_tokenizer = ctx.tokenizer.own_copy()  # what the engine thread decodes with
         self.loop = self.files = self.batches = None
         self.created = int(time.time())
 
@@ -45,14 +46,9 @@ def build_app(state: ServerState, api_key: str | None, max_body: int, max_upload
         return ApiError(error.status_code, f"no such {what}: {request.method} {request.url.path}",
                         code="not_found" if error.status_code == 404 else "method_not_allowed").response()
 
-    async def too_large(request, error: BodyTooLarge):
-        return _too_large(max_upload if request.url.path == "/v1/files" else max_body).response()
-
-    async def server_error(request, error: Exception):
-        return ApiError(500, f"the server failed on this request ({type(error).__name__})",
-                        code="internal_error").response()
-    handlers = {ApiError: api_error, HTTPException: http_error, BodyTooLarge: too_large, Exception: server_error}
+    handlers = {ApiError: api_error, HTTPException: http_error}  # (any other fault: access.py's 500)
     app = Starlette(routes=generation_routes(state) + batch_routes(state), exception_handlers=handlers,
-                    middleware=[Middleware(Access, api_key=api_key, max_body=max_body, max_upload=max_upload)])
+                    middleware=[Middleware(Access, state=state, api_key=api_key, max_body=max_body,
+                                           max_upload=max_upload)])
     app.state.server = state
     return app

@@ -90,4 +90,4 @@ def batch_routes(state) -> list:
              ("/v1/files/{file_id}/content", file_content, "GET"), ("/v1/batches", create_batch, "POST"),
              ("/v1/batches", list_batches, "GET"), ("/v1/batches/{batch_id}", get_batch, "GET"),
              ("/v1/batches/{batch_id}/cancel", cancel_batch, "POST")]
-    return [Route(path, handled(state, path, handler), methods=[method]) for path, handler, method in table]
+    return [Route(path, handled(handler), methods=[method]) for path, handler, method in table]

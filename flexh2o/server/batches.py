@@ -87,14 +87,13 @@ class Batch:
             return self.record["status"] == "in_progress" and bool(self.pending)
 
     def next_request(self):
-        with self.lock:
+        with self.lock:  # (taken from pending and put in the pool at once: a cancel sees it in one of them)
             if self.record["status"] != "in_progress" or not self.pending:
                 return None
             entry = self.pending.popleft()
-        request = record_request(self.job_input, entry, self.store.tokenizer, self.store.seed,
-                                 sampler=sampler_for(entry.sampling))
-        request.tag = BatchRecord(self, *request.tag)
-        with self.lock:
+            request = record_request(self.job_input, entry, self.store.tokenizer, self.store.seed,
+                                     sampler=sampler_for(entry.sampling))
+            request.tag = BatchRecord(self, *request.tag)
             self.in_pool.add(request)
         return request
 
@@ -102,13 +101,15 @@ class Batch:
         tag = request.tag
         with self.lock:
             self.in_pool.discard(request)
+            if self.record["status"] == "failed":  # (its output could not be written: nothing more is)
+                return
             if reason == "cancelled":
                 if self.record["status"] == "in_progress":  # (the server stops: done at its next start)
                     self.pending.appendleft(tag.entry)
                 ended = self.record["status"] == "cancelling" and not self.in_pool
             else:
-                record, _ = result_record(self.store.formatter, self.store.tokenizer, self.store.eos, tag.entry,
-                                          tag.parsed, tokens)
+                record, _ = result_record(self.store.formatter, self.store.engine_tokenizer, self.store.eos,
+                                          tag.entry, tag.parsed, tokens)
                 self.finished.append(record)
                 ended = not self.pending and not self.in_pool
         if ended or len(self.finished) >= FLUSH_RECORDS or time.monotonic() - self.last_write >= FLUSH_SECONDS:
@@ -117,10 +118,15 @@ class Batch:
             self.store.end(self)
 
     def flush(self):
+        """Writes the records finished so far; a write that fails (a full disk) fails the batch, with
+        what it wrote before kept."""
         with self.lock:
             records, self.finished = self.finished, []
         if records:
-            self.output.append(records)
+            try:
+                self.output.append(records)
+            except WriteFailed as e:
+                self.store.fail(self, str(e))
         self.last_write = time.monotonic()
 
     def counts(self) -> dict:
@@ -147,11 +153,13 @@ class BatchRecord(Tag):
 class BatchStore:
     """Every batch of the state dir; new ones validated and run on `loop` (engine_loop.py)."""
 
-    def __init__(self, directory: str, files, loop, tokenizer, eos, model: str, settings: dict, max_model_len: int,
-                 seed: int):
-        """settings: what a batch's records depend on (model, its SHA-256, dtype, KV policy...): a batch
-        begun with other settings is not resumed (jobs/output.py)."""
-        self.directory, self.files, self.loop, self.tokenizer, self.eos = directory, files, loop, tokenizer, eos
+    def __init__(self, directory: str, files, loop, tokenizers: tuple, eos, model: str, settings: dict,
+                 max_model_len: int, seed: int):
+        """tokenizers: the one shared by the threads that read inputs, and the engine thread's own
+        (tokenizer.py); settings: what a batch's records depend on (model, its SHA-256, dtype, KV
+        policy...): a batch begun with other settings is not resumed (jobs/output.py)."""
+        self.directory, self.files, self.loop, self.eos = directory, files, loop, eos
+        self.tokenizer, self.engine_tokenizer = tokenizers
         self.settings, self.max_model_len, self.seed = settings, max_model_len, seed
         self.formatter = OpenAIFormat(model)
         self.batches: dict[str, Batch] = {}
@@ -295,7 +303,7 @@ class BatchStore:
         from where it stopped after a restart (`finalizing`, `cancelling`)."""
         self.loop.remove_feed(batch)
         with batch.lock:
-            if batch.ending:
+            if batch.ending or batch.record["status"] == "failed":
                 return
             batch.ending = True
             cancelled = batch.record["status"] == "cancelling"
@@ -305,6 +313,8 @@ class BatchStore:
             batch.flush()
             batch.record["request_counts"] = batch.counts()
             batch.output.close()
+            if batch.record["status"] == "failed":  # (the last records could not be written)
+                return
         fields = {}
         for key, name in (("output_file_id", "output.jsonl"), ("error_file_id", "errors.jsonl")):
             file_id = batch.record["_" + key]
@@ -312,6 +322,17 @@ class BatchStore:
                                      "batch_output") is not None:
                 fields[key] = file_id
         batch.set_status("cancelled" if cancelled else "completed", **fields)
+
+    def fail(self, batch: Batch, message: str):
+        """The batch cannot go on (its output cannot be written): failed, its records in flight dropped."""
+        self.loop.remove_feed(batch)
+        with batch.lock:
+            batch.pending.clear()
+            for request in batch.in_pool:
+                request.cancelled = True
+            batch.set_status("failed", errors={"object": "list", "data": [
+                {"code": "output_failed", "message": message, "param": None, "line": None}]})
+        log.error("error: batch %s failed: %s", batch.id, message)
 
     def close(self):
         """At the server's stop: the batches' finished records written, their outputs closed."""

@@ -37,7 +37,7 @@ from flexh2o.server.engine_loop import EngineLoop
 from flexh2o.server.files import FileStore
 from flexh2o.server.metrics import Metrics
 from flexh2o.server.openai_requests import Context
-from flexh2o.server.service import Service
+from flexh2o.server.service import HttpFailed, Service
 from flexh2o.server.state_dir import StateDir
 from flexh2o.server.tokenizer import SharedTokenizer
 
@@ -57,6 +57,9 @@ def serve_parsed(args, on_ready=None) -> int:
     except (OffloadError, IOTaskError) as e:
         cause = f"--offload-dir: {e.strerror}" if isinstance(e, OffloadError) else str(e)
         print(f"error: {cause}; the server stopped and its offload files were removed", file=sys.stderr)
+        return 1
+    except HttpFailed as e:
+        print(f"error: {e}", file=sys.stderr)
         return 1
 
 
@@ -182,7 +185,8 @@ def run_server(args, key, limits, planning, policy, caps, device, dtype, spec, w
                         "kv_policy": policy.kv_policy, "hh_ratio": policy.hh_ratio,
                         "recent_ratio": policy.recent_ratio, "compress_weight": policy.compress_weight,
                         "compress_cache": policy.compress_cache, "max_model_len": n, "seed": args.seed}
-            batches = BatchStore(state_dir.batches, files, loop, tokenizer, eos, name, settings, n, args.seed)
+            batches = BatchStore(state_dir.batches, files, loop, (tokenizer, state.engine_tokenizer), eos, name,
+                                 settings, n, args.seed)
         service.serve(engine, loop, files, batches)
         print(f"flexh2o {version()} serving {name} at {url}/v1 ({policy.batch_size} rows of {n} tokens; Ctrl-C "
               "stops)", flush=True)

@@ -68,29 +68,30 @@ def parse(body, chat: bool, ctx: Context) -> Generation:
 
 
 def _parse(body: dict, chat: bool, ctx: Context) -> Generation:
-    flag = _flag(body)
+    """The fields checked first, the prompt (tokenizing it) last."""
     n = number_field(body, "n", int, 1, 1, MAX_N)
-    stream = flag("stream")
+    stream = flag(body, "stream")
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or not stream):
         raise BadRecord("stream_options must be an object, and only with stream: true", "stream_options")
-    include_usage = flag("include_usage", options) if options and "include_usage" in options else True
+    include_usage = flag(options, "include_usage") if options and "include_usage" in options else True
+    chosen = sampling(number_field(body, "temperature", float, 1.0, 0.0, 100.0),
+                      number_field(body, "top_p", float, 1.0, 0.0, 1.0, low_open=True),
+                      number_field(body, "top_k", int, 0, 0, 1 << 31))
+    seed = number_field(body, "seed", int, None, 0, MAX_SEED)
+    stops = stop_strings(body.get("stop"))
+    echo = not chat and flag(body, "echo")
     if chat:
-        prompts, texts = [_chat_prompt(body, ctx)], None
-        echo = False
-        logprobs = None
-        if flag("logprobs"):
-            logprobs = number_field(body, "top_logprobs", int, 0, 0, MAX_LOGPROBS)
-        elif body.get("top_logprobs") is not None:
+        logprobs = number_field(body, "top_logprobs", int, 0, 0, MAX_LOGPROBS) if flag(body, "logprobs") else None
+        if logprobs is None and body.get("top_logprobs") is not None:
             raise BadRecord("top_logprobs needs logprobs: true", "top_logprobs")
         if "max_completion_tokens" in body and "max_tokens" not in body:
             body = dict(body, max_tokens=body["max_completion_tokens"])
     else:
-        prompts, texts = _completion_prompts(body.get("prompt"), ctx)
-        echo = flag("echo")
         logprobs = number_field(body, "logprobs", int, None, 0, MAX_LOGPROBS)
-    default = COMPLETION_MAX_TOKENS if not chat else None
-    max_tokens = number_field(body, "max_tokens", int, default, 0 if echo else 1, 1 << 20)
+    max_tokens = number_field(body, "max_tokens", int, None if chat else COMPLETION_MAX_TOKENS, 0 if echo else 1,
+                              1 << 20)
+    prompts, texts = ([_chat_prompt(body, ctx)], None) if chat else _completion_prompts(body.get("prompt"), ctx)
     longest = max(len(p) for p in prompts)
     if max_tokens is None:
         max_tokens = ctx.max_model_len - longest
@@ -99,23 +100,17 @@ def _parse(body: dict, chat: bool, ctx: Context) -> Generation:
         raise BadRecord(f"this server's sequences hold {ctx.max_model_len} tokens (--max-model-len); the request "
                         f"asks {longest + max_tokens} ({longest} in the {where}, {max_tokens} to generate): shorten "
                         f"the {where} or lower max_tokens", where if longest >= ctx.max_model_len else "max_tokens")
-    chosen = sampling(number_field(body, "temperature", float, 1.0, 0.0, 100.0),
-                      number_field(body, "top_p", float, 1.0, 0.0, 1.0, low_open=True),
-                      number_field(body, "top_k", int, 0, 0, 1 << 31))
-    seed = number_field(body, "seed", int, None, 0, MAX_SEED)
-    return Generation(chat, prompts, texts, n, max_tokens, chosen, seed, stop_strings(body.get("stop")), stream,
-                      include_usage, logprobs, echo)
+    return Generation(chat, prompts, texts, n, max_tokens, chosen, seed, stops, stream, include_usage, logprobs, echo)
 
 
-def _flag(body: dict):
-    def flag(key: str, where: dict | None = None) -> bool:
-        value = (body if where is None else where).get(key)
-        if value is None:
-            return False
-        if not isinstance(value, bool):
-            raise BadRecord(f"{key} must be true or false, got {value!r}", key)
-        return value
-    return flag
+def flag(record: dict, key: str) -> bool:
+    """record[key]: true or false (absent or null: false)."""
+    value = record.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise BadRecord(f"{key} must be true or false, got {value!r}", key)
+    return value
 
 
 def _completion_prompts(prompt, ctx: Context) -> tuple[list, list]:

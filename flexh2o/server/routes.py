@@ -2,25 +2,23 @@
 chat completions, and the tokenizer routes vLLM's server has (lm-eval's `remote` tokenizer uses
 them: a GGUF model needs no tokenizer files on the client's side).
 
-Every route is wrapped by `handled`: an ApiError becomes its JSON answer, the answer is counted
-(metrics.py) and logged in one line at info level (with the prompt only under --log-prompts).
+Every route is wrapped by `handled`: an ApiError becomes its JSON answer; what a route notes goes
+into the request's log line (access.py).
 """
 
 import json
-import logging
-import time
 
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from flexh2o.server import responses
+from flexh2o.server.access import NOTE
 from flexh2o.server.errors import ApiError, bad_request
 from flexh2o.server.online import ClientGone, choices_of, gather
 from flexh2o.server.openai_requests import parse
 from flexh2o.server.streams import chunks
 
-log = logging.getLogger("flexh2o.serve")
 PROMPT_LOG_CHARS = 500  # of a prompt, logged under --log-prompts
 
 
@@ -34,43 +32,16 @@ async def read_json(request):
         raise bad_request(f"the request body is not valid JSON ({e})") from None
 
 
-def handled(state, name: str, handler):
-    """handler(request, note) -> response, as a route: errors answered, the answer counted and logged
-    (note: what the handler adds to the log line)."""
+def handled(handler):
+    """handler(request, note) -> response, as a route: an ApiError answered; note: what the handler
+    adds to the request's log line (access.py)."""
     async def route(request):
-        began, note = time.monotonic(), {}
         try:
-            response = await handler(request, note)
+            return await handler(request, request.scope.setdefault(NOTE, {}))
         except ApiError as e:
-            response = e.response({"WWW-Authenticate": "Bearer"} if e.status == 401 else None)
-            note["error"] = e.message
-        if isinstance(response, StreamingResponse):  # logged once the stream ends
-            response.body_iterator = logged_stream(response.body_iterator, state, request, name, began, note)
-        else:
-            finish(state, request, name, response.status_code, began, note)
-        return response
+            request.scope[NOTE]["error"] = e.message
+            return e.response()
     return route
-
-
-async def logged_stream(body, state, request, name, began, note):
-    status = 200
-    try:
-        async for part in body:
-            yield part
-    except BaseException:
-        status = 499  # the client went away before the end
-        raise
-    finally:
-        finish(state, request, name, status, began, note)
-
-
-def finish(state, request, name: str, status: int, began: float, note: dict):
-    state.metrics.answered(name, status)
-    if not state.log_prompts:
-        note.pop("prompt", None)
-    words = " ".join(f"{k}={v if isinstance(v, (int, float)) else json.dumps(v, ensure_ascii=False)}"
-                     for k, v in note.items())
-    log.info("%s", f"{request.method} {request.url.path} {status} {time.monotonic() - began:.3f}s {words}".rstrip())
 
 
 def generation_routes(state) -> list:
@@ -78,7 +49,7 @@ def generation_routes(state) -> list:
         state.check_ready()
         body = await read_json(request)
         gen = await run_in_threadpool(parse, body, chat, state.ctx)
-        requests, events = choices_of(gen, state.ctx.tokenizer, state.eos)
+        requests, events = choices_of(gen, state.engine_tokenizer, state.eos)
         prompt_tokens = sum(len(p) for p in gen.prompts)
         rid = responses.new_id(chat)
         note.update(id=rid, prompt_tokens=prompt_tokens, choices=len(requests))
@@ -159,4 +130,4 @@ def generation_routes(state) -> list:
              ("/v1/models/{model:path}", model, "GET"), ("/v1/completions", completions, "POST"),
              ("/v1/chat/completions", chat_completions, "POST"), ("/tokenizer_info", tokenizer_info, "GET"),
              ("/tokenize", tokenize, "POST"), ("/detokenize", detokenize, "POST")]
-    return [Route(path, handled(state, path, handler), methods=[method]) for path, handler, method in table]
+    return [Route(path, handled(handler), methods=[method]) for path, handler, method in table]

@@ -24,6 +24,10 @@ HTTP_GRACE = 5.0  # seconds uvicorn waits for a connection still open after the 
 log = logging.getLogger("flexh2o.serve")
 
 
+class HttpFailed(RuntimeError):
+    """uvicorn did not start on the bound socket."""
+
+
 class Service:
     def __init__(self, state, app, sock):
         self.state, self.sock = state, sock
@@ -41,7 +45,7 @@ class Service:
         deadline = time.monotonic() + timeout
         while not self.http.started:
             if not self.http_thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the HTTP server did not start")
+                raise HttpFailed(f"the HTTP server did not start within {timeout:g} s")
             time.sleep(0.01)
 
     def serve(self, engine, loop, files=None, batches=None):

@@ -16,7 +16,7 @@ async def chunks(gen, requests: list, events, rid: str, model: str, tokenizer, p
     """The events of a streamed Generation whose choices are `requests` (queued already); note gets
     the tokens generated."""
     trackers = {request.tag.index: request.tag.tracker for request in requests}
-    completion_tokens = 0
+    completion_tokens, ended = 0, False
     try:
         for request in requests:  # chat: the role first; a completion's echo: its prompt first
             tag = request.tag
@@ -51,5 +51,8 @@ async def chunks(gen, requests: list, events, rid: str, model: str, tokenizer, p
             if gen.include_usage:
                 yield event(responses.usage_chunk(rid, model, gen.chat, prompt_tokens, completion_tokens))
         yield "data: [DONE]\n\n"
+        ended = True
     finally:
+        if not ended:
+            note["error"] = "the client went away"
         cancel(requests)

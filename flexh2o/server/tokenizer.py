@@ -1,9 +1,12 @@
-"""The model's tokenizer shared by the server's threads (the HTTP handlers and the engine thread).
+"""The model's tokenizer shared by the server's threads.
 
 Hugging Face's fast tokenizers set their own padding and truncation state on each call, and two
-threads in one at once fail ("Already borrowed"): every call goes through one lock here.
+threads in one at once fail ("Already borrowed"): every call goes through one lock here. The
+engine thread, which decodes every token of every sequence, has a copy of its own (own_copy), so
+that it never waits for a handler tokenizing a long prompt or rendering a chat template.
 """
 
+import copy
 import threading
 
 
@@ -26,6 +29,10 @@ class SharedTokenizer:
     def apply_chat_template(self, *args, **kwargs):
         with self._lock:
             return self._tokenizer.apply_chat_template(*args, **kwargs)
+
+    def own_copy(self) -> "SharedTokenizer":
+        with self._lock:
+            return SharedTokenizer(copy.deepcopy(self._tokenizer))
 
     def __getattr__(self, name):  # attributes (chat_template, eos_token...) as the tokenizer's
         return getattr(self._tokenizer, name)

@@ -112,6 +112,24 @@ def test_a_cancelled_batch_ends_with_what_it_wrote(server, monkeypatch):
         client.files.retrieve(uploaded.id)
 
 
+def test_a_batch_whose_output_cannot_be_written_fails_alone(server, monkeypatch):
+    """A full disk under the batch's output: the batch fails, saying why; the server serves on."""
+    import errno
+
+    from flexh2o.jobs.files import WriteFailed
+    from flexh2o.jobs.output import JobOutput
+
+    def full(output, records):
+        raise WriteFailed(output.path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+    monkeypatch.setattr(JobOutput, "append", full)
+    client = server.client()
+    uploaded = client.files.create(file=("in.jsonl", io.BytesIO(batch_lines(12))), purpose="batch")
+    done = finished(client, client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                                  completion_window="24h").id)
+    assert done.status == "failed" and "No space left" in done.errors.data[0].message
+    assert client.completions.create(model=server.service.state.ctx.model, prompt="hello", max_tokens=2).choices
+
+
 def test_ids_never_become_paths_and_bad_uploads_are_refused(server):
     client = server.client()
     for name in ("../server.lock", "file-../../x", "file-" + "0" * 23 + "g", "batches"):

@@ -5,6 +5,7 @@ import http.client
 import json
 import threading
 import urllib.parse
+import urllib.request
 
 import openai
 import pytest
@@ -89,11 +90,22 @@ def test_an_api_key_is_needed_where_one_is_set(guarded):
     assert error_of(raw(guarded.url, "POST", "/tokenize", {"prompt": "hi"}))[0] == 401
     assert raw(guarded.url, "GET", "/health")[0] == 200  # health and metrics are open
     assert guarded.client(api_key=KEY).models.list().data
+    metrics = urllib.request.urlopen(guarded.url + "/metrics").read().decode()
+    assert 'flexh2o_requests_total{route="(no route)",status="401"}' in metrics  # (refused before any route)
+    assert 'flexh2o_requests_total{route="/v1/models",status="200"}' in metrics
 
 
 def test_a_body_over_the_limit_is_a_413(guarded):
+    """Declared (Content-Length) or found while it is read (chunked, no length)."""
     headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     assert error_of(raw(guarded.url, "POST", "/v1/completions", {"prompt": "hello " * 500}, headers))[0] == 413
+    parts = urllib.parse.urlsplit(guarded.url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    body = json.dumps({"prompt": "hello " * 500}).encode()
+    connection.request("POST", "/v1/completions", iter([body[:1000], body[1000:]]), headers, encode_chunked=True)
+    answer = connection.getresponse()
+    assert answer.status == 413 and json.loads(answer.read())["error"]["code"] == "request_too_large"
+    connection.close()
     with pytest.raises(openai.APIStatusError) as caught:
         guarded.client(api_key=KEY).completions.create(model="x", prompt="hello " * 500)
     assert caught.value.status_code == 413
