@@ -287,7 +287,8 @@ class Engine:
     def generate_refilled(self, requests, on_done, prompt_len: int, gen_len: int, do_sample: bool = False,
                           temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                           eos_token_id: int | None = -1, pad_token_id: int | None = None,
-                          join_every: int = 1, prompt_chunk: int | None = None, wait_for_work=None) -> SlotPool:
+                          join_every: int = 1, prompt_chunk: int | None = None, wait_for_work=None,
+                          on_step=None) -> SlotPool:
         """Generates every request of `requests` (an iterator of slot_pool.Request) in the policy's
         batch of slots, a stopped sequence's slot taking the next request (continuous batching).
 
@@ -299,8 +300,8 @@ class Engine:
         uncompressed; None: whole). Sampling as generate's, each request from its own seed (and with
         its own sampler where it brings one). wait_for_work: where given, called when nothing runs and
         nothing waits, returning once a request may wait (True) or to end the run (False): the run
-        then lasts as long as its caller wants (a server). Returns the pool, whose counts say how it
-        went; last_stats holds the run's times."""
+        then lasts as long as its caller wants (a server). on_step: called as each token step ends.
+        Returns the pool, whose counts say how it went; last_stats holds the run's times."""
         policy, spec = self.policy, self.spec
         check_generate_arguments(spec.vocab_size, do_sample, temperature, top_k, top_p, None, eos_token_id,
                                  pad_token_id, False, False, None)
@@ -314,7 +315,7 @@ class Engine:
         pad = spec.pad_token_id if pad_token_id is None else pad_token_id
         pool = SlotPool(requests, policy.batch_size, policy.gpu_batch_size,
                         Sampler(do_sample, temperature, top_k, top_p, 0), eos, pad, self.tiers.compute, on_done,
-                        join_every, prompt_chunk, wait_for_work)
+                        join_every, prompt_chunk, wait_for_work, on_step)
         self._run(pool, prompt_len, gen_len, 1 << 62, None, False)
         return pool
 

@@ -6,8 +6,7 @@ request (kv/cache.py). When a sequence stops (EOS, its max_new_tokens, its stop 
 free; at the next token step that joins (every `join_every` steps) the free rows take waiting
 requests in order. The joining rows of gpu-batch k get a prompt step of their own, a second call
 of each (layer, k) unit right after that unit's decode call, on the weights loaded for it
-(schedule.py): the decode call computes every row of the gpu-batch, the joining ones too, whose
-output is never read and whose cache row the prompt step then rewrites whole.
+(schedule.py); the prompt step writes each joining row's cache whole.
 
 Each sequence keeps its own place: its prompt's real tokens fill its cache slots from 0 (no
 padding stored), its position and the full cache's slot for a new token are its prompt length
@@ -39,14 +38,15 @@ class SlotPool:
     while nothing waits); `on_done(request, tokens, reason)` receives each finished sequence's new
     tokens (ending with the EOS token where one ended it) and "stop" (EOS or stop check), "length"
     or "cancelled". wait_for_work(), where given, is called when nothing runs and nothing waits: it
-    returns once a request may be waiting, True, or False to end the run (a server's pool idles)."""
+    returns once a request may be waiting, True, or False to end the run (a server's pool idles).
+    on_step(), where given, is called as each token step ends, its tokens all chosen."""
 
     refills = True
     fixed_shape = False  # decode steps over every row of the gpu-batch (set by CUDA graphs and pipeline stages)
 
     def __init__(self, requests, batch: int, gpu_batch_size: int, sampler, eos_token_id, pad_token_id: int, device,
-                 on_done, join_every: int = 1, prompt_chunk: int | None = None, wait_for_work=None):
-        self.requests, self.waiting, self.wait_for_work = iter(requests), [], wait_for_work
+                 on_done, join_every: int = 1, prompt_chunk: int | None = None, wait_for_work=None, on_step=None):
+        self.requests, self.waiting, self.wait_for_work, self.on_step = iter(requests), [], wait_for_work, on_step
         self.batch, self.gpu_batch_size, self.join_every = batch, gpu_batch_size, join_every
         self.prompt_chunk = prompt_chunk
         self.prefilling = {}  # row -> (its request, prompt tokens in its cache): a prompt taken in chunks
@@ -381,7 +381,10 @@ class SlotPool:
         self.on_done(request, tokens, reason)
 
     def all_finished(self) -> bool:
-        """Nothing runs and nothing waits (where wait_for_work is given: and it ends the run)."""
+        """Nothing runs and nothing waits (where wait_for_work is given: and it ends the run). Asked
+        once at the end of every token step."""
+        if self.on_step is not None:
+            self.on_step()
         while not self.active.any() and not self.prefilling and not self.in_flight and self._peek() is None:
             if self.wait_for_work is None or not self.wait_for_work():
                 return True

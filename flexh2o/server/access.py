@@ -42,6 +42,7 @@ class Access:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         began, note, status = time.monotonic(), scope.setdefault(NOTE, {}), [None]
+        with_prompt = self.state.log_prompts
 
         async def tracked_send(message):
             if message["type"] == "http.response.start":
@@ -55,7 +56,7 @@ class Access:
         try:
             await self._checked(scope, receive, tracked_send, answer)
         finally:
-            self._record(scope, status[0] or 499, began, note)
+            self._record(scope, status[0] or 499, began, note, with_prompt)
 
     async def _checked(self, scope, receive, send, answer):
         path = scope.get("path", "")
@@ -87,11 +88,11 @@ class Access:
             await answer(ApiError(500, f"the server failed on this request ({type(e).__name__})",
                                   code="internal_error"))
 
-    def _record(self, scope, status: int, began: float, note: dict):
+    def _record(self, scope, status: int, began: float, note: dict, with_prompt: bool):
         """The request counted by its route and status, and its log line."""
         route = scope.get("route")
         self.state.metrics.answered(route.path if route is not None else "(no route)", status)
-        if not self.state.log_prompts:
+        if not with_prompt:
             note.pop("prompt", None)
         words = " ".join(f"{k}={v if isinstance(v, (int, float)) else json.dumps(v, ensure_ascii=False)}"
                          for k, v in note.items())

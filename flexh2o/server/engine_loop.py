@@ -7,7 +7,9 @@ next record of a running batch (a feed, batches.py), so batch records fill the r
 requests leave. When nothing runs and nothing waits the pool waits for work, its caches kept.
 
 Each sequence is a slot_request.Request whose tag (a Tag) says where its tokens go. The tags'
-methods run on this thread.
+methods run on this thread; what they hand to an asyncio loop (the HTTP side) is posted (post())
+and delivered once per token step, in one wake-up of that loop for all its sequences: one
+wake-up per token of every stream would take the CPU from the engine's threads far more often.
 
 stop_taking() ends the intake: new requests are refused (503), the batches pause (their records
 in flight are cancelled: a batch resumes them when the server starts again), the queued and
@@ -29,6 +31,7 @@ class Tag:
     and when it was queued and got its tokens (metrics.py)."""
 
     is_batch = False  # a batch's record (its sequence is cancelled, not finished, when the server stops)
+    post = None       # post(asyncio loop, function, *args): set by the engine loop that runs it
 
     def __init__(self):
         self.queued_at = time.monotonic()
@@ -58,6 +61,7 @@ class EngineLoop:
         self.in_pool = set()              # sequences handed to the pool and not ended
         self.busy = 0                     # of which with a row (their first token chosen)
         self.cond = threading.Condition()
+        self.outbox: dict = {}            # asyncio loop -> [(function, args)] posted during this token step
         self.taking = True
         self.failure = None
         self.thread = threading.Thread(target=self._run, name="flexh2o engine", daemon=True)
@@ -78,7 +82,7 @@ class EngineLoop:
             if len(self.queue) + len(requests) > self.max_queued:
                 raise queue_full(len(self.queue))
             for request in requests:
-                request.on_token = self._token
+                request.on_token, request.tag.post = self._token, self.post
             self.queue.extend(requests)
             self._changed()
 
@@ -135,7 +139,7 @@ class EngineLoop:
             with torch.no_grad():
                 self.engine.generate_refilled(self._source(), self._done, *self.shape, eos_token_id=self.eos,
                                               join_every=self.join_every, prompt_chunk=self.prompt_chunk,
-                                              wait_for_work=self._wait_for_work)
+                                              wait_for_work=self._wait_for_work, on_step=self.deliver)
         except BaseException as error:  # noqa: BLE001 - every sequence is told, then the server stops
             with self.cond:
                 self.failure = error
@@ -145,6 +149,7 @@ class EngineLoop:
             message = f"the engine failed: {type(error).__name__}: {error}"
             for request in lost:
                 request.tag.fail(message)
+            self.deliver()
             if self.on_failure is not None:
                 self.on_failure(error)
 
@@ -176,6 +181,19 @@ class EngineLoop:
                 self.cond.wait()
             return True
 
+    def post(self, loop, function, *args):
+        """function(*args) to run on asyncio `loop`, once this token step ends (deliver)."""
+        self.outbox.setdefault(loop, []).append((function, args))
+
+    def deliver(self):
+        """What this token step posted, to each asyncio loop in one call."""
+        posted, self.outbox = self.outbox, {}
+        for loop, calls in posted.items():
+            try:
+                loop.call_soon_threadsafe(run_all, calls)
+            except RuntimeError:  # that loop is closed: the server stopped
+                pass
+
     def _token(self, request, token: int):
         tag, now = request.tag, time.monotonic()
         if tag.first_token_at is None:
@@ -196,3 +214,8 @@ class EngineLoop:
         if self.metrics is not None:
             self.metrics.rows_busy.set(self.busy)
         request.tag.done(request, tokens, reason)
+
+
+def run_all(calls: list):
+    for function, args in calls:
+        function(*args)

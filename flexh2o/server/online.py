@@ -73,10 +73,7 @@ class OnlineChoice(Tag):
         self._send(("error", self.index, message))
 
     def _send(self, event):
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-        except RuntimeError:  # the event loop is closed: the server stopped
-            pass
+        self.post(self.loop, self.events.put_nowait, event)
 
 
 def choices_of(gen, tokenizer, eos) -> tuple[list, asyncio.Queue]:

@@ -12,6 +12,7 @@ import pytest
 from flexh2o.serve import build_parser
 from flexh2o.server.command import serve_parsed
 from serving import server, word_llama  # noqa: F401 - fixtures
+from test_openai_client import wait_for
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -66,18 +67,23 @@ def test_a_state_dir_that_is_a_link_or_in_use_is_refused(word_llama, server, tmp
 
 
 def test_one_log_line_per_request_with_its_prompt_only_when_asked(server, caplog):  # noqa: F811
+    """(A line is logged once the answer is out: the test waits for it.)"""
     caplog.set_level(logging.INFO, logger="flexh2o.serve")
     client, model = server.client(), server.service.state.ctx.model
+
+    def lines():
+        return [r.getMessage() for r in caplog.records if r.name == "flexh2o.serve"]
     client.completions.create(model=model, prompt="the secret river", max_tokens=2, temperature=0)
-    lines = [r.getMessage() for r in caplog.records if r.name == "flexh2o.serve"]
-    assert len(lines) == 1 and lines[0].startswith("POST /v1/completions 200 ") and "prompt_tokens=3" in lines[0]
-    assert "secret" not in lines[0]
+    wait_for(lambda: lines(), "the request's log line")
+    assert len(lines()) == 1 and lines()[0].startswith("POST /v1/completions 200 ") and "prompt_tokens=3" in lines()[0]
+    assert "secret" not in lines()[0]
     server.service.state.log_prompts = True  # as --log-prompts sets it
     try:
         client.completions.create(model=model, prompt="the secret river", max_tokens=2, temperature=0)
     finally:
         server.service.state.log_prompts = False
-    assert "secret" in [r.getMessage() for r in caplog.records if r.name == "flexh2o.serve"][-1]
+    wait_for(lambda: len(lines()) == 2, "the second request's log line")
+    assert "secret" in lines()[1]
 
 
 def test_health_says_loading_until_the_model_is_loaded(word_llama, tmp_path, monkeypatch):  # noqa: F811

@@ -194,9 +194,15 @@ def test_a_closed_stream_frees_its_row_at_the_next_step(server, monkeypatch):
 def test_metrics_count_what_was_served(server):
     server.client().completions.create(model=server.service.state.ctx.model, prompt="hello", max_tokens=3,
                                        temperature=0)
+
+    def counts() -> dict:
+        text = urllib.request.urlopen(server.url + "/metrics").read().decode()
+        return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+                if line and not line.startswith("#")}
+    wait_for(lambda: counts().get('flexh2o_requests_total{route="/v1/completions",status="200"}'),
+             "the request counted (once its answer is out)")
     text = urllib.request.urlopen(server.url + "/metrics").read().decode()
-    counts = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-              if line and not line.startswith("#")}
+    counts = counts()
     assert counts['flexh2o_requests_total{route="/v1/completions",status="200"}'] >= 1
     assert counts["flexh2o_generated_tokens_total"] >= 3 and counts["flexh2o_rows"] == 4
     assert counts["flexh2o_time_to_first_token_seconds_count"] >= 1
