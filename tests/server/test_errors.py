@@ -149,6 +149,9 @@ def test_a_server_that_is_stopping_answers_503(server):
     try:
         assert error_of(raw(server.url, "POST", "/v1/completions", {"prompt": "hello"}))[0] == 503
         assert raw(server.url, "GET", "/health") == (503, {"status": "stopping"})
+        with pytest.raises(openai.InternalServerError) as caught:
+            server.client().completions.create(model=server.service.state.ctx.model, prompt="hello")
+        assert caught.value.status_code == 503
     finally:
         state.status = "ready"
     assert raw(server.url, "GET", "/health") == (200, {"status": "ready"})
