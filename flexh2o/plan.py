@@ -130,10 +130,9 @@ def plan_stages(args, spec, profile, caps, base) -> int:
     from flexh2o.planning.pipeline_plan import plan_pipeline
     from flexh2o.planning.planner import describe_caps, run_flags
     from flexh2o.cli.run_main import save_json
+    from flexh2o.engine.pipeline import check_stage_count
     stages = args.pipeline_stages
-    if stages < 1 or stages > spec.num_layers:
-        raise UsageError("--pipeline-stages", f"must be between 1 and the {spec.num_layers} layers of {spec.name}, "
-                         f"got {stages}")
+    check_stage_count(stages, spec)
     if args.link_bandwidth is not None and args.link_bandwidth <= 0:
         raise UsageError("--link-bandwidth", f"must be a positive number of GB/s, got {args.link_bandwidth:g}")
     link = args.link_bandwidth * 1e9 if args.link_bandwidth is not None else profile.link_bandwidth

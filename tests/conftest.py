@@ -32,8 +32,8 @@ VOCAB = 128
 
 def make_tiny_opt(directory, seed=0, safe_serialization=True, max_shard_size=None, **overrides):
     torch.manual_seed(seed)
-    config = OPTConfig(vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=1, bos_token_id=2,
-                       eos_token_id=2, **overrides)
+    config = OPTConfig(**{"vocab_size": VOCAB, "max_position_embeddings": 64, "pad_token_id": 1, "bos_token_id": 2,
+                          "eos_token_id": 2, **overrides})
     model = OPTForCausalLM(config).eval()
     # transformers' init (std 0.02) gives near-uniform logits; larger weights make greedy choices clear.
     with torch.no_grad():

@@ -18,7 +18,7 @@ from flexh2o.cli.distributed import Peers
 from flexh2o.common.errors import UsageError
 from flexh2o.jobs.cli import job_settings, run_job
 from flexh2o.jobs.replicas import Replica
-from flexh2o.engine.pipeline import join_pipeline
+from flexh2o.engine.pipeline import check_stage_count, join_pipeline
 from flexh2o.engine.policy import placement_flag
 from flexh2o.runs.setup import dtype_name
 from flexh2o.common.signals import Stopped, stop_for, stopped_for
@@ -32,10 +32,7 @@ def check_world_flags(args, world, spec, planning: bool):
     if world.stages > 1 and not planning and (args.gpu_batch_size is None or placement_flag(args) is None):
         raise UsageError("--pipeline-stages", "give --gpu-batch-size and the placement (--weights/--cache/--act or "
                          "--percent) together, or neither (every stage then planned)")
-    layers = len(spec.build_layers())
-    if world.stages > layers:
-        raise UsageError("--pipeline-stages", f"{world.stages} stages for the {layers} layers of {spec.name} (its "
-                         f"embedding and LM head count as layers): give at most {layers}")
+    check_stage_count(world.stages, spec)
     if args.peer_timeout <= 0:
         raise UsageError("--peer-timeout", f"must be a positive number of seconds, got {args.peer_timeout:g}")
 

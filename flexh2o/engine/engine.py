@@ -21,7 +21,7 @@ from flexh2o.models import eos_ids, is_gguf, resolve_model, with_stored_formats
 from flexh2o.models.cached_attention import CachedAttention
 from flexh2o.engine.generate_arguments import (check_batch, check_generate_arguments, check_positions,
                                                check_refill_arguments, check_token_ids)
-from flexh2o.engine.pipeline import StageSchedule, model_slices
+from flexh2o.engine.pipeline import StageSchedule, check_stage_count, model_slices
 from flexh2o.engine.stage_refill import RefillStageSchedule
 from flexh2o.engine.policy import Policy
 from flexh2o.engine.sampling import MAX_SEED, Sampler, check_seed
@@ -169,6 +169,7 @@ class Engine:
         spec = with_stored_formats(spec, source.stored_formats() if hasattr(source, "stored_formats") else ())
         layers, indices, cache_spec = spec.build_layers(), None, spec
         if stage is not None:
+            check_stage_count(stage.count, spec)
             indices = model_slices(layers, dtype.itemsize, stage.count)[stage.index]
             layers = [layers[j] for j in indices]
             cache_spec = dataclasses.replace(spec, num_layers=sum(isinstance(la, CachedAttention) for la in layers))

@@ -2,14 +2,15 @@
 gpu-batches flow through the stages as micro-batches, so every stage computes while the others do.
 
 Stage s of a replica holds the layers stage_slices gives it: the input embedding on the first,
-the LM head on the last, the slices balanced by their weights' bytes. Each stage places its own
-slice by its own policy and memory caps, and keeps the KV cache of its own layers. A block's K
-gpu-batches go through in min(K, stages) micro-batches (groups of neighbouring gpu-batches): a
-stage runs the zig-zag over its layers for one micro-batch, hands its hidden states to the next
-stage with a non-blocking send, and goes on with the next micro-batch while the next stage
-computes; the last stage's sampled tokens go back to the first, which needs them for the next
-token step (with refilled slots, stage_refill.py, they go to every stage). Everything else (KV
-policies, compression, offloading) runs unchanged inside a stage.
+the LM head on the last, the slices balanced by their weights' bytes, each holding at least one
+decoder layer's attention (so there are at most as many stages as decoder layers). Each stage
+places its own slice by its own policy and memory caps, and keeps the KV cache of its own layers.
+A block's K gpu-batches go through in min(K, stages) micro-batches (groups of neighbouring
+gpu-batches): a stage runs the zig-zag over its layers for one micro-batch, hands its hidden
+states to the next stage with a non-blocking send, and goes on with the next micro-batch while
+the next stage computes; the last stage's sampled tokens go back to the first, which needs them
+for the next token step (with refilled slots, stage_refill.py, they go to every stage).
+Everything else (KV policies, compression, offloading) runs unchanged inside a stage.
 
 Whether a run stops early (every sequence finished) is decided by the first stage at the end of
 each token step, from the tokens it has then received (micro-batch 0's of this step, the others'
@@ -28,8 +29,17 @@ import torch
 from flexh2o.common.errors import UsageError
 from flexh2o.engine.schedule import Schedule
 from flexh2o.engine.stage_link import Link, run_interruptibly
+from flexh2o.models.cached_attention import CachedAttention
 
 HIDDEN, TOKENS, CONTROL = 1, 2, 3  # message tags
+
+
+def check_stage_count(stages: int, spec):
+    """Refuses more stages than the model has decoder layers: a stage without one would hold no KV
+    cache and pass the hidden states on untouched."""
+    if not 1 <= stages <= spec.num_layers:
+        raise UsageError("--pipeline-stages", f"must be between 1 and the {spec.num_layers} decoder layers of "
+                         f"{spec.name} (each stage holds at least one), got {stages}")
 
 
 def model_slices(layers, dtype_bytes: int, stages: int) -> list[range]:
@@ -37,19 +47,24 @@ def model_slices(layers, dtype_bytes: int, stages: int) -> list[range]:
     same slices whatever placement or compression each then chooses for its own."""
     from flexh2o.engine.preflight import layer_bytes
     from flexh2o.engine.policy import Policy
-    return stage_slices(layer_bytes(layers, dtype_bytes, Policy()), stages)
+    return stage_slices(layer_bytes(layers, dtype_bytes, Policy()), stages,
+                        [isinstance(layer, CachedAttention) for layer in layers])
 
 
-def stage_slices(layer_bytes: list[int], stages: int) -> list[range]:
-    """Contiguous slices of the layers, one per stage, each at least one layer, the largest slice's
-    bytes as small as can be (the first and last layers, the embedding and the LM head, fall to
-    the first and last stages by contiguity)."""
+def stage_slices(layer_bytes: list[int], stages: int, needed: list[bool] | None = None) -> list[range]:
+    """Contiguous slices of the layers, one per stage, each holding at least one layer that `needed`
+    marks (every layer where it is None), the largest slice's bytes as small as can be (the first
+    and last layers, the embedding and the LM head, fall to the first and last stages by contiguity).
+    Balanced by bytes alone, a large embedding (a tiny model with many positions) would be a stage
+    by itself, with no decoder layer."""
     n = len(layer_bytes)
-    if not 1 <= stages <= n:
-        raise ValueError(f"{stages} stages for {n} layers")
-    prefix = [0]
-    for b in layer_bytes:
+    needed = [True] * n if needed is None else needed
+    if not 1 <= stages <= sum(needed):
+        raise ValueError(f"{stages} stages for {n} layers, {sum(needed)} of which may hold a stage's work")
+    prefix, needed_before = [0], [0]
+    for b, m in zip(layer_bytes, needed):
         prefix.append(prefix[-1] + b)
+        needed_before.append(needed_before[-1] + bool(m))
     inf = float("inf")
     # best[s][j]: the largest slice of the best split of layers [0, j) into s slices; cut: where the last began
     best = [[inf] * (n + 1) for _ in range(stages + 1)]
@@ -58,6 +73,8 @@ def stage_slices(layer_bytes: list[int], stages: int) -> list[range]:
     for s in range(1, stages + 1):
         for j in range(s, n - (stages - s) + 1):
             for i in range(s - 1, j):
+                if needed_before[j] == needed_before[i]:  # no needed layer in [i, j)
+                    continue
                 worst = max(best[s - 1][i], prefix[j] - prefix[i])
                 if worst < best[s][j]:
                     best[s][j], cut[s][j] = worst, i

@@ -5,6 +5,7 @@ weights and cache, the KV cache's shares, and the hidden states and working set 
 checked before anything is allocated, so an impossible policy fails in a second, not an hour in.
 """
 
+import dataclasses
 import math
 import re
 import shutil
@@ -267,7 +268,8 @@ def run_need(spec, policy, dtype_bytes: int, prompt_len: int, gen_len: int, devi
     b, nb = policy.gpu_batch_size, policy.num_gpu_batches
     on_cuda = device.type == "cuda"
     rows = batch_split(b, policy.cache_gpu_percent, policy.cache_cpu_percent)
-    per_row = cache_bytes(spec, policy, 1, prompt_len, gen_len, dtype_bytes) // spec.num_layers  # one layer, as stored
+    # One sequence's cache in one layer, as stored (a spec may count no layer: a slice without attention).
+    per_row = cache_bytes(dataclasses.replace(spec, num_layers=1), policy, 1, prompt_len, gen_len, dtype_bytes)
     need = {tier: rows[tier] * per_row * nb * spec.num_layers for tier in rows}
     # Parts a step loads into pooled compute buffers (kv/home.py): IN_FLIGHT sets of each, plus a
     # slot-major block of K per I/O thread; on CUDA a CPU part under cpu_cache_compute is loaded

@@ -1,7 +1,9 @@
 """Pipeline parallelism: stages holding slices of the layers, micro-batches flowing through them over
 gloo, each process one thread; tokens identical and scores within 1e-5 to one process's run, with
-weights and cache on disk in some stages, full cache and H2O (pipeline.py)."""
+weights and cache on disk in some stages, full cache and H2O; every slice holding a decoder layer
+(pipeline.py)."""
 
+import dataclasses
 import os
 import socket
 
@@ -12,7 +14,11 @@ import torch.multiprocessing as mp
 from transformers import LlamaConfig
 
 from flexh2o import Engine, Policy
-from flexh2o.engine.pipeline import Stage, micro_batches, stage_slices
+from flexh2o.engine.preflight import run_need
+from flexh2o.engine.pipeline import Stage, micro_batches, model_slices, stage_slices
+from flexh2o.models.cached_attention import CachedAttention
+from flexh2o.models.llama import LlamaSpec
+from flexh2o.models.opt import OPTSpec
 from flexh2o.engine.stage_link import Link
 from conftest import padded_batch
 from test_llama import make_tiny_llama
@@ -25,6 +31,34 @@ def test_slices_are_contiguous_balanced_by_bytes_and_never_empty():
     slices = stage_slices([3, 1, 4, 1, 5, 9, 2, 6, 5, 3], 4)
     assert [j for s in slices for j in s] == list(range(10)) and all(len(s) for s in slices)
     assert max(sum([3, 1, 4, 1, 5, 9, 2, 6, 5, 3][j] for j in s) for s in slices) == 14  # 13 needs 5 slices
+
+
+def test_every_slice_holds_a_decoder_layer_however_heavy_the_embedding():
+    """A tiny OPT of 512 positions: its embedding weighs as much as the rest, so by bytes alone it
+    would be a stage by itself; a 4-layer Llama's last quarter, by bytes, is its last MLP and head."""
+    heavy, attention = [82, 17, 17, 17, 17, 16], [False, True, False, True, False, False]
+    assert stage_slices(heavy, 2) == [range(0, 1), range(1, 6)]
+    assert stage_slices(heavy, 2, attention) == [range(0, 2), range(2, 6)]
+    with pytest.raises(ValueError):
+        stage_slices(heavy, 3, attention)
+    opt = OPTSpec(name="opt-512", num_layers=2, hidden_size=32, num_heads=4, ffn_dim=64, vocab_size=128,
+                  max_positions=512)
+    llama = LlamaSpec(name="llama-4", num_layers=4, hidden_size=32, num_heads=4, num_kv_heads=2, ffn_dim=64,
+                      vocab_size=128, max_positions=64)
+    for spec, stages in ((opt, 2), (llama, 2), (llama, 3), (llama, 4)):
+        layers = spec.build_layers()
+        slices = model_slices(layers, 4, stages)
+        assert [j for s in slices for j in s] == list(range(len(layers)))
+        assert all(any(isinstance(layers[j], CachedAttention) for j in s) for s in slices), (spec.name, slices)
+
+
+def test_the_preflight_of_a_slice_without_attention_counts_no_cache():
+    spec = OPTSpec(name="opt-2", num_layers=2, hidden_size=32, num_heads=4, ffn_dim=64, vocab_size=128)
+    policy = Policy(gpu_batch_size=2, num_gpu_batches=2, cache_gpu_percent=50, cache_cpu_percent=0)
+    none, one, two = (run_need(dataclasses.replace(spec, num_layers=n), policy, 4, 8, 4, torch.device("cpu"))
+                      for n in (0, 1, 2))
+    assert none["disk"] == 0 < one["disk"]
+    assert all(two[tier] - one[tier] == one[tier] - none[tier] for tier in ("gpu", "cpu", "disk"))
 
 
 def test_micro_batches_group_neighbouring_gpu_batches():

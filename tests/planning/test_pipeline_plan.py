@@ -64,4 +64,4 @@ def test_a_pipeline_plan_without_a_link_figure_is_refused(tmp_path, capsys):
     assert capsys.readouterr().err.startswith("error: --link-bandwidth: the nolink profile has no link_bandwidth")
     assert flexh2o.plan.main(["--model", "opt-125m", "--hardware", str(path), "--pipeline-stages", "40",
                               "--link-bandwidth", "1"]) == 2
-    assert "--pipeline-stages: must be between 1 and the 12 layers" in capsys.readouterr().err
+    assert "--pipeline-stages: must be between 1 and the 12 decoder layers" in capsys.readouterr().err
