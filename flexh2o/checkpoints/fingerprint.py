@@ -10,10 +10,10 @@ all: the hub names a large file's blob after its SHA-256.
 
 import glob
 import hashlib
-import json
 import os
 
 from flexh2o.common.cache_dir import cache_dir
+from flexh2o.common.json_data import parse_json
 from flexh2o.common.output_files import write_json_atomic
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -89,8 +89,8 @@ def _file_sha256(path: str) -> str:
 
 def _read_cache() -> dict:
     try:
-        with open(cache_path(), encoding="utf-8") as f:
-            cache = json.load(f)
+        with open(cache_path(), "rb") as f:
+            cache = parse_json(f.read())
         return cache if isinstance(cache, dict) else {}
     except (OSError, ValueError):  # none yet, or broken: computed again
         return {}

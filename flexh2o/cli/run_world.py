@@ -36,8 +36,17 @@ def check_world_flags(args, world, spec, planning: bool):
     if world.stages > layers:
         raise UsageError("--pipeline-stages", f"{world.stages} stages for the {layers} layers of {spec.name} (its "
                          f"embedding and LM head count as layers): give at most {layers}")
-    if args.peer_timeout <= 0:
-        raise UsageError("--peer-timeout", f"must be a positive number of seconds, got {args.peer_timeout:g}")
+
+
+MAX_PEER_TIMEOUT = 365 * 24 * 3600  # seconds; far past any wait, short of what the store's timers hold
+
+
+def check_peer_timeout(seconds: float):
+    """Checked on every run, one process or a world: inf or nan would overflow the rendezvous's timer
+    on every rank."""
+    if not 0 < seconds <= MAX_PEER_TIMEOUT:  # (false for nan too)
+        raise UsageError("--peer-timeout", f"must be a number of seconds above 0 and at most {MAX_PEER_TIMEOUT} "
+                         f"(a year), got {seconds:g}")
 
 
 def world_settings(args, spec, weights_dir, device, dtype) -> dict:
