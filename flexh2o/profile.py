@@ -105,14 +105,13 @@ def check_args(args):
 
 
 def run(args) -> int:
-    from flexh2o.profiling.measure import print_to_stderr
     check_args(args)
-    profile, why = (None, "--force") if args.force else cached_profile(args.device, print_to_stderr)
+    profile, why = (None, "--force") if args.force else cached_profile(args.device, say)
     if profile is not None:
         print(format_profile(profile))
         print(f"cached at {local_cache_path()} (use --force to measure again)")
         return write_json(args.json_out, profile)
-    profile = measure_here(args.device, args.offload_dir, args.quick, print_to_stderr, why)
+    profile = measure_here(args.device, args.offload_dir, args.quick, say, why)
     print(format_profile(profile))
     try:
         print(f"saved to {save_local(profile)}")
