@@ -173,7 +173,8 @@ TOKENIZER_JSON = {
     "no-model": (b'{"version": "1.0"}', "is not a valid tokenizer: Model missing"),
     "model-of-unknown-type": (b'{"version": "1.0", "model": {"type": "Nope"}}', "is not a valid tokenizer"),
     "nested-deeply": (b"[" * 100000 + b"]" * 100000, "nested too deeply"),
-    "a-5000-digit-integer": (b'{"version": "1.0", "truncation": ' + b"7" * 5000 + b"}", "holds an integer of more than"),
+    "a-5000-digit-integer": (b'{"version": "1.0", "truncation": ' + b"7" * 5000 + b"}",
+                             "holds an integer of more than"),
 }
 
 

@@ -229,6 +229,14 @@ def test_lm_evals_own_batch_size_and_device_are_taken_and_values_typed():
     assert s.compress_cache is True and s.hh_ratio == 0.1 and s.kv_policy is None and s.streamed == 0
 
 
+def test_a_5000_digit_model_argument_is_said_in_a_short_line():
+    from flexh2o.common.errors import UsageError
+    from flexh2o.harness.settings import read_settings
+    with pytest.raises(UsageError) as e:
+        read_settings({"model": "m", "seed": "1" * 5000})
+    assert e.value.flag == "model_args seed" and len(str(e.value)) < 200, e.value
+
+
 @pytest.mark.parametrize("argv, flag, says", [
     ([], "--tasks", "give one or more task names"),
     pytest.param(["--tasks"], "--tasks", "give one or more task names", marks=pytest.mark.slow),

@@ -56,7 +56,8 @@ def test_a_bad_record_is_one_line_or_an_error_record(model_with_tokenizer, tmp_p
 
 
 GOOD_SECOND = {"jsonl": '{"id": "b", "prompt": "the cat"}',
-               "openai": '{"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {"prompt": "the cat"}}'}
+               "openai": '{"custom_id": "b", "method": "POST", "url": "/v1/completions", '
+                         '"body": {"prompt": "the cat"}}'}
 FIRST_LINES = {"huge-integer": ('{"id": ' + HUGE + ', "prompt": "the cat"}', TOO_LONG),
                "nested-deeply": ('{"id": "a", "prompt": ' + "[" * 200000 + "]" * 200000 + "}",
                                  "the line is JSON nested too deeply")}
