@@ -140,7 +140,7 @@ class LLM:
             raise UsageError("model", "needs a tokenizer next to the weights (a directory with tokenizer files or a "
                              "GGUF file)")
         self.chat, self.seed = chat, seed
-        self._reporting = None  # the thread inside a progress callback of this LLM's
+        self._reporting = threading.local()  # .inside: this thread runs a progress callback of this LLM's
         try:
             policy = Policy(gpu_batch_size, num_gpu_batches, weights[0], weights[1], cache[0], cache[1],
                             kv_policy=kv_policy, hh_ratio=hh_ratio, recent_ratio=recent_ratio,
@@ -176,8 +176,8 @@ class LLM:
                stop=None, seed: int | None = None, progress=None):
         """Completions as each chunk of prompts finishes, for any number of prompts from any iterable
         (not in input order: each Completion has its index). The arguments are generate()'s;
-        progress(records, tokens), if given, is called as records finish (a call of generate or
-        stream from inside it is refused: the engine runs one call at a time)."""
+        progress(records, tokens), if given, is called as records finish (generate, stream or close
+        called from inside it is refused: the engine runs one call at a time)."""
         self._check_not_inside("stream")
         settings = {"max_tokens": whole("max_tokens", max_tokens, 1, 1 << 20),
                     "sampling": sampling(number("temperature", temperature, 0, 100),
@@ -192,15 +192,15 @@ class LLM:
         refused whether or not the engine's call is still running at that moment (it has ended when
         the last records are reported), so that such a call fails the same way every time."""
         def report(records: int, tokens: int):
-            self._reporting = threading.get_ident()
+            self._reporting.inside = True
             try:
                 progress(records, tokens)
             finally:
-                self._reporting = None
+                self._reporting.inside = False
         return report
 
     def _check_not_inside(self, name: str):
-        if self._reporting == threading.get_ident():
+        if getattr(self._reporting, "inside", False):
             raise UsageError(name, "called from inside the progress callback of this LLM's running generate or "
                              "stream, where it would wait for the engine that call holds: call it once that call "
                              "has returned")
