@@ -16,11 +16,11 @@ if __name__ == "__main__":  # first, before torch loads: a signal while it does 
 
 import argparse
 import math
-import sys
 import time
 from typing import TYPE_CHECKING
 
 from flexh2o.common.errors import OneLineErrorParser, UsageError
+from flexh2o.common.messages import say
 from flexh2o.common.names import add_kv_flags
 from flexh2o.common.output_files import check_output_file
 
@@ -118,8 +118,9 @@ def evaluate(args) -> dict:
     dtype = parse_dtype(args.dtype) if args.dtype else None
     scored = windows[:, args.prompt_len:].numel()
     again = ", then again with the full cache" if args.agreement else ""
-    print(f"scoring {args.windows} windows of {args.prompt_len} + {args.eval_len} tokens ({scored} tokens scored{again}): "
-          f"the bar counts the fed tokens of {'each run' if again else 'the run'}", file=sys.stderr, flush=True)
+    say(f"scoring {args.windows} windows of {args.prompt_len} + {args.eval_len} tokens ({scored} tokens scored{again}): "
+        f"the bar counts the token steps of {'each run' if again else 'the run'}, each feeding one token to every "
+        "window")
     start = time.perf_counter()
     with Engine.from_pretrained(args.model, policy=policy, device=device, dtype=dtype, path=args.path,
                                 offload_dir=default_offload_dir(), prompt_len=args.prompt_len,
@@ -165,7 +166,7 @@ def main(argv=None) -> int:
         with torch.no_grad():
             result = evaluate(args)
     except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
+        say(f"error: {e}")
         return 2
     print(describe(result), flush=True)
     from flexh2o.cli.run_main import save_json

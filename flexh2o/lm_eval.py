@@ -6,10 +6,12 @@ lm_eval takes it; this command adds `--model flexh2o`, `--batch_size auto` (flex
 gpu-batch, 16) unless a batch size is given, `--device` as flexh2o chooses it (CUDA when available,
 else the CPU) unless a device is given (as --device or as model_args device, not two different
 ones), and the project's offline tasks (configs/tasks) as `--include_path` unless one is given.
---tasks, --limit and model_args are checked first: a missing or unknown task, a limit that takes no
-example or a bad model argument is one line. Plain `lm_eval --model flexh2o` cannot work: lm-eval finds
-models only among its own modules or ones imported before it runs, so this command imports
-flexh2o's first (flexh2o/harness/model.py registers it) and then runs lm-eval's command line.
+--tasks, --limit, --num_fewshot, --output_path and model_args are checked first: a missing or unknown
+task, a limit that takes no example, a negative number of shots, an output path lm-eval could not
+write its results in or a bad model argument is one line. Plain `lm_eval --model flexh2o` cannot
+work: lm-eval finds models only among its own modules or ones imported before it runs, so this
+command imports flexh2o's first (flexh2o/harness/model.py registers it) and then runs lm-eval's
+command line.
 
 model_args (comma-separated KEY=VALUE):
   model=M            a .gguf file, a Hugging Face directory, or a preset with path=DIR (required)
@@ -40,7 +42,9 @@ import os
 import signal
 import sys
 
+from flexh2o.common.arguments import shown
 from flexh2o.common.errors import UsageError
+from flexh2o.common.messages import say
 
 TASKS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tasks")
 
@@ -49,9 +53,10 @@ def given(argv: list, *flags) -> bool:
     return any(a in flags or a.split("=", 1)[0] in flags for a in argv)
 
 
-def values(argv: list, *flags, many: bool = True) -> list | None:
-    """The values given to `flags` (`--flag V...` or `--flag=V`), each split at commas; None if not given.
-    many: a flag takes every word up to the next flag (else only the next word)."""
+def values(argv: list, *flags, many: bool = True, split: bool = True) -> list | None:
+    """The values given to `flags` (`--flag V...` or `--flag=V`), each split at commas (unless not
+    `split`: a path); None if not given. many: a flag takes every word up to the next flag (else only
+    the next word)."""
     found = None
     for n, a in enumerate(argv):
         name, eq, value = a.partition("=")
@@ -63,7 +68,7 @@ def values(argv: list, *flags, many: bool = True) -> list | None:
             if (word.startswith("-") and not is_number(word)) or (words and not many):
                 break
             words.append(word)
-        found += [part.strip() for word in words for part in word.split(",")]
+        found += [part.strip() for word in words for part in word.split(",")] if split else words
     return found
 
 
@@ -92,6 +97,34 @@ def check_tasks_and_limit(argv: list):
                              f"below 1), got {text!r}")
 
 
+def check_fewshot_and_output(argv: list):
+    """--num_fewshot is a count; --output_path must be a place lm-eval can write its results in. It
+    writes them only at the end, and a folder it cannot make there was a warning, exit 0 and no
+    results."""
+    shots = values(argv, "--num_fewshot", "-f", many=False)
+    if shots is not None:
+        text = shots[0] if shots else ""
+        if not (text.isdigit() and text.isascii()):
+            raise UsageError("--num_fewshot", f"takes a whole number of examples, 0 or more, got {shown(text)}")
+    path = values(argv, "--output_path", "-o", many=False, split=False)
+    if path is None:
+        return
+    path = path[0] if path else ""
+    if not path.strip():
+        raise UsageError("--output_path", "is empty: give a directory, or a .json file name in one")
+    # lm-eval writes NAME_<time>.json beside a .json path, and into a folder it makes under any other
+    folder = os.path.dirname(os.path.abspath(path)) if path.endswith(".json") else os.path.abspath(path)
+    existing = folder
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UsageError("--output_path", f"{path}: {existing} is not a directory, so lm-eval could not write its "
+                         "results there: give a directory (made where missing), or a .json file name in one")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError("--output_path", f"{path}: the directory {existing} is not writable: give a directory "
+                         "you may write in")
+
+
 def check_model_args(argv: list):
     """model_args read as the model will read them, before lm-eval indexes its tasks (seconds): a bad
     key or value is one line at once. Ones given in a --config file or as JSON wait for the model."""
@@ -104,19 +137,19 @@ def check_model_args(argv: list):
 
 
 def device_argv(argv: list) -> list:
-    """The arguments with one device: model_args device and --device agree (and --device then goes,
-    lm-eval would pass the model two), or flexh2o's default device is added where neither is given."""
+    """The arguments with one --device, the device lm-eval records and passes the model: model_args
+    device (where --device is given too, the same), else --device, else flexh2o's default device."""
     model_args = values(argv, "--model_args", "-a") or []
     in_model_args = [a.split("=", 1)[1].strip() for a in model_args if a.split("=", 1)[0].strip() == "device"]
     flag = values(argv, "--device", many=False)
     if flag is not None and (len(flag) != 1 or not flag[0]):
         raise UsageError("--device", "give one device: cpu, cuda or cuda:N")
-    if in_model_args and flag is not None:
-        if in_model_args[-1] != flag[0]:
+    if in_model_args:
+        if flag is not None and in_model_args[-1] != flag[0]:
             raise UsageError("--device", f"is {flag[0]}, model_args device is {in_model_args[-1]}: give one of "
                              "them, or the same device in both")
-        return without(argv, "--device")
-    if not in_model_args and flag is None:
+        return [*without(argv, "--device"), "--device", in_model_args[-1]]
+    if flag is None:
         from flexh2o.host.devices import default_device
         return [*argv, "--device", default_device()]
     return argv
@@ -141,6 +174,7 @@ def harness_argv(argv: list) -> list:
         raise UsageError("--model", "this command runs lm-eval with --model flexh2o; give the model as "
                          "--model_args model=PATH")
     check_tasks_and_limit(argv)
+    check_fewshot_and_output(argv)
     check_model_args(argv)
     out = ["run", "--model", "flexh2o", *device_argv(argv)]
     if not given(argv, "--batch_size", "-b"):
@@ -161,7 +195,7 @@ def main(argv=None) -> int:
         print(__doc__)
         return 0
     if importlib.util.find_spec("lm_eval") is None:  # the optional extra
-        print("error: lm-eval is not installed: pip install 'flexh2o[eval]' (or lm_eval)", file=sys.stderr)
+        say("error: lm-eval is not installed: pip install 'flexh2o[eval]' (or lm_eval)")
         return 2
     from lm_eval.__main__ import cli_evaluate
 
@@ -179,7 +213,7 @@ def main(argv=None) -> int:
                                  "lists them; this project's offline ones are in configs/tasks") from None
             raise
     except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
+        say(f"error: {e}")
         return 2
     return 0
 

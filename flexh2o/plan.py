@@ -9,10 +9,10 @@ if __name__ == "__main__":  # first, before torch loads: a signal while it does 
     stop_at_once()
 
 import argparse
-import sys
 import time
 
 from flexh2o.common.errors import OneLineErrorParser, UsageError
+from flexh2o.common.messages import say
 from flexh2o.common.names import add_kv_flags
 from flexh2o.host.hardware import LOCAL, load_profile, shipped
 from flexh2o.common.output_files import check_output_file
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     try:
         return plan(args)
     except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
+        say(f"error: {e}")
         return 2
 
 
@@ -58,8 +58,7 @@ def load_or_measure(name: str, offload_dir: str):
     profile = load_profile(name)
     if profile is None:  # the local profile, not measured yet
         from flexh2o.profiling.local_profile import ensure_local_profile
-        print("note: no local hardware profile yet: measuring this machine first (python -m flexh2o.profile)",
-              file=sys.stderr)
+        say("note: no local hardware profile yet: measuring this machine first (python -m flexh2o.profile)")
         profile = ensure_local_profile(None, offload_dir)
     return profile
 

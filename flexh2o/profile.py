@@ -11,9 +11,9 @@ if __name__ == "__main__":  # first, before torch loads: a signal while it does 
     stop_at_once()
 
 import argparse
-import sys
 
 from flexh2o.common.errors import OneLineErrorParser, UsageError
+from flexh2o.common.messages import say
 from flexh2o.common.names import tier_label
 from flexh2o.host.hardware import BUSY_SHARE, HardwareProfile, local_cache_path, save_local
 from flexh2o.offload.offload_dir import default_offload_dir
@@ -105,19 +105,18 @@ def check_args(args):
 
 
 def run(args) -> int:
-    from flexh2o.profiling.measure import print_to_stderr
     check_args(args)
-    profile, why = (None, "--force") if args.force else cached_profile(args.device, print_to_stderr)
+    profile, why = (None, "--force") if args.force else cached_profile(args.device, say)
     if profile is not None:
         print(format_profile(profile))
         print(f"cached at {local_cache_path()} (use --force to measure again)")
         return write_json(args.json_out, profile)
-    profile = measure_here(args.device, args.offload_dir, args.quick, print_to_stderr, why)
+    profile = measure_here(args.device, args.offload_dir, args.quick, say, why)
     print(format_profile(profile))
     try:
         print(f"saved to {save_local(profile)}")
     except OSError as e:
-        print(f"error: cannot save the profile to {local_cache_path()}: {e.strerror or e}", file=sys.stderr)
+        say(f"error: cannot save the profile to {local_cache_path()}: {e.strerror or e}")
         return 1
     return write_json(args.json_out, profile)
 
@@ -129,7 +128,7 @@ def write_json(path: str | None, profile: HardwareProfile) -> int:
         write_json_atomic(path, profile.to_dict())
         return 0
     except OSError as e:
-        print(f"error: --json-out: cannot write {path}: {e.strerror or e}", file=sys.stderr)
+        say(f"error: --json-out: cannot write {path}: {e.strerror or e}")
         return 1
 
 
@@ -139,11 +138,10 @@ def main(argv=None) -> int:
     try:
         return run(args)
     except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
+        say(f"error: {e}")
         return 2
     except OffloadError as e:
-        print(f"error: --offload-dir: {e.strerror}; the measurement stopped and its files were removed",
-              file=sys.stderr)
+        say(f"error: --offload-dir: {e.strerror}; the measurement stopped and its files were removed")
         return 1
 
 

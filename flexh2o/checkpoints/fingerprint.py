@@ -10,10 +10,11 @@ all: the hub names a large file's blob after its SHA-256.
 
 import glob
 import hashlib
-import json
 import os
 
 from flexh2o.common.cache_dir import cache_dir
+from flexh2o.common.json_data import parse_json
+from flexh2o.common.messages import say
 from flexh2o.common.output_files import write_json_atomic
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -49,7 +50,7 @@ def model_sha256(path: str | None, log=None) -> str | None:
     todo = [f for f in files if cache.get(keys[f]) is None]
     size = sum(os.path.getsize(f) for f in todo)
     if size > ANNOUNCE_BYTES:
-        (log or _stderr)(f"note: reading {size / 2**30:.1f} GiB of {path} once for its SHA-256, which the outputs "
+        (log or say)(f"note: reading {size / 2**30:.1f} GiB of {path} once for its SHA-256, which the outputs "
                          f"record (kept in {cache_path()} for later runs)")
     for f in todo:
         real = keys[f].split("|", 1)[0] + "|"
@@ -89,8 +90,8 @@ def _file_sha256(path: str) -> str:
 
 def _read_cache() -> dict:
     try:
-        with open(cache_path(), encoding="utf-8") as f:
-            cache = json.load(f)
+        with open(cache_path(), "rb") as f:
+            cache = parse_json(f.read())
         return cache if isinstance(cache, dict) else {}
     except (OSError, ValueError):  # none yet, or broken: computed again
         return {}
@@ -103,8 +104,3 @@ def _write_cache(cache: dict):
         write_json_atomic(cache_path(), {k: v for k, v in cache.items() if isinstance(v, str)})
     except OSError:
         pass
-
-
-def _stderr(line: str):
-    import sys
-    print(line, file=sys.stderr, flush=True)

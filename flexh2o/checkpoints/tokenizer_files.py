@@ -2,10 +2,10 @@
 tokenizer from them, so that a broken one is one line naming the file and what is wrong, not a
 KeyError from deep inside transformers."""
 
-import json
 import os
 
 from flexh2o.common.errors import UsageError
+from flexh2o.common.json_data import BadJson, parse_json
 
 FLAG = "--model/--path"
 JSON_FILES = ("tokenizer_config.json", "special_tokens_map.json", "vocab.json", "added_tokens.json")
@@ -17,11 +17,9 @@ def _json(path: str):
         raise UsageError(FLAG, f"{path} is larger than {MAX_JSON >> 20} MB: not a tokenizer file")
     try:
         with open(path, "rb") as f:
-            return json.loads(f.read())
-    except RecursionError:
-        raise UsageError(FLAG, f"{path} is JSON nested too deeply: not a tokenizer file") from None
-    except ValueError as e:  # a decode error too
-        raise UsageError(FLAG, f"{path} is not JSON ({' '.join(str(e).split())[:200]})") from None
+            return parse_json(f.read())
+    except BadJson as e:
+        raise UsageError(FLAG, f"{path} {e}: not a tokenizer file") from None
     except OSError as e:
         raise UsageError(FLAG, f"cannot read {path}: {e.strerror}") from None
 

@@ -11,7 +11,6 @@ checkpoint is a clear error before anything runs.
 
 import glob
 import hashlib
-import json
 import os
 import pickle
 import struct
@@ -21,6 +20,7 @@ import zipfile
 import torch
 
 from flexh2o.common.errors import UsageError, check_regular_file
+from flexh2o.common.json_data import BadJson, parse_json
 from flexh2o.compression.gguf_blocks import SIXTEEN_BIT, holds
 from flexh2o.compression.quant import GROUP, GROUP_BYTES, Packed, groups_buffer, quantize
 
@@ -86,13 +86,11 @@ def safetensors_header(file: str, flag: str) -> tuple[dict, int]:
     except OSError as e:
         raise UsageError(flag, f"cannot read weights file {file}: {e.strerror}") from None
     try:
-        header = json.loads(text, object_pairs_hook=unique_keys)
+        header = parse_json(text, object_pairs_hook=unique_keys)
     except DuplicateKey as e:
         raise bad(f"its header gives the key {str(e)[:100]!r} twice") from None
-    except RecursionError:
-        raise bad("its header is JSON nested too deeply") from None
-    except ValueError as e:
-        raise bad(f"its header is not JSON ({' '.join(str(e).split())[:200]})") from None
+    except BadJson as e:
+        raise bad(f"its header {e}") from None
     if not isinstance(header, dict):
         raise bad("its header is not a JSON object")
     return header, size

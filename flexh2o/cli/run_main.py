@@ -1,14 +1,13 @@
 """What `python -m flexh2o.run` does once its flags are parsed (run.py keeps the parser free of
 torch, so that --help answers at once): checks, the plan, loading, generation and the report."""
 
-import sys
-
 import torch
 
 from flexh2o.offload.disk import OffloadError
 from flexh2o.offload.offload_dir import check_offload_dir
 from flexh2o.host.devices import default_device, parse_device, parse_dtype
 from flexh2o.common.errors import UsageError
+from flexh2o.common.messages import say
 from flexh2o.offload.io_tasks import IOTaskError
 from flexh2o.engine.preflight import parse_size
 from flexh2o.models import resolve_model
@@ -23,7 +22,7 @@ from flexh2o.engine.stage_link import LinkError
 from flexh2o.common.signals import kept_line
 from flexh2o.jobs.cli import check_job_flags, check_job_names, run_job
 from flexh2o.jobs.files import WriteFailed
-from flexh2o.cli.run_world import run_in_world
+from flexh2o.cli.run_world import check_peer_timeout, run_in_world
 from flexh2o.runs.setup import choose_policy, dtype_name, load_engine
 from flexh2o.planning.cost_model import predict
 from flexh2o.runs.auto_plan import DEFAULT_GPU_BATCH_SIZE, check_planning_flags
@@ -69,18 +68,18 @@ def run_parsed(args) -> int:
         with torch.no_grad():
             return run(args)
     except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
+        say(f"error: {e}")
         return 2
     except WriteFailed as e:  # a dataset job's output: what it wrote before is whole, and resumable
-        print(f"error: {e}; the records written before it are kept: run the same command again once it can be "
-              "written to finish the job", file=sys.stderr)
+        say(f"error: {e}; the records written before it are kept: run the same command again once it can be "
+            "written to finish the job")
         return 1
     except LinkError as e:  # a pipeline stage lost the rank it sends to or receives from
-        print(f"error: {e}; this rank stopped: {kept_line()} and its offload files removed", file=sys.stderr)
+        say(f"error: {e}; this rank stopped: {kept_line()} and its offload files removed")
         return 1
     except (OffloadError, IOTaskError) as e:  # a full disk names the flag; any other I/O failure its task
         cause = f"--offload-dir: {e.strerror}" if isinstance(e, OffloadError) else str(e)
-        print(f"error: {cause}; the run stopped and its offload files were removed", file=sys.stderr)
+        say(f"error: {cause}; the run stopped and its offload files were removed")
         return 1
 
 
@@ -89,6 +88,7 @@ def run(args) -> int:
     check_positive(args)
     check_sampling(args.temperature, args.top_k, args.top_p)
     check_seed(args.seed)
+    check_peer_timeout(args.peer_timeout)
     if args.chat and not (args.prompts_file or args.input):
         raise UsageError("--chat", "applies to the prompts of --prompts-file or --input: give one")
     check_job_flags(args)
@@ -156,7 +156,7 @@ def batch_prompts(args, spec, batch: int, tokens):
 def generate_and_report(args, engine, policy, tokens, tokenizer, dummy, predicted=None, report=True) -> int:
     input_ids, mask = batch_prompts(args, engine.spec, policy.batch_size, tokens)
     if dummy and not args.dummy and report:
-        print(f"note: no --path given for {engine.spec.name}: using dummy weights", file=sys.stderr)
+        say(f"note: no --path given for {engine.spec.name}: using dummy weights")
     if args.warmup:
         warm_up(engine, policy.batch_size, min(WARMUP_PROMPT_LEN, args.prompt_len), args.seed)
     cut = args.cut_gen_len
@@ -188,6 +188,5 @@ def save_json(path: str, report: dict) -> int:
         return 0
     except OSError as e:
         print(json_text(report), end="")
-        print(f"error: --json-out: cannot write {path}: {e.strerror or e}; the JSON report went to stdout",
-              file=sys.stderr)
+        say(f"error: --json-out: cannot write {path}: {e.strerror or e}; the JSON report went to stdout")
         return 1

@@ -33,8 +33,17 @@ def check_world_flags(args, world, spec, planning: bool):
         raise UsageError("--pipeline-stages", "give --gpu-batch-size and the placement (--weights/--cache/--act or "
                          "--percent) together, or neither (every stage then planned)")
     check_stage_count(world.stages, spec)
-    if args.peer_timeout <= 0:
-        raise UsageError("--peer-timeout", f"must be a positive number of seconds, got {args.peer_timeout:g}")
+
+
+MAX_PEER_TIMEOUT = 365 * 24 * 3600  # seconds; far past any wait, short of what the store's timers hold
+
+
+def check_peer_timeout(seconds: float):
+    """Checked on every run, one process or a world: inf or nan would overflow the rendezvous's timer
+    on every rank."""
+    if not 0 < seconds <= MAX_PEER_TIMEOUT:  # (false for nan too)
+        raise UsageError("--peer-timeout", f"must be a number of seconds above 0 and at most {MAX_PEER_TIMEOUT} "
+                         f"(a year), got {seconds:g}")
 
 
 def world_settings(args, spec, weights_dir, device, dtype) -> dict:

@@ -82,6 +82,9 @@ def token_ids(name: str, value, vocab_size: int, special=()):
 def shown(value) -> str:
     """A value as an error message quotes it: at most 80 characters."""
     if isinstance(value, int) and abs(value) >= 10 ** 30:
-        return f"an integer of {len(str(value))} digits"
+        # (str() refuses an integer of more than sys.get_int_max_str_digits() digits)
+        digits = len(str(abs(value))) if value.bit_length() < 4000 else \
+            f"about {int(value.bit_length() * math.log10(2)) + 1}"
+        return f"an integer of {digits} digits"
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."

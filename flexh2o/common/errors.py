@@ -5,6 +5,8 @@ import os
 import stat
 import sys
 
+from flexh2o.common.messages import say
+
 
 class UsageError(ValueError):
     """Bad input from the user. The CLI prints `error: <flag>: <message>` and exits with code 2."""
@@ -51,5 +53,5 @@ class OneLineErrorParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message):
-        print(f"error: {message}", file=sys.stderr)
+        say(f"error: {message}")
         sys.exit(2)

@@ -16,6 +16,8 @@ import sys
 import threading
 from contextlib import contextmanager
 
+from flexh2o.common.messages import say
+
 HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -137,7 +139,7 @@ def stop_at_once():
     signal ends the process at once with its one line and 128 + signum (nothing has been written
     yet), instead of a traceback out of an import. A signal ignored at start stays ignored."""
     def stop(signum, frame):
-        _say(f"stopped by {signal.Signals(signum).name}: the run was cancelled before it started")
+        say(f"stopped by {signal.Signals(signum).name}: the run was cancelled before it started")
         os._exit(128 + signum)
     _install(stop)
 
@@ -183,9 +185,9 @@ def run_stoppable(main) -> int:
         return code
     kept = kept_line()
     if _state.reason is not None:
-        _say(f"error: {_state.reason}; this rank stopped: {kept} and its offload files removed")
+        say(f"error: {_state.reason}; this rank stopped: {kept} and its offload files removed")
         return 1
-    _say(f"stopped by {signal.Signals(_state.first).name}: {kept} and its offload files removed")
+    say(f"stopped by {signal.Signals(_state.first).name}: {kept} and its offload files removed")
     return 128 + _state.first
 
 
@@ -195,10 +197,3 @@ def _ignore_from_now():
     if threading.current_thread() is threading.main_thread():
         for signum in HANDLED:
             signal.signal(signum, signal.SIG_IGN)
-
-
-def _say(line: str):
-    try:
-        print(line, file=sys.stderr, flush=True)
-    except OSError:  # the terminal is gone (SIGHUP)
-        pass

@@ -19,11 +19,11 @@ made once, the same values.
 
 import math
 import os
-import sys
 import threading
 
 import torch
 
+from flexh2o.common.messages import say
 from flexh2o.compression.formats import BLOCK_VALUES, LAYOUTS, SIXTEEN_BIT, Layout
 
 
@@ -43,8 +43,8 @@ def kernel():
             from flexh2o.compression import triton_dequant
         except Exception as e:  # ImportError, or a Triton that fails to start: the torch path still works
             triton_dequant = None
-            print(f"flexh2o: Triton is not usable ({type(e).__name__}: {e}); 4-bit weights are dequantized on the "
-                  "GPU by torch's operations instead (slower)", file=sys.stderr)
+            say(f"flexh2o: Triton is not usable ({type(e).__name__}: {e}); 4-bit weights are dequantized on the "
+                "GPU by torch's operations instead (slower)")
         _KERNEL.append(triton_dequant)
     return _KERNEL[0]
 
@@ -130,8 +130,8 @@ def launched(triton_dequant, packed, layout: Layout, out, rows: int, dims: tuple
         return True
     except Exception as e:
         _KERNEL[:] = [None]
-        print(f"flexh2o: the Triton kernel failed ({type(e).__name__}: {e}); 4-bit weights are dequantized on the "
-              "GPU by torch's operations instead (slower)", file=sys.stderr)
+        say(f"flexh2o: the Triton kernel failed ({type(e).__name__}: {e}); 4-bit weights are dequantized on the "
+            "GPU by torch's operations instead (slower)")
         return False
 
 

@@ -18,10 +18,10 @@ graphs from that step on. FLEXH2O_CUDA_GRAPHS=0 turns graphs off.
 
 import dataclasses
 import os
-import sys
 
 import torch
 
+from flexh2o.common.messages import say
 
 def why_not(schedule) -> str | None:
     """Why the schedule's decode steps cannot be captured (None: they can)."""
@@ -107,7 +107,7 @@ class DecodeGraphs:
             self.broken = True
             self.graphs.clear()
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            print(f"flexh2o: CUDA graph capture failed ({reason}); decoding without graphs", file=sys.stderr)
+            say(f"flexh2o: CUDA graph capture failed ({reason}); decoding without graphs")
             return
         self.pool = graph.pool()
         self.graphs[k] = (graph, static, uniforms, out)

@@ -65,11 +65,16 @@ def one_call_at_a_time(method):
     time owns the caches, the pool and the I/O threads."""
     @functools.wraps(method)
     def call(engine, *args, **kwargs):
+        engine.check_not_inside(method.__name__)
         with engine._calls:
             if engine.closed:
                 raise UsageError(method.__name__, "the engine was closed; load the model again "
                                  "(Engine.from_pretrained)")
-            return method(engine, *args, **kwargs)
+            engine._caller = threading.get_ident()
+            try:
+                return method(engine, *args, **kwargs)
+            finally:
+                engine._caller = None
     return call
 
 
@@ -92,6 +97,7 @@ class Engine:
         self.load_transient = load_transient(layers, tiers.dtype.itemsize, policy)
         self.last_stats: GenerationStats | None = None
         self._calls = threading.Lock()
+        self._caller = None  # the thread running a call under _calls
         self.closed = False
         # An engine dropped without close() closes its tiers (I/O threads, offload files) when it is
         # collected, or at exit; the finalizer holds the tiers, never the engine.
@@ -195,14 +201,14 @@ class Engine:
         tiers = Tiers(device, dtype, disk, overlap=policy.overlap)
         try:
             prefetch = getattr(source, "prefetch", lambda names: None)
-            for i, layer in enumerate(tqdm(layers, desc="load weights", unit="layer", disable=not progress,
-                                           leave=False)):
-                # The disk reads the next two layers while this one is quantized and written (one ahead
-                # left it idle part of the time: OPT-1.3B from a float16 checkpoint not in the page cache);
-                # each is asked for once.
-                ahead = layers[i + 1: i + 3] if i == 0 else layers[i + 2: i + 3]
-                prefetch([name for after in ahead for name, _ in after.weight_specs()])
-                layer.init_weight(source, tiers, policy)
+            with tqdm(layers, desc="load weights", unit="layer", disable=not progress, leave=False) as bar:
+                for i, layer in enumerate(bar):
+                    # The disk reads the next two layers while this one is quantized and written (one
+                    # ahead left it idle part of the time: OPT-1.3B from a float16 checkpoint not in the
+                    # page cache); each is asked for once.
+                    ahead = layers[i + 1: i + 3] if i == 0 else layers[i + 2: i + 3]
+                    prefetch([name for after in ahead for name, _ in after.weight_specs()])
+                    layer.init_weight(source, tiers, policy)
             tiers.finish_placing()
             tiers.sync()  # weights placed on the device are written before a caller's own stream reads them
         except BaseException:
@@ -231,9 +237,22 @@ class Engine:
                              "go to disk")
         self.policy = policy
 
+    def in_call(self) -> bool:
+        """Whether this thread is inside one of this engine's running calls (in one of its callbacks)."""
+        return self._caller == threading.get_ident()
+
+    def check_not_inside(self, name: str):
+        """Refuses a call made from inside a running call of this engine, on its own thread (a
+        progress, on_done or stop callback): it would wait for the engine's lock, which that
+        thread holds, forever."""
+        if self.in_call():
+            raise UsageError(name, "called from inside a running call of the same engine (from one of its "
+                             "callbacks), where it would wait for itself forever: call it once that call returned")
+
     def close(self):
         """Removes this engine's offload files and stops its I/O threads (waiting for a generate
         call another thread is running)."""
+        self.check_not_inside("close")
         with self._calls:
             self.closed = True
             self._finalizer()

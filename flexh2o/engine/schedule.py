@@ -71,32 +71,35 @@ class Schedule:
         self.load_weight(0)
         self.load_cache(0)
         steps_done = gen_len
-        bar = tqdm(range(gen_len), desc="generate", unit="tok", disable=not progress, leave=False)
-        for i in bar:
-            start, counts = time.perf_counter(), self.counts()
-            self.begin_token(i)
-            if self.graphs is not None and self.graphs.takes(i):
-                self.graph_token(i)
-            else:
-                self.token(i, bar)
-            if i == 0:
-                bar.set_postfix_str("", refresh=False)
-            stop = self.end_token(i)
-            seconds = time.perf_counter() - start
-            if i == 0:
-                self.prefill_seconds = seconds
-            else:
-                self.decode_seconds += seconds
-            if i < KEPT_STEPS:
-                self.step_seconds.append(seconds)
-                for per_step, before, now in zip(self.per_step, counts, self.counts()):
-                    per_step.append(now - before)
-            if stop:
-                self.layers[0].release_weight()  # the next token's first weights may be loading
-                for layer in self.loaded_early:
-                    layer.release_weight()
-                steps_done = i + 1
-                break
+        # The bar counts token steps of the whole batch, so its rate is steps/s, not tokens/s. It is
+        # closed on the way out of an error too: an error's line must not run on from it.
+        with tqdm(total=gen_len, desc="generate", unit="step", disable=not progress, leave=False) as bar:
+            for i in range(gen_len):
+                start, counts = time.perf_counter(), self.counts()
+                self.begin_token(i)
+                if self.graphs is not None and self.graphs.takes(i):
+                    self.graph_token(i)
+                else:
+                    self.token(i, bar)
+                if i == 0:
+                    bar.set_postfix_str("", refresh=False)
+                stop = self.end_token(i)
+                seconds = time.perf_counter() - start
+                if i == 0:
+                    self.prefill_seconds = seconds
+                else:
+                    self.decode_seconds += seconds
+                if i < KEPT_STEPS:
+                    self.step_seconds.append(seconds)
+                    for per_step, before, now in zip(self.per_step, counts, self.counts()):
+                        per_step.append(now - before)
+                bar.update(1)
+                if stop:
+                    self.layers[0].release_weight()  # the next token's first weights may be loading
+                    for layer in self.loaded_early:
+                        layer.release_weight()
+                    steps_done = i + 1
+                    break
         start = time.perf_counter()
         self.store_cache(steps_done * per_token - 1)  # the last (layer, gpu-batch)'s cache
         self.sync()

@@ -25,6 +25,7 @@ queue, at the next token step, and on_done hears "cancelled".
 
 import torch
 
+from flexh2o.common.errors import UsageError
 from flexh2o.engine.logprobs import prompt_scores, scores
 from flexh2o.engine.sequences import Step, prompt_step
 from flexh2o.engine.slot_request import Request, seeds_of
@@ -88,6 +89,9 @@ class SlotPool:
             request = next(self.requests, None)
             if request is None:
                 return None
+            if not len(request.ids):
+                raise UsageError("requests", "a request without prompt tokens: each needs one at least, to "
+                                 "predict its first new token from")
             if request.cancelled:
                 self.on_done(request, [], "cancelled")
             else:

@@ -12,7 +12,7 @@ import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 from tqdm import tqdm
 
 from flexh2o.checkpoints.fingerprint import model_sha256
@@ -48,6 +48,18 @@ class FlexH2OLM(TemplateLM):
         self.engine = self.plans = None
         self._tasks: list = []
         self._prefix_text = self.tokenizer.decode([self.prefix_token_id])  # a string holding it has its BOS
+
+    # lm-eval passes its own batch_size, max_batch_size and device beside model_args, as keyword
+    # arguments of the same call: a key in both was a TypeError. model_args win (flexh2o.lm_eval
+    # refuses a --device other than model_args' device before this).
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
+        harness = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
+        return cls(**arg_dict, **harness)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
 
     # -- lm-eval's interface ------------------------------------------------------------------
     @property

@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass, fields
 
+from flexh2o.common.arguments import shown
 from flexh2o.common.errors import UsageError
 from flexh2o.engine.preflight import parse_size
 from flexh2o.engine.policy import KV_POLICIES, Policy
@@ -65,20 +66,20 @@ def _typed(key: str, value, kind: str):
             return value
         if str(value).lower() in ("true", "false"):
             return str(value).lower() == "true"
-        raise UsageError(flag, f"must be true or false, got {value!r}")
+        raise UsageError(flag, f"must be true or false, got {shown(value)}")
     if "int" in kind:
         try:
             number = int(str(value))
-        except ValueError:
-            raise UsageError(flag, f"must be a whole number, got {value!r}") from None
+        except ValueError:  # (a number longer than Python converts, too)
+            raise UsageError(flag, f"must be a whole number, got {shown(value)}") from None
         if number < 0 or (number == 0 and key not in ZERO_ALLOWED):
-            raise UsageError(flag, f"must be {'0 or more' if key in ZERO_ALLOWED else 'positive'}, got {value!r}")
+            raise UsageError(flag, f"must be {'0 or more' if key in ZERO_ALLOWED else 'positive'}, got {shown(value)}")
         return number
     if "float" in kind:
         try:
             return float(str(value))
         except ValueError:
-            raise UsageError(flag, f"must be a number, got {value!r}") from None
+            raise UsageError(flag, f"must be a number, got {shown(value)}") from None
     return str(value)
 
 

@@ -7,13 +7,13 @@ h100-80g), each naming its source; `local` is measured on the machine at hand by
 Every speed is in bytes/s, FLOP/s or values/s, every size in bytes, every time in seconds.
 """
 
-import json
 import math
 import os
 from dataclasses import MISSING, asdict, dataclass, fields
 
 from flexh2o.common.cache_dir import cache_dir
 from flexh2o.common.errors import UsageError
+from flexh2o.common.json_data import BadJson, parse_json
 from flexh2o.common.output_files import write_json_atomic
 
 BUSY_SHARE = 0.15   # of the CPU taken by other processes while measuring: the figures are suspect
@@ -215,10 +215,12 @@ def shipped() -> list[str]:
 
 def read_profile(path: str) -> HardwareProfile:
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError) as e:
-        raise UsageError("--hardware", f"cannot read {path}: {e}") from None
+        with open(path, "rb") as f:
+            data = parse_json(f.read())
+    except OSError as e:
+        raise UsageError("--hardware", f"cannot read {path}: {e.strerror}") from None
+    except BadJson as e:
+        raise UsageError("--hardware", f"{path} {e}: not a hardware profile") from None
     if not isinstance(data, dict):
         raise UsageError("--hardware", f"{path} holds no JSON object")
     return from_dict(data, path)

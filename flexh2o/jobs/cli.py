@@ -172,25 +172,22 @@ def resume_command() -> str:
 def generate_all(args, engine, job_input, output, tokenizer, spec, plans, read_seconds: float = 0.0,
                  ordered: bool = True, provenance: dict | None = None) -> int:
     """provenance: the model, its SHA-256, the dtype and flexh2o's version, which the summary records."""
-    bar = None
-    if not args.quiet:
-        bar = tqdm(total=len(job_input.entries), initial=len(output.done & {e.id for e in job_input.entries}),
-                   unit="record", desc="job", dynamic_ncols=True)
-    tokens = [0]
+    # Closed on the way out of an error too: a bar left drawn would run into the error's line.
+    with tqdm(total=len(job_input.entries), initial=len(output.done & {e.id for e in job_input.entries}),
+              unit="record", desc="job", dynamic_ncols=True, disable=args.quiet) as bar:
+        tokens = [0]
 
-    def progress(records: int, generated: int):
-        if bar is not None:
-            tokens[0] += generated
-            bar.update(records)
-            bar.set_postfix_str(f"{tokens[0] / max(bar.format_dict['elapsed'], 1e-9):.1f} tok/s", refresh=False)
-    job = Job(engine, job_input, output, tokenizer, formatter_for(job_input.format, spec.name),
-              eos_ids(spec) if args.stop_at_eos else None, args.seed, progress, plans, args.fixed_blocks,
-              args.join_every or 1, args.prompt_chunk)
-    job.stats.read_seconds = read_seconds
-    for _ in job.run():
-        pass
-    if bar is not None:
-        bar.close()
+        def progress(records: int, generated: int):
+            if not args.quiet:
+                tokens[0] += generated
+                bar.update(records)
+                bar.set_postfix_str(f"{tokens[0] / max(bar.format_dict['elapsed'], 1e-9):.1f} tok/s", refresh=False)
+        job = Job(engine, job_input, output, tokenizer, formatter_for(job_input.format, spec.name),
+                  eos_ids(spec) if args.stop_at_eos else None, args.seed, progress, plans, args.fixed_blocks,
+                  args.join_every or 1, args.prompt_chunk)
+        job.stats.read_seconds = read_seconds
+        for _ in job.run():
+            pass
     if args.ordered and ordered:
         output.rewrite_in_order([e.id for e in job_input.entries])
     summary = {**(provenance or {}), **job.stats.summary()}

@@ -17,7 +17,6 @@ file's fingerprint (its size and a hash of its bytes), which a resumed job must 
 """
 
 import hashlib
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 from flexh2o.common.arguments import shown
 from flexh2o.checkpoints.chat_template import ChatTemplateError, render_chat
 from flexh2o.common.errors import UsageError, check_regular_file
+from flexh2o.common.json_data import BadJson, parse_json
 from flexh2o.runs.prompts import template_source
 from flexh2o.engine.sampling import MAX_SEED
 
@@ -85,20 +85,20 @@ def sampling(temperature: float, top_p: float, top_k: int) -> Sampling:
 
 
 def detect_format(path: str) -> str:
+    """"text" where the first non-blank line does not start a JSON object; otherwise the first line
+    that parses as an object decides ("openai" where it has a custom_id), so that a broken first
+    record, an error record under --skip-bad, does not decide how the others are read."""
     check_regular_file(path, "--input")
-    with open(path, "rb") as f:
-        for raw in f:
-            line = raw.decode("utf-8-sig", errors="replace").strip()
-            if not line:
-                continue
-            if not line.startswith("{"):
-                return "text"
-            try:
-                record = json.loads(line)
-            except ValueError:
-                return "jsonl"  # a broken first record is reported as such
-            return "openai" if isinstance(record, dict) and "custom_id" in record else "jsonl"
-    return "text"
+    for n, (_, _, text) in enumerate(lines_of(path)):
+        if n == 0 and not text.startswith("{"):
+            return "text"
+        try:
+            record = parse_json(text)
+        except BadJson:
+            continue
+        if isinstance(record, dict):
+            return "openai" if "custom_id" in record else "jsonl"
+    return "jsonl"
 
 
 def number_field(record: dict, key: str, kind, default, low, high, low_open=False):
@@ -158,11 +158,9 @@ def parse_record(text: str, fmt: str, line: int, defaults: dict, urls: tuple = O
         return Request(str(line), text, None, defaults["max_tokens"],
                        sampling(defaults["temperature"], defaults["top_p"], defaults["top_k"]), (), defaults["seed"])
     try:
-        record = json.loads(text)
-    except ValueError as e:
-        raise BadRecord(f"not valid JSON ({e.msg})") from None
-    except RecursionError:
-        raise BadRecord("JSON nested too deeply to be a record") from None
+        record = parse_json(text)
+    except BadJson as e:
+        raise BadRecord(f"the line {e}") from None
     if not isinstance(record, dict):
         raise BadRecord("a record must be a JSON object")
     if fmt == "openai":
@@ -214,6 +212,15 @@ def prompt_ids(tokenizer, request: Request, chat: bool) -> list[int]:
             raise BadRecord(str(e)) from None
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     return tokenizer(request.prompt)["input_ids"]
+
+
+def prompt_length(tokenizer, request: Request, chat: bool) -> int:
+    """The prompt's token count; BadRecord where the tokenizer makes no token of it (whitespace alone,
+    with many tokenizers): the engine needs one to predict from."""
+    n = len(prompt_ids(tokenizer, request, chat))
+    if n == 0:
+        raise BadRecord("the prompt has no tokens with this model's tokenizer (is it only whitespace?)")
+    return n
 
 
 class Fingerprint:
@@ -281,9 +288,7 @@ class JobInput:
                 request = parse_record(text, self.format, line, defaults, urls)
                 if request.id in seen:
                     raise BadRecord(f"id {request.id!r} appears twice")
-                n = len(prompt_ids(tokenizer, request, chat))
-                if n == 0:
-                    raise BadRecord("the prompt has no tokens")
+                n = prompt_length(tokenizer, request, chat)
                 if request.max_tokens is None:
                     request.max_tokens = max_positions - n
                 if request.max_tokens < 1 or n + request.max_tokens > max_positions:

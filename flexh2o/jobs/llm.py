@@ -13,6 +13,7 @@ time, for jobs that do not fit in memory. Every argument is checked (common/argu
 """
 
 import itertools
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,8 @@ from flexh2o.engine.engine import Engine
 from flexh2o.common.errors import UsageError
 from flexh2o.jobs.job import Job
 from flexh2o.jobs.plans import FixedPlan
-from flexh2o.jobs.input import BadRecord, Entry, Request, chat_messages, check_text, prompt_ids, sampling
+from flexh2o.jobs.input import (BadRecord, Entry, Request, chat_messages, check_text, prompt_ids, prompt_length,
+                                sampling)
 from flexh2o.models import eos_ids, resolve_model
 from flexh2o.engine.policy import Policy
 from flexh2o.runs.prompts import load_tokenizer
@@ -51,16 +53,16 @@ class _Prompts:
             if messages is None and (not isinstance(p, str) or not p):
                 raise UsageError("prompts", f"prompt {first + n} must be a non-empty string or a list of chat "
                                  f"messages, got {str(p)[:80]!r}")
+            request = Request(str(first + n), None if messages else p, messages, settings["max_tokens"],
+                              settings["sampling"], settings["stop"], settings["seed"])
             try:
                 if messages is not None:
                     chat_messages(messages)
                 else:
                     check_text("the prompt", p)
+                tokens = prompt_length(llm.tokenizer, request, llm.chat)
             except BadRecord as e:
                 raise UsageError("prompts", f"prompt {first + n}: {e}") from None
-            request = Request(str(first + n), None if messages else p, messages, settings["max_tokens"],
-                              settings["sampling"], settings["stop"], settings["seed"])
-            tokens = len(prompt_ids(llm.tokenizer, request, llm.chat))
             if tokens + request.max_tokens > llm.spec.max_positions:
                 raise UsageError("prompts", f"prompt {first + n}: {tokens} tokens + max_tokens "
                                  f"{request.max_tokens} exceed the model's {llm.spec.max_positions} positions")
@@ -138,6 +140,7 @@ class LLM:
             raise UsageError("model", "needs a tokenizer next to the weights (a directory with tokenizer files or a "
                              "GGUF file)")
         self.chat, self.seed = chat, seed
+        self._reporting = threading.local()  # .inside: this thread runs a progress callback of this LLM's
         try:
             policy = Policy(gpu_batch_size, num_gpu_batches, weights[0], weights[1], cache[0], cache[1],
                             kv_policy=kv_policy, hh_ratio=hh_ratio, recent_ratio=recent_ratio,
@@ -159,6 +162,7 @@ class LLM:
         seed: every prompt's sampling seed (default: from the LLM's seed and the prompt's index,
             so a prompt's tokens do not depend on its block).
         progress: a progress bar on stderr, moving as each block finishes."""
+        self._check_not_inside("generate")
         switch("progress", progress)
         prompts = prompt_source(prompts)
         total = len(prompts) if hasattr(prompts, "__len__") else None
@@ -172,14 +176,35 @@ class LLM:
                stop=None, seed: int | None = None, progress=None):
         """Completions as each chunk of prompts finishes, for any number of prompts from any iterable
         (not in input order: each Completion has its index). The arguments are generate()'s;
-        progress(records, tokens), if given, is called as records finish."""
+        progress(records, tokens), if given, is called as records finish (generate, stream or close
+        called from inside it is refused: the engine runs one call at a time)."""
+        self._check_not_inside("stream")
         settings = {"max_tokens": whole("max_tokens", max_tokens, 1, 1 << 20),
                     "sampling": sampling(number("temperature", temperature, 0, 100),
                                          number("top_p", top_p, 0, 1, low_open=True), whole("top_k", top_k, 0)),
                     "stop": stops("stop", stop), "seed": whole("seed", seed, 0, MAX_SEED, none=True)}
         if progress is not None and not callable(progress):
             raise UsageError("progress", f"must be a function (records, tokens), or None, got {progress!r}")
-        return self._stream(prompt_source(prompts), settings, progress)
+        return self._stream(prompt_source(prompts), settings, None if progress is None else self._reported(progress))
+
+    def _reported(self, progress):
+        """progress, noting the thread that runs it: a generate, stream or close from inside it is
+        refused whether or not the engine's call is still running at that moment (it has ended when
+        the last records are reported), so that such a call fails the same way every time."""
+        def report(records: int, tokens: int):
+            self._reporting.inside = True
+            try:
+                progress(records, tokens)
+            finally:
+                self._reporting.inside = False
+        return report
+
+    def _check_not_inside(self, name: str):
+        if getattr(self._reporting, "inside", False):
+            raise UsageError(name, "called from inside the progress callback of this LLM's running generate or "
+                             "stream, where it would wait for the engine that call holds: call it once that call "
+                             "has returned")
+        self.engine.check_not_inside(name)
 
     def _stream(self, prompts, settings: dict, progress):
         chunk = CHUNK_BATCHES * self.policy.batch_size
@@ -198,6 +223,7 @@ class LLM:
 
     def close(self):
         """Removes the engine's offload files and stops its I/O threads (or use a with-block)."""
+        self._check_not_inside("close")
         self.engine.close()
 
     def __enter__(self):

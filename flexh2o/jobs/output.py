@@ -12,6 +12,7 @@ import json
 import os
 
 from flexh2o.common.errors import UsageError
+from flexh2o.common.json_data import BadJson, parse_json
 from flexh2o.common.output_files import check_output_file, write_json_atomic
 from flexh2o.common.signals import deferred
 from flexh2o.jobs.files import OutputLock, WriteFailed, open_for_append, write_lines_atomic
@@ -35,8 +36,8 @@ def complete_records(path: str):
             if not raw.endswith(b"\n"):
                 break
             try:
-                record = json.loads(raw)
-            except ValueError:
+                record = parse_json(raw)
+            except BadJson:
                 break
             if not isinstance(record, dict) or record_id(record) is None:
                 break
@@ -48,9 +49,11 @@ def complete_records(path: str):
 def check_settings(path: str, settings: dict):
     """Refuses to add to the output at `path` records made with other settings than `settings`."""
     try:
-        with open(settings_path(path), encoding="utf-8") as f:
-            saved = json.load(f)
-    except (OSError, ValueError):
+        with open(settings_path(path), "rb") as f:
+            saved = parse_json(f.read())
+        if not isinstance(saved, dict):
+            raise BadJson("is not a JSON object")
+    except (OSError, BadJson):
         raise UsageError("--output", f"{path} exists and no job settings lie beside it "
                          f"({settings_path(path)}): not a flexh2o job's output; give --overwrite to "
                          "replace it") from None

@@ -1,10 +1,10 @@
 """Model families: turn a model name or a local checkpoint directory into a spec."""
 
 import dataclasses
-import json
 import os
 
 from flexh2o.common.errors import UsageError, check_regular_file
+from flexh2o.common.json_data import BadJson, parse_json
 from flexh2o.checkpoints.weights import checkpoint_formats
 from flexh2o.models import llama, opt
 
@@ -18,10 +18,12 @@ def read_hf_config(directory: str, flag: str) -> dict:
     path = os.path.join(directory, "config.json")
     check_regular_file(path, flag)
     try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
-        raise UsageError(flag, f"cannot read {path}: {e}") from None
+        with open(path, "rb") as f:
+            config = parse_json(f.read())
+    except OSError as e:
+        raise UsageError(flag, f"cannot read {path}: {e.strerror}") from None
+    except BadJson as e:
+        raise UsageError(flag, f"{path} {e}: not a model's settings") from None
     if not isinstance(config, dict):
         raise UsageError(flag, f"{path} holds a JSON {type(config).__name__}, not an object of model settings")
     return config

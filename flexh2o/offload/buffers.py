@@ -10,13 +10,13 @@ remembered per buffer, never derived by comparing devices.
 """
 
 import bisect
-import sys
 import threading
 import time
 import weakref
 
 import torch
 
+from flexh2o.common.messages import say
 from flexh2o.host.aligned_memory import aligned_empty
 
 TIERS = ("gpu", "cpu", "disk")
@@ -98,8 +98,8 @@ class Buffers:
         if hasattr(cudart, "cudaGetLastError"):
             cudart.cudaGetLastError()  # not left for a later kernel launch's check to report
         if not self._host_allocated:
-            print(f"flexh2o: cudaHostRegister of {size} bytes failed with CUDA error {error} (is `ulimit -l` too "
-                  "low?); pinned host memory comes from torch's allocator instead", file=sys.stderr)
+            say(f"flexh2o: cudaHostRegister of {size} bytes failed with CUDA error {error} (is `ulimit -l` too "
+                "low?); pinned host memory comes from torch's allocator instead")
         t = torch.empty(shape, dtype=dtype, pin_memory=True)
         self.note_pinned(t.data_ptr(), nbytes, registered=False)
         return t

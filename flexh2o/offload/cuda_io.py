@@ -18,12 +18,12 @@ is there, or queued ahead of anything that waits".
 
 import ctypes
 import math
-import sys
 import threading
 from contextlib import contextmanager
 
 import torch
 
+from flexh2o.common.messages import say
 from flexh2o.offload.slots import slot_grid
 
 
@@ -275,8 +275,8 @@ def copy_rows_to_host(dst: torch.Tensor, src: torch.Tensor, rows: tuple, stream)
     if error:
         library.cudaGetLastError()  # not left for torch's next check to report as its own
         _CUDART[0] = None
-        print(f"flexh2o: cudaMemcpy2DAsync failed with CUDA error {error}; strided copies to the host are staged "
-              "instead", file=sys.stderr)
+        say(f"flexh2o: cudaMemcpy2DAsync failed with CUDA error {error}; strided copies to the host are staged "
+            "instead")
         return False
     return True
 

@@ -11,10 +11,10 @@ import errno
 import os
 import shutil
 import socket
-import sys
 import tempfile
 
 from flexh2o.common.errors import UsageError
+from flexh2o.common.messages import say
 from flexh2o.common.signals import deferred
 
 
@@ -119,8 +119,7 @@ def make_run_dir(offload_dir: str) -> tuple[str, list[str]]:
         try:
             created = make_dirs(offload_dir)
             for path in remove_stale_runs(offload_dir):
-                print(f"note: removed {path}, the offload files of a run on this host whose process is gone",
-                      file=sys.stderr)
+                say(f"note: removed {path}, the offload files of a run on this host whose process is gone")
             prefix = f"{RUN_PREFIX}{_host()}-{os.getpid()}-"  # whose it is, for a later run to tell if it is dead
             return tempfile.mkdtemp(prefix=prefix, dir=offload_dir), created
         except OSError as e:

@@ -5,6 +5,7 @@ while the machine was busy and it is quiet now)."""
 from typing import TYPE_CHECKING
 
 from flexh2o.common.errors import UsageError
+from flexh2o.common.messages import say
 from flexh2o.common.names import duration
 from flexh2o.host.hardware import BUSY_SHARE, LOCAL, HardwareProfile, load_profile, local_cache_path, save_local
 
@@ -107,8 +108,7 @@ def ensure_local_profile(device, offload_dir: str, log=None, fresh: bool = False
     device or `fresh` asks for it. `log` takes its notes (default: stderr)."""
     import torch
     from flexh2o.host.devices import default_device
-    from flexh2o.profiling.measure import print_to_stderr
-    log = log or print_to_stderr
+    log = log or say
     device = torch.device(device or default_device())
     profile, why = (None, "a fresh profile was asked for") if fresh else cached_profile(device, log)
     if profile is None:

@@ -14,13 +14,13 @@ import os
 import queue
 import shutil
 import statistics
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import torch
 
+from flexh2o.common.messages import say
 from flexh2o.offload.disk import ALIGN, MEMORY, DiskStore
 from flexh2o.offload.offload_dir import existing_ancestor
 from flexh2o.engine.engine import Engine
@@ -55,10 +55,6 @@ DEQUANT_WIDTH = 4096
 TINY_OPT = OPTSpec(name="tiny", num_layers=2, hidden_size=64, num_heads=4, ffn_dim=256, vocab_size=1000,
                    max_positions=128)
 TINY_PROMPT, TINY_NEW_TOKENS = 8, 17
-
-
-def print_to_stderr(line: str):
-    print(line, file=sys.stderr, flush=True)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -344,7 +340,7 @@ def logged(log, what: str, fn, *args):
     return value
 
 
-def measure(device: torch.device, offload_dir: str, quick: bool = False, log=print_to_stderr) -> HardwareProfile:
+def measure(device: torch.device, offload_dir: str, quick: bool = False, log=say) -> HardwareProfile:
     """Measures this machine with `device` computing and disk files in `offload_dir`. quick: small
     sizes, well under a minute in all, rough figures (for tests)."""
     device = torch.device(device)

@@ -5,9 +5,8 @@ the capacities the engine's pre-flight will see; the plan is announced in one `n
 the flags that reproduce it.
 """
 
-import sys
-
 from flexh2o.common.errors import UsageError
+from flexh2o.common.messages import say
 from flexh2o.common.names import duration
 from flexh2o.host.hardware import LOCAL, load_profile, local_cache_path
 from flexh2o.planning.planner import describe_caps, plan_capacities, run_flags
@@ -68,10 +67,10 @@ def planned_policy(args, policy, spec, dtype: str, caps: dict, profile, offload_
                          f"no batch size or placement of {spec.name} with {args.prompt_len}+{args.gen_len} tokens "
                          f"fits this machine ({describe_caps(limits, profile.device)} free)")
     p = plan.predicted
-    print(f"note: planned with the local hardware profile ({local_cache_path()}): {' '.join(run_flags(plan.policy))} "
-          f"(predicted total {p.total_throughput:.3f} token/s: {duration(p.total_seconds)} to generate, decode "
-          f"bound by {p.bottleneck['decode']}); give "
-          "--gpu-batch-size or --weights/--cache/--act to choose", file=sys.stderr)
+    say(f"note: planned with the local hardware profile ({local_cache_path()}): {' '.join(run_flags(plan.policy))} "
+        f"(predicted total {p.total_throughput:.3f} token/s: {duration(p.total_seconds)} to generate, decode "
+        f"bound by {p.bottleneck['decode']}); give "
+        "--gpu-batch-size or --weights/--cache/--act to choose")
     return plan.policy
 
 
@@ -102,10 +101,10 @@ def planned_stage_policy(args, policy, spec, dtype: str, caps: dict, profile, of
             raise UsageError("/".join(f"--{t}-mem" for t in limits["given"]) or "--model",
                              f"no batch of {spec.name} with {args.prompt_len}+{args.gen_len} tokens fits every one "
                              f"of {stage.count} stages like this machine ({describe_caps(limits, profile.device)})")
-        print(f"note: planned {stage.count} pipeline stages with the local hardware profile: batch {plan.batch}, "
-              + "; ".join(f"stage {s} (layers {p.layers.start}-{p.layers.stop - 1}) {' '.join(run_flags(p.policy))}"
-                          for s, p in enumerate(plan.stages))
-              + f" (predicted total {plan.throughput:.3f} token/s)", file=sys.stderr)
+        say(f"note: planned {stage.count} pipeline stages with the local hardware profile: batch {plan.batch}, "
+            + "; ".join(f"stage {s} (layers {p.layers.start}-{p.layers.stop - 1}) {' '.join(run_flags(p.policy))}"
+                        for s, p in enumerate(plan.stages))
+            + f" (predicted total {plan.throughput:.3f} token/s)")
         peers.store.set(key, json.dumps([p.policy.to_dict() for p in plan.stages]))
     peers.wait_for([key])
     return Policy(**json.loads(peers.store.get(key))[stage.index])

@@ -4,13 +4,13 @@ flexh2o.run's one-block mode and its dataset jobs (jobs/cli.py) share these.
 """
 
 import functools
-import sys
 
 from flexh2o.offload.offload_dir import check_offload_dir, default_offload_dir
 from flexh2o.engine.engine import Engine
 from flexh2o.host.devices import default_dtype
 from flexh2o.offload.buffers import TIERS
 from flexh2o.engine.preflight import capacities, format_size, run_need, weight_need
+from flexh2o.common.messages import say
 from flexh2o.common.names import duration, tier_label
 from flexh2o.planning.placement import WeightNeeds, describe as describe_placement, fits, fitted_placement, no_fit_error
 from flexh2o.engine.policy import Policy, placement_flag
@@ -60,8 +60,8 @@ def fit_default_placement(args, policy, spec, device, dtype, caps) -> Policy:
         raise no_fit_error(spec, policy, dtype_bytes, args.prompt_len, args.gen_len, limits, device, weights)
     if fitted is policy:
         return policy
-    print(f"note: everything on the compute device does not fit; placing {describe_placement(fitted)} "
-          "(give --weights/--cache/--act or --percent to choose)", file=sys.stderr)
+    say(f"note: everything on the compute device does not fit; placing {describe_placement(fitted)} "
+        "(give --weights/--cache/--act or --percent to choose)")
     return fitted
 
 
@@ -87,8 +87,8 @@ def load_engine(args, spec, policy, device, dtype, caps: dict, dummy: bool, prof
     """The engine of a run, its weights placed by `policy`, sized for args.prompt_len + args.gen_len.
     Where anything is placed off the compute device, a note says what goes where once the pre-flight passed."""
     def announce():
-        print(placement_note(spec, policy, device, dtype, args.prompt_len, args.gen_len, args.offload_dir, dummy,
-                             profile), file=sys.stderr, flush=True)
+        say(placement_note(spec, policy, device, dtype, args.prompt_len, args.gen_len, args.offload_dir, dummy,
+                           profile))
     off_device = any(policy.disk_percent(kind) > 0 or getattr(policy, f"{kind}_cpu_percent") > 0
                      for kind in ("w", "cache"))
     return Engine.load(args.model, policy=policy, device=device, dtype=dtype, dummy=dummy, path=args.path,

@@ -26,6 +26,7 @@ import threading
 import time
 
 from flexh2o.common.errors import UsageError
+from flexh2o.common.json_data import parse_json
 from flexh2o.common.output_files import write_json_atomic
 from flexh2o.jobs.files import WriteFailed, write_lines_atomic
 from flexh2o.jobs.format import OpenAIFormat
@@ -244,8 +245,8 @@ class BatchStore:
                 continue
             path = os.path.join(self.directory, name)
             try:
-                with open(path, encoding="utf-8") as f:
-                    record = json.load(f)
+                with open(path, "rb") as f:
+                    record = parse_json(f.read())
                 if not isinstance(record, dict) or record.get("id") != name[:-5] or \
                         not isinstance(record.get("status"), str) or not isinstance(record.get("request_counts"), dict):
                     raise ValueError("not a batch object")

@@ -8,13 +8,13 @@ atomically, and a file without one (a stop in between) is not listed. An upload 
 checked as it is stored: UTF-8, each non-blank line a JSON object.
 """
 
-import json
 import os
 import re
 import secrets
 import tempfile
 import time
 
+from flexh2o.common.json_data import BadJson, parse_json
 from flexh2o.common.output_files import current_umask, write_json_atomic
 from flexh2o.server.errors import ApiError, bad_request
 
@@ -38,9 +38,9 @@ class FileStore:
         if not isinstance(file_id, str) or not ID.fullmatch(file_id):
             raise not_found(str(file_id)[:100])
         try:
-            with open(self._path(file_id, ".json"), encoding="utf-8") as f:
-                found = json.load(f)
-        except (OSError, ValueError):
+            with open(self._path(file_id, ".json"), "rb") as f:
+                found = parse_json(f.read())
+        except (OSError, BadJson):
             raise not_found(file_id) from None
         if not isinstance(found, dict) or found.get("id") != file_id:
             raise not_found(file_id)
@@ -139,13 +139,15 @@ def _copy_checked(source, out, check_lines: bool) -> int:
 def _check_line(raw: bytes, line: int):
     try:
         text = raw.decode("utf-8-sig" if line == 1 else "utf-8").strip()
-        if text and not isinstance(json.loads(text), dict):
-            raise ValueError("not an object")
-    except RecursionError:
-        raise bad_request(f"line {line} of the file is nested too deeply to be a request", "file") from None
-    except ValueError as e:
-        raise bad_request(f"line {line} of the file is not a JSON object ({str(e)[:100]}): a batch's input holds "
-                          "one JSON request per line", "file") from None
+    except UnicodeDecodeError as e:
+        raise bad_request(f"line {line} of the file is not UTF-8 text (byte {e.start}): a batch's input holds one "
+                          "JSON request per line", "file") from None
+    try:
+        if text and not isinstance(parse_json(text), dict):
+            raise BadJson("is not a JSON object")
+    except BadJson as e:
+        raise bad_request(f"line {line} of the file {e}: a batch's input holds one JSON request per line",
+                          "file") from None
 
 
 def _remove(path: str):

@@ -12,6 +12,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from flexh2o.common.json_data import BadJson, parse_json
 from flexh2o.server import responses
 from flexh2o.server.access import NOTE
 from flexh2o.server.errors import ApiError, bad_request
@@ -25,11 +26,9 @@ PROMPT_LOG_CHARS = 500  # of a prompt, logged under --log-prompts
 async def read_json(request):
     body = await request.body()
     try:
-        return json.loads(body)
-    except RecursionError:
-        raise bad_request("the request body is nested too deeply") from None
-    except ValueError as e:
-        raise bad_request(f"the request body is not valid JSON ({e})") from None
+        return parse_json(body)
+    except BadJson as e:
+        raise bad_request(f"the request body {e}") from None
 
 
 def handled(handler):

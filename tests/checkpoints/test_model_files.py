@@ -146,6 +146,9 @@ SAFETENSORS = {
     "not-an-object": (safetensors_file(b"[1, 2]"), "its header is not a JSON object"),
     "not-utf8": (safetensors_file(b'{"\xff": 1}'), "its header is not JSON"),
     "shorter-than-its-length": (b"\x01\x02", "it holds 2 bytes, less than its header's 8-byte length"),
+    "a-5000-digit-integer": (safetensors_file(b'{"w": {"dtype": "F32", "shape": [' + b"4" * 5000 + b'], '
+                                              b'"data_offsets": [0, 16]}}'),
+                             "its header holds an integer of more than"),
 }
 
 
@@ -170,6 +173,8 @@ TOKENIZER_JSON = {
     "no-model": (b'{"version": "1.0"}', "is not a valid tokenizer: Model missing"),
     "model-of-unknown-type": (b'{"version": "1.0", "model": {"type": "Nope"}}', "is not a valid tokenizer"),
     "nested-deeply": (b"[" * 100000 + b"]" * 100000, "nested too deeply"),
+    "a-5000-digit-integer": (b'{"version": "1.0", "truncation": ' + b"7" * 5000 + b"}",
+                             "holds an integer of more than"),
 }
 
 

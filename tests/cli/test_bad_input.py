@@ -67,6 +67,10 @@ FLAGS = [
     (["--join-every", "2"], "--join-every", "applies to a dataset job"),
     (["--fixed-blocks"], "--fixed-blocks", "applies to a dataset job"),
     (["--prompt-chunk", "64"], "--prompt-chunk", "applies to a dataset job"),
+    (["--peer-timeout", "inf"], "--peer-timeout", "above 0 and at most 31536000 (a year), got inf"),
+    (["--peer-timeout", "nan"], "--peer-timeout", "got nan"),
+    (["--peer-timeout=-inf"], "--peer-timeout", "got -inf"),
+    (["--peer-timeout", "0"], "--peer-timeout", "got 0"),
 ]
 
 
@@ -118,6 +122,26 @@ def test_bad_model_configs(tiny_models, tmp_path, change, text, capsys):
     config = json.load(open(os.path.join(directory, "config.json")))
     (tmp_path / "config.json").write_text(json.dumps(change(config)))
     assert_refused(SMALL + ["--model", str(tmp_path)], "--model", text, capsys)
+
+
+@pytest.mark.parametrize("text, says", [
+    ('{"model_type": "opt", "vocab_size": ' + "9" * 5000 + "}", "holds an integer of more than"),
+    ('{"model_type": "opt", "more": ' + "[" * 200000 + "]" * 200000 + "}", "is JSON nested too deeply"),
+], ids=["5000-digit-integer", "nested-deeply"])
+def test_a_config_that_is_no_json_we_read_is_one_line(tmp_path, text, says, capsys):
+    (tmp_path / "config.json").write_text(text)
+    assert_refused(SMALL + ["--model", str(tmp_path)], "--model", f"{tmp_path / 'config.json'} {says}", capsys)
+
+
+@pytest.mark.parametrize("seconds", ["inf", "nan"])
+def test_a_peer_timeout_that_is_no_time_is_one_line_on_every_rank_before_they_meet(seconds, capsys, monkeypatch):
+    """Each rank checks its flags before the ranks meet: inf overflowed the meeting's timer on every rank."""
+    import flexh2o.cli.distributed
+    monkeypatch.setattr(flexh2o.cli.distributed, "open_store", lambda *a: pytest.fail("the ranks met"))
+    for rank in range(2):
+        for name, value in (("WORLD_SIZE", 2), ("RANK", rank), ("LOCAL_RANK", rank), ("LOCAL_WORLD_SIZE", 2)):
+            monkeypatch.setenv(name, str(value))
+        assert_refused(SMALL + ["--peer-timeout", seconds], "--peer-timeout", f"got {seconds}", capsys)
 
 
 def test_a_null_word_embed_proj_dim_means_the_hidden_size(tiny_models, tmp_path):

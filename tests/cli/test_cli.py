@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -181,3 +182,26 @@ def test_a_placement_off_the_compute_device_is_announced_with_its_bytes(tmp_path
     note = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("note: placing"))
     assert "on the compute device (CPU)" in note and "in CPU memory" in note and f"on disk ({tmp_path})" in note
     assert "the weights' share:" in note
+
+
+def test_an_error_mid_run_starts_below_the_generate_bar_which_counts_token_steps(tiny_models, tmp_path, capsys,
+                                                                                   monkeypatch):
+    """The one-block run draws its bar over the token steps (steps/s: a step is a token for every
+    sequence of the batch); an error in the third step is said on a line of its own."""
+    import errno
+
+    from flexh2o.engine.schedule import Schedule
+    from flexh2o.offload.disk import OffloadError
+    real = Schedule.end_token
+
+    def end_token(schedule, i):
+        if i == 2:
+            raise OffloadError(str(tmp_path), OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+        return real(schedule, i)
+    monkeypatch.setattr(Schedule, "end_token", end_token)
+    code = main(["--model", tiny_models["tiny"][0], "--dummy", "--dtype", "float32", "--prompt-len", "8", "--gen-len",
+                 "6", "--gpu-batch-size", "2", "--no-stop-at-eos"])
+    err = capsys.readouterr().err
+    assert code == 1 and "generate:" in err and "step/s" in err and "tok/s" not in err, err
+    assert re.split(r"[\r\n]", err.rstrip("\n"))[-1].startswith("error: --offload-dir: cannot write the offload files")
+    assert not re.search(r"[^\r\n]error:", err), err

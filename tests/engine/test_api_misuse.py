@@ -167,10 +167,13 @@ GENERATE_ARGUMENTS = {
     "message-without-content": (dict(prompts=[[{"role": "user"}]]), "prompts"),
     "message-not-a-dict": (dict(prompts=[["the cat"]]), "prompts"),
     "prompt-lone-surrogate": (dict(prompts=["the \udc00 cat"]), "prompts"),
+    "prompt-only-whitespace": (dict(prompts=["the cat", " \t\n "]), "prompts"),
     "max-tokens-a-string": (dict(max_tokens="4"), "max_tokens"),
     "max-tokens-zero": (dict(max_tokens=0), "max_tokens"),
     "max-tokens-fractional": (dict(max_tokens=2.5), "max_tokens"),
     "max-tokens-a-bool": (dict(max_tokens=True), "max_tokens"),
+    "max-tokens-of-5000-digits": (dict(max_tokens=10 ** 4999), "max_tokens"),
+    "seed-of-5000-digits": (dict(seed=-10 ** 4999), "seed"),
     "stop-a-dict": (dict(stop={"a": 1}), "stop"),
     "stop-empty": (dict(stop=""), "stop"),
     "stop-an-empty-one": (dict(stop=["cat", ""]), "stop"),
@@ -193,6 +196,75 @@ def test_a_bad_llm_generate_argument_is_a_usage_error_naming_it(llm, case):
     with pytest.raises(UsageError) as e:
         llm.generate(**args)
     assert e.value.flag == name, e.value
+
+
+def test_a_prompt_the_tokenizer_makes_nothing_of_is_named_before_anything_runs(llm, monkeypatch):
+    """A whitespace-only prompt has no token to predict from: it reached the model as an empty row."""
+    monkeypatch.setattr(Engine, "generate_refilled", lambda *a, **k: pytest.fail("the engine ran"))
+    with pytest.raises(UsageError) as e:
+        llm.generate(["the cat", "   "], max_tokens=2, progress=False)
+    assert str(e.value) == "prompts: prompt 1: the prompt has no tokens with this model's tokenizer (is it only " \
+                           "whitespace?)"
+
+
+def test_a_huge_integer_is_said_by_its_length(llm):
+    with pytest.raises(UsageError, match="got an integer of about 5000 digits"):
+        llm.generate(["the cat"], max_tokens=10 ** 4999)
+
+
+def finished_in_time(work, seconds: float = 120):
+    """work() on a thread of its own: ("returned", what it returned) or ("raised", the error); a
+    thread still waiting after `seconds` (a deadlock) fails the test instead of hanging it. (The
+    test's engine is then left unclosed: closing it would wait for the lock the thread holds.)"""
+    done = []
+
+    def run():
+        try:
+            done.append(("returned", work()))
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            done.append(("raised", e))
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s: a deadlock"
+    return done[0]
+
+
+def test_generate_from_inside_a_running_stream_is_refused_not_a_deadlock(model_with_tokenizer):
+    llm = LLM(str(model_with_tokenizer), gpu_batch_size=2, dtype=torch.float32)
+    refused = []
+
+    def progress(records, tokens):
+        for name, call in (("generate", lambda: llm.generate(["the cat"], max_tokens=1, progress=False)),
+                           ("stream", lambda: llm.stream(["the cat"])), ("close", llm.close)):
+            with pytest.raises(UsageError) as e:
+                call()
+            refused.append(e.value.flag)
+            assert "called from inside the progress callback" in e.value.message
+    how, got = finished_in_time(lambda: list(llm.stream(["the cat", "sat", "the"], max_tokens=2, progress=progress)))
+    assert how == "returned" and sorted(c.index for c in got) == [0, 1, 2]
+    assert refused == ["generate", "stream", "close"] * (len(refused) // 3) and refused
+    assert len(llm.generate(["the cat"], max_tokens=1, progress=False)) == 1  # the engine is free again
+    llm.close()
+
+
+def test_an_engine_call_from_its_own_callback_is_refused_not_a_deadlock(tiny_models):
+    engine = Engine.from_pretrained(tiny_models["tiny"][0], policy=Policy(gpu_batch_size=2), dtype=torch.float32)
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+
+    def stop_check(row, tokens):
+        return engine.generate(ids, max_new_tokens=1)
+    how, error = finished_in_time(lambda: engine.generate(ids, max_new_tokens=3, stop_check=stop_check))
+    assert how == "raised" and isinstance(error, UsageError) and error.flag == "generate", error
+    assert engine.generate(ids, max_new_tokens=1).shape == (2, 4)  # and the lock is given back
+    engine.close()
+
+
+def test_a_refilled_request_without_prompt_tokens_is_a_usage_error(engine):
+    from flexh2o.engine.slot_request import Request
+    with pytest.raises(UsageError) as e:
+        engine.generate_refilled([Request([5, 6], 2), Request([], 2)], lambda *a: None, prompt_len=4, gen_len=2)
+    assert e.value.flag == "requests" and "without prompt tokens" in e.value.message
 
 
 def io_threads() -> list:

@@ -229,6 +229,14 @@ def test_lm_evals_own_batch_size_and_device_are_taken_and_values_typed():
     assert s.compress_cache is True and s.hh_ratio == 0.1 and s.kv_policy is None and s.streamed == 0
 
 
+def test_a_5000_digit_model_argument_is_said_in_a_short_line():
+    from flexh2o.common.errors import UsageError
+    from flexh2o.harness.settings import read_settings
+    with pytest.raises(UsageError) as e:
+        read_settings({"model": "m", "seed": "1" * 5000})
+    assert e.value.flag == "model_args seed" and len(str(e.value)) < 200, e.value
+
+
 @pytest.mark.parametrize("argv, flag, says", [
     ([], "--tasks", "give one or more task names"),
     pytest.param(["--tasks"], "--tasks", "give one or more task names", marks=pytest.mark.slow),
@@ -247,6 +255,10 @@ def test_lm_evals_own_batch_size_and_device_are_taken_and_values_typed():
     (["--tasks", "flexh2o_lastword", "--device", "cuda"], "--device", "is cuda, model_args device is cpu"),
     pytest.param(["--tasks", "flexh2o_lastword", "--device=cuda:1"], "--device", "is cuda:1, model_args device is cpu",
                  marks=pytest.mark.slow),
+    (["--tasks", "flexh2o_lastword", "--num_fewshot", "-1"], "--num_fewshot", "0 or more, got '-1'"),
+    (["--tasks", "flexh2o_lastword", "-f", "two"], "--num_fewshot", "got 'two'"),
+    (["--tasks", "flexh2o_lastword", "--num_fewshot=1.5"], "--num_fewshot", "got '1.5'"),
+    (["--tasks", "flexh2o_lastword", "--output_path", ""], "--output_path", "is empty"),
 ], ids=lambda v: v if isinstance(v, str) else " ".join(v) or "no tasks")
 def test_tasks_limit_and_device_are_one_line_before_any_weight_loads(word_models, monkeypatch, capsys, argv, flag,
                                                                      says):
@@ -257,18 +269,56 @@ def test_tasks_limit_and_device_are_one_line_before_any_weight_loads(word_models
 
 
 @pytest.mark.parametrize("argv, device", [
-    (["--model_args", "model=m"], "the default"),
-    (["--model_args", "model=m,device=cpu"], None),
-    (["--model_args", "model=m,device=cpu", "--device", "cpu"], None),
-    (["--model_args", "model=m", "--device", "cpu"], "cpu"),
-    (["--model_args=model=m,device=cpu", "--device=cpu"], None),
+    (["--model_args", "model=m"], "cpu"),  # flexh2o's default where CUDA is not there
+    (["--model_args", "model=m,device=cuda:1"], "cuda:1"),
+    (["--model_args", "model=m,device=cpu", "--device", "cpu"], "cpu"),
+    (["--model_args", "model=m", "--device", "cuda:1"], "cuda:1"),
+    (["--model_args=model=m,device=cuda:1", "--device=cuda:1"], "cuda:1"),
 ])
 def test_one_device_reaches_lm_eval(monkeypatch, argv, device):
-    """lm-eval's own default device (cuda) never does: flexh2o's is given where no device is."""
+    """lm-eval's own default device (cuda:0) never does: the one given, else flexh2o's, goes as --device."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     out = command.harness_argv([*argv, "--tasks", "t"])
     given = [a.split("=", 1)[1] if "=" in a else out[n + 1] for n, a in enumerate(out) if a.split("=")[0] == "--device"]
-    assert given == ([] if device is None else ["cpu"])
+    assert given == [device]
+
+
+def test_model_args_device_and_lm_evals_own_arguments_make_one_model(word_models):
+    """lm-eval passes its batch_size, max_batch_size and device beside model_args as keywords of the
+    same call: model_args device=cpu was "got multiple values for keyword argument 'device'"."""
+    harness = {"batch_size": "auto", "max_batch_size": None, "device": "cuda:0"}  # lm-eval's defaults
+    lm = FlexH2OLM.create_from_arg_string(f"model={word_models['llama']},device=cpu,gpu_batch_size=4", harness)
+    assert (lm.settings.device, lm.settings.gpu_batch_size) == ("cpu", 4)
+    lm = FlexH2OLM.create_from_arg_obj({"model": word_models["llama"], "device": "cpu"}, harness)
+    assert lm.settings.device == "cpu"
+    assert FlexH2OLM.create_from_arg_obj({"model": word_models["llama"]}, harness).settings.device == "cuda:0"
+
+
+@pytest.mark.slow  # lm-eval indexes its tasks first: 14 s
+def test_model_args_device_runs_through_lm_eval(word_models, capsys):
+    code = command.main(["--model_args", f"model={word_models['llama']},device=cpu,dtype=float32", "--tasks",
+                         "flexh2o_lastword", "--limit", "1"])
+    assert code == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("under", ["results", "results.json", "deeper/results"])
+def test_an_output_path_under_a_regular_file_is_one_line_before_lm_eval_starts(word_models, tmp_path, monkeypatch,
+                                                                               capsys, under):
+    """lm-eval writes its results only at the end, and a folder it cannot make there was a warning,
+    exit 0 and no results."""
+    import lm_eval.__main__
+    started = []
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", lambda: started.append(True))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    argv = ["--model_args", f"model={word_models['llama']}", "--tasks", "flexh2o_lastword", "--output_path"]
+    assert command.main([*argv, str(blocker / under)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: --output_path: {blocker / under}: {blocker} is not a directory, so lm-eval could not "
+                   "write its results there: give a directory (made where missing), or a .json file name in one"]
+    for good in (tmp_path / "new" / "results", tmp_path / "results.json", tmp_path):
+        assert command.main([*argv, str(good)]) == 0
+    assert len(started) == 3
 
 
 @pytest.mark.slow  # 17 s; test_one_device_reaches_lm_eval checks the device it is given

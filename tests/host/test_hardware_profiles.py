@@ -61,6 +61,19 @@ def test_a_broken_profile_file_names_its_field(tmp_path, case):
     assert e.value.flag == "--hardware" and f"{path}: {field} " in e.value.message
 
 
+@pytest.mark.parametrize("text, says", [
+    ('{"name": "x", "gpu_mem": ' + "1" * 5000 + "}", "holds an integer of more than"),
+    ("[" * 100000 + "]" * 100000, "is JSON nested too deeply"),
+    ('{"name": ', "is not JSON ("),
+], ids=["5000-digit-integer", "nested-deeply", "cut-short"])
+def test_a_profile_file_that_is_no_json_we_read_is_one_line(tmp_path, text, says):
+    path = tmp_path / "machine.json"
+    path.write_text(text)
+    with pytest.raises(UsageError) as e:
+        load_profile(str(path))
+    assert e.value.flag == "--hardware" and e.value.message.startswith(f"{path} {says}"), e.value.message
+
+
 def test_the_shipped_profiles_pass(tmp_path):
     for name in ("t4", "a100-40g", "h100-80g"):
         assert load_profile(name).name == name

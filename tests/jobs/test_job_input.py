@@ -10,6 +10,9 @@ from flexh2o.run import main
 
 JOB = ["--dtype", "float32", "--quiet", "--gpu-batch-size", "2", "--gen-len", "2"]
 GOOD = '{"id": "a", "prompt": "the cat"}'
+# An integer longer than Python converts from text (sys.get_int_max_str_digits(), 4300 by default).
+HUGE = "1" + "0" * 4999
+TOO_LONG = "the line holds an integer of more than"
 
 BAD_LINES = {
     "json-nested-deeply": ("[" * 100000 + "]" * 100000, "JSON nested too deeply"),
@@ -25,6 +28,12 @@ BAD_LINES = {
     "lone-surrogate-in-message": ('{"id": "x", "messages": [{"role": "user", "content": "\\ud83d"}]}',
                                   "a message's content holds a lone UTF-16 surrogate"),
     "lone-surrogate-in-stop": ('{"id": "x", "prompt": "a", "stop": ["\\udfff"]}', "stop holds a lone UTF-16"),
+    "huge-integer-id": ('{"id": ' + HUGE + ', "prompt": "the cat"}', TOO_LONG),
+    "huge-integer-max-tokens": ('{"id": "x", "prompt": "a", "max_tokens": ' + HUGE + "}", TOO_LONG),
+    "huge-negative-seed": ('{"id": "x", "prompt": "a", "seed": -' + HUGE + "}", TOO_LONG),
+    "huge-integer-in-a-field-of-no-use": ('{"id": "x", "prompt": "a", "user": [' + HUGE + "]}", TOO_LONG),
+    "huge-integer-in-a-message": ('{"id": "x", "messages": [{"role": "user", "content": "a", "n": ' + HUGE + "}]}",
+                                  TOO_LONG),
 }
 
 
@@ -44,6 +53,37 @@ def test_a_bad_record_is_one_line_or_an_error_record(model_with_tokenizer, tmp_p
     assert run_job(model_with_tokenizer, path, out, "--skip-bad") == 0
     got = [json.loads(x) for x in out.read_text(encoding="utf-8").splitlines()]
     assert [r["id"] for r in got] == ["line-2", "a"] and text in got[0]["error"]["message"]
+
+
+GOOD_SECOND = {"jsonl": '{"id": "b", "prompt": "the cat"}',
+               "openai": '{"custom_id": "b", "method": "POST", "url": "/v1/completions", '
+                         '"body": {"prompt": "the cat"}}'}
+FIRST_LINES = {"huge-integer": ('{"id": ' + HUGE + ', "prompt": "the cat"}', TOO_LONG),
+               "nested-deeply": ('{"id": "a", "prompt": ' + "[" * 200000 + "]" * 200000 + "}",
+                                 "the line is JSON nested too deeply")}
+
+
+@pytest.mark.parametrize("fmt", GOOD_SECOND)
+@pytest.mark.parametrize("case", FIRST_LINES)
+def test_a_bad_first_line_is_one_line_or_an_error_record_and_the_next_decides_the_format(
+        model_with_tokenizer, tmp_path, capsys, case, fmt):
+    """The first line is where the format is told from: a record there that cannot be parsed is
+    reported as any other, and the first one that can be says how the file is read."""
+    line, text = FIRST_LINES[case]
+    path, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    path.write_text(line + "\n" + GOOD_SECOND[fmt] + "\n", encoding="utf-8")
+    assert run_job(model_with_tokenizer, path, out) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --input: {path}:1: {text}"), err
+    assert not out.exists()
+    assert run_job(model_with_tokenizer, path, out, "--skip-bad") == 0
+    bad, good = [json.loads(x) for x in out.read_text(encoding="utf-8").splitlines()]
+    if fmt == "openai":
+        assert bad["custom_id"] == "line-1" and bad["error"]["message"].startswith(f"line 1: {text}")
+        assert good["custom_id"] == "b" and good["response"]["status_code"] == 200
+    else:
+        assert bad == {"id": "line-1", "error": {"line": 1, "message": bad["error"]["message"]}}
+        assert bad["error"]["message"].startswith(text) and good["id"] == "b" and "text" in good
 
 
 @pytest.mark.parametrize("newline", ["", "\n"])

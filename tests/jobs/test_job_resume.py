@@ -139,6 +139,22 @@ def test_a_failed_write_is_one_line_keeps_whole_records_and_resumes(model_with_t
     assert sorted(map(json.dumps, lines(out))) == sorted(map(json.dumps, lines(whole)))
 
 
+def test_a_failed_write_starts_its_error_on_a_line_of_its_own_below_the_progress_bar(
+        model_with_tokenizer, tmp_path, capsys, monkeypatch):
+    """The job's bar is drawn (no --quiet; tqdm draws it on a file as on a terminal), ending with no
+    newline: the error line must not run on from it."""
+    path, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_jsonl(path, RECORDS)
+    with monkeypatch.context() as m:
+        fail_writes(m, out, 2, errno.EFBIG)
+        code = main(["--model", str(model_with_tokenizer), *[f for f in JOB if f != "--quiet"], "--input", str(path),
+                     "--output", str(out)])
+    err = capsys.readouterr().err
+    assert code == 1 and "job:" in err and "2/6" in err, err  # the bar showed the first block done
+    assert f"\nerror: cannot write {out}: {os.strerror(errno.EFBIG)};" in err, err
+    assert err.rstrip("\n").splitlines()[-1].startswith("error: "), err  # not followed by the bar drawn again
+
+
 def test_a_failed_json_out_at_the_end_is_one_line(model_with_tokenizer, tmp_path, capsys, monkeypatch):
     path, out, report = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "report.json"
     write_jsonl(path, RECORDS)

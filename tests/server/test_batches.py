@@ -140,6 +140,9 @@ def test_ids_never_become_paths_and_bad_uploads_are_refused(server):
     with pytest.raises(openai.BadRequestError) as caught:
         client.files.create(file=("x.jsonl", io.BytesIO(b'{"custom_id": "a"}\nnot json\n')), purpose="batch")
     assert "line 2" in caught.value.message
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.files.create(file=("x.jsonl", io.BytesIO(b'{"custom_id": ' + b"1" * 5000 + b"}\n")), purpose="batch")
+    assert "line 1 of the file holds an integer of more than" in caught.value.message
     with pytest.raises(openai.BadRequestError):
         client.files.create(file=("x.jsonl", io.BytesIO(b"{}\n")), purpose="fine-tune")
     good = client.files.create(file=("x.jsonl", io.BytesIO(batch_lines(1))), purpose="batch")
