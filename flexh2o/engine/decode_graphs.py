@@ -23,6 +23,7 @@ import torch
 
 from flexh2o.common.messages import say
 
+
 def why_not(schedule) -> str | None:
     """Why the schedule's decode steps cannot be captured (None: they can)."""
     tiers, layers = schedule.tiers, schedule.layers

@@ -1,8 +1,6 @@
 """The Python API: Engine.from_pretrained(...) and engine.generate(...)."""
 
 import dataclasses
-import functools
-import threading
 import weakref
 from dataclasses import dataclass
 
@@ -21,6 +19,7 @@ from flexh2o.models import eos_ids, is_gguf, resolve_model, with_stored_formats
 from flexh2o.models.cached_attention import CachedAttention
 from flexh2o.engine.generate_arguments import (check_batch, check_generate_arguments, check_positions,
                                                check_refill_arguments, check_token_ids)
+from flexh2o.engine.one_call import OneCall, one_call_at_a_time
 from flexh2o.engine.pipeline import StageSchedule, check_stage_count, model_slices
 from flexh2o.engine.stage_refill import RefillStageSchedule
 from flexh2o.engine.policy import Policy
@@ -60,24 +59,6 @@ class GenerationStats:
     step_seconds: list | None = None  # each token step's seconds, the prompt step first
 
 
-def one_call_at_a_time(method):
-    """An engine method run under the engine's lock, refused once the engine is closed: one run at a
-    time owns the caches, the pool and the I/O threads."""
-    @functools.wraps(method)
-    def call(engine, *args, **kwargs):
-        engine.check_not_inside(method.__name__)
-        with engine._calls:
-            if engine.closed:
-                raise UsageError(method.__name__, "the engine was closed; load the model again "
-                                 "(Engine.from_pretrained)")
-            engine._caller = threading.get_ident()
-            try:
-                return method(engine, *args, **kwargs)
-            finally:
-                engine._caller = None
-    return call
-
-
 def act_tier(policy: Policy) -> str:
     if policy.act_gpu_percent == 100:
         return "gpu"
@@ -96,9 +77,7 @@ class Engine:
         self.weight_need = weight_need(layers, tiers.dtype.itemsize, policy, tiers.compute)
         self.load_transient = load_transient(layers, tiers.dtype.itemsize, policy)
         self.last_stats: GenerationStats | None = None
-        self._calls = threading.Lock()
-        self._caller = None  # the thread running a call under _calls
-        self.closed = False
+        self.calls = OneCall()
         # An engine dropped without close() closes its tiers (I/O threads, offload files) when it is
         # collected, or at exit; the finalizer holds the tiers, never the engine.
         self._finalizer = weakref.finalize(self, tiers.close)
@@ -237,25 +216,10 @@ class Engine:
                              "go to disk")
         self.policy = policy
 
-    def in_call(self) -> bool:
-        """Whether this thread is inside one of this engine's running calls (in one of its callbacks)."""
-        return self._caller == threading.get_ident()
-
-    def check_not_inside(self, name: str):
-        """Refuses a call made from inside a running call of this engine, on its own thread (a
-        progress, on_done or stop callback): it would wait for the engine's lock, which that
-        thread holds, forever."""
-        if self.in_call():
-            raise UsageError(name, "called from inside a running call of the same engine (from one of its "
-                             "callbacks), where it would wait for itself forever: call it once that call returned")
-
     def close(self):
         """Removes this engine's offload files and stops its I/O threads (waiting for a generate
         call another thread is running)."""
-        self.check_not_inside("close")
-        with self._calls:
-            self.closed = True
-            self._finalizer()
+        self.calls.close(self._finalizer)
 
     def __enter__(self):
         return self

@@ -204,7 +204,7 @@ class LLM:
             raise UsageError(name, "called from inside the progress callback of this LLM's running generate or "
                              "stream, where it would wait for the engine that call holds: call it once that call "
                              "has returned")
-        self.engine.check_not_inside(name)
+        self.engine.calls.check_not_inside(name)
 
     def _stream(self, prompts, settings: dict, progress):
         chunk = CHUNK_BATCHES * self.policy.batch_size
