@@ -127,11 +127,13 @@ class Engine:
              cpu_mem: int | None = None, disk_mem: int | None = None, max_memory: int | None = None,
              prompt_len: int | None = None, gen_len: int | None = None, seed: int = 0,
              bypass_page_cache: bool = False, progress: bool = False, placement_flag: str = "--percent",
-             before_loading=None, stage=None) -> "Engine":
+             before_loading=None, stage=None, growth=None) -> "Engine":
         """from_pretrained for flexh2o's own commands, with what they add: `placement_flag`, the
         flag a policy that does not fit is blamed on (the command line's placement flags);
         `before_loading()`, run once the pre-flight passed (the command line's note of what goes
-        where); `stage`, a pipeline Stage whose slice of the layers alone is loaded (pipeline.py)."""
+        where); `stage`, a pipeline Stage whose slice of the layers alone is loaded (pipeline.py);
+        `growth`, what the pre-flight allows the process beyond its projection (host/process_memory.py's
+        Growth; default: the local profile's calibration), none for the memory probe that measures it."""
         if policy is not None and not isinstance(policy, Policy):
             raise UsageError("policy", f"must be a flexh2o.Policy (or None: the default one), got {shown(policy)}")
         policy = policy or Policy()
@@ -165,7 +167,7 @@ class Engine:
         if uses_disk:
             check_offload_dir(offload_dir)
         caps = capacities(device, offload_dir if uses_disk else None, gpu_mem, cpu_mem, disk_mem, max_memory,
-                          str(dtype).removeprefix("torch."))
+                          str(dtype).removeprefix("torch."), growth)
         if prompt_len and gen_len:
             need = projected_need(cache_spec, layers, policy, dtype.itemsize, prompt_len, gen_len, device)
         else:

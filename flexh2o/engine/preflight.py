@@ -56,14 +56,14 @@ def parse_size(text: str, flag: str) -> int:
 
 
 def capacities(device: torch.device, offload_dir: str | None, gpu_mem=None, cpu_mem=None, disk_mem=None,
-               max_memory=None, dtype: str | None = None) -> dict:
+               max_memory=None, dtype: str | None = None, growth: Growth | None = None) -> dict:
     """Bytes each tier may use: the caps given, else what the machine reports free; "ram", the
     memory free now, which the gpu and cpu tiers share when the CPU computes (measured once, before
     anything is loaded, so a later check does not count the loaded weights twice), within the
     process's memory limit where one applies (its cgroup's, or max_memory: "limit", memory_limit.py);
     "given", the tiers whose cap was given (a tier over a given cap is blamed on its --<tier>-mem flag);
     "process", its RSS now; and "growth", what it may grow by beyond the projection (host/process_memory.py)
-    for a run in `dtype` (default: the device's) with torch's threads."""
+    for a run in `dtype` (default: the device's) with torch's threads, unless `growth` is given."""
     limit = process_limit(max_memory)
     available = psutil.virtual_memory().available
     if limit is not None:
@@ -75,7 +75,7 @@ def capacities(device: torch.device, offload_dir: str | None, gpu_mem=None, cpu_
         disk_mem = shutil.disk_usage(existing_ancestor(offload_dir)).free if offload_dir else 0
     return {"gpu": gpu_mem, "cpu": available if cpu_mem is None else cpu_mem, "disk": disk_mem, "ram": available,
             "given": given, "limit": limit, "process": psutil.Process().memory_info().rss,
-            "growth": local_growth(device, dtype)}
+            "growth": growth if growth is not None else local_growth(device, dtype)}
 
 
 def local_growth(device: torch.device, dtype: str | None) -> Growth:

@@ -33,6 +33,13 @@ def process_limit(max_memory: int | None = None, proc_cgroup: str = "/proc/self/
     """The limit that leaves the process the least room: its cgroup's, or max_memory; None if neither.
     Measured once per process, the first time it is asked for (before a model is loaded): a later
     pre-flight of the same run must not count what the run itself has loaded since as used."""
+    return limit_now(max_memory, proc_cgroup, root)
+
+
+def limit_now(max_memory: int | None = None, proc_cgroup: str = "/proc/self/cgroup",
+              root: str = "/sys/fs/cgroup") -> MemoryLimit | None:
+    """process_limit as it stands now, read again at every call (the profile's measurements, which
+    free what each one made before the next)."""
     limits = [cgroup_limit(proc_cgroup, root)]
     if max_memory is not None:
         used = psutil.Process().memory_info().rss

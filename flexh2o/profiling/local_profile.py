@@ -92,27 +92,31 @@ def expected(device: "torch.device") -> str:
     return f"no earlier one here says how long (with the CPU computing: about {duration(FIRST_CPU_SECONDS)})"
 
 
-def measure_here(device: "torch.device", offload_dir: str, quick: bool, log, why: str) -> HardwareProfile:
-    """Measures, announcing it first in one line: why, and how long it is expected to take."""
+def measure_here(device: "torch.device", offload_dir: str, quick: bool, log, why: str,
+                 max_memory: int | None = None) -> HardwareProfile:
+    """Measures, announcing it first in one line: why, and how long it is expected to take. max_memory:
+    bytes the process may use (--max-memory), which the measurements are sized to."""
     from flexh2o.profiling.measure import measure
     if quick:
         log(f"note: measuring this machine roughly (--quick) with {device.type} computing ({why}): under a minute")
     else:
         log(f"note: measuring this machine with {device.type} computing ({why}): {expected(device)}; cached "
             "for later runs")
-    return measure(device, offload_dir, quick=quick, log=log)
+    return measure(device, offload_dir, quick=quick, log=log, max_memory=max_memory)
 
 
-def ensure_local_profile(device, offload_dir: str, log=None, fresh: bool = False) -> HardwareProfile:
+def ensure_local_profile(device, offload_dir: str, log=None, fresh: bool = False,
+                         max_memory: int | None = None) -> HardwareProfile:
     """The cached local profile, or one measured now (and cached) when there is none for this
-    device or `fresh` asks for it. `log` takes its notes (default: stderr)."""
+    device or `fresh` asks for it, within max_memory bytes (--max-memory) where given. `log` takes
+    its notes (default: stderr)."""
     import torch
     from flexh2o.host.devices import default_device
     log = log or say
     device = torch.device(device or default_device())
     profile, why = (None, "a fresh profile was asked for") if fresh else cached_profile(device, log)
     if profile is None:
-        profile = measure_here(device, offload_dir, False, log, why)
+        profile = measure_here(device, offload_dir, False, log, why, max_memory)
         try:
             save_local(profile)
         except OSError as e:

@@ -41,8 +41,10 @@ from flexh2o.offload.tiers import Tiers, copy_in_memory
 from flexh2o.checkpoints.weights import DummyWeights
 from flexh2o.planning.attention_costs import DECODE_BATCH, HEAD_DIM, HEADS, measure_attention_costs
 from flexh2o.host.hardware import BUSY_SHARE, LOCAL, HardwareProfile
+from flexh2o.host.memory_limit import limit_now, process_limit
+from flexh2o.host.process_memory import Growth
 from flexh2o.profiling.timing import (Sizes, affordable_bytes, beside_compute, random_tensor, scaled_size, seconds_per_call,
-                     sizes_for, streamed_weights, synchronizer, trial_seconds)
+                     sizes_for, streamed_weights, synchronizer, trial_seconds, within)
 
 # Every power of two where decode batches lie: interpolating 8 rows between 4 and 16 (in log rows)
 # gave 37 GFLOP/s on a 2-core Xeon that multiplies 8 rows at 26, and decode predictions 1.4x fast.
@@ -116,7 +118,8 @@ def prompt_products(heads: int, seq: int, dtype: torch.dtype, device: torch.devi
 def attention_rate(device: torch.device, dtype: torch.dtype, sizes: Sizes, sync) -> float:
     """FLOP/s of the prompt's attention products; the head count comes from a one-head trial."""
     seq = sizes.attention_seq
-    most_heads = max(1, min(256, (1 << 30) // (2 * seq * seq * dtype.itemsize)))  # scores and P within 1 GB
+    per_head = (2 * seq * seq + 4 * seq * HEAD_DIM) * dtype.itemsize  # scores and P; q, k, v and the output
+    most_heads = max(1, min(256, affordable_bytes(sizes.attention_bytes, device) // per_head))
     trial = trial_seconds(prompt_products(1, seq, dtype, device), sync)
     heads = scaled_size(1, trial, sizes.trial_target, most_heads)
     seconds = seconds_per_call(prompt_products(heads, seq, dtype, device), sync, sizes)
@@ -267,7 +270,10 @@ def tiny_engine(device: torch.device, dtype: torch.dtype) -> Engine:
     except BaseException:
         tiers.close()
         raise
-    return Engine(TINY_OPT, layers, policy, tiers, source.describe(), capacities(device, None))
+    # The growth the pre-flight allows a run is no concern of a measurement's (the default, before the
+    # profile has calibrated it, is half of a 1 GB container).
+    caps = capacities(device, None, growth=Growth(0, "a measurement's own engine"))
+    return Engine(TINY_OPT, layers, policy, tiers, source.describe(), caps)
 
 
 def layer_overhead(device: torch.device, dtype: torch.dtype, sizes: Sizes) -> float:
@@ -295,6 +301,22 @@ def attention_costs(device: torch.device, dtype: torch.dtype, sizes: Sizes, sync
                                    sizes.attention_seq, slots, sizes.stream_bytes)
 
 
+# The link's two interpreters (spawned, with torch and gloo): 221 MB of RSS each, 146 MB of it their own.
+LINK_ROOM = 512 << 20
+
+
+def link_within(quick: bool, log, max_memory: int | None) -> float | None:
+    """link_rate, where the memory left under a limit holds its two interpreters; else None, with one
+    line saying so."""
+    limit = limit_now(max_memory)
+    if limit is not None and limit.room < LINK_ROOM:
+        log(f"note: the link between processes is not measured: its two interpreters take about {LINK_ROOM >> 20} MB, "
+            f"and {max(0, limit.room) >> 20} MB is left under the memory limit of {limit.describe()}; pipeline stages "
+            "measure it when they plan (flexh2o.plan: --link-bandwidth)")
+        return None
+    return logged(log, "link between processes", link_rate, quick)
+
+
 # -- the profile -------------------------------------------------------------------------------
 
 def machine_name(device: torch.device) -> str:
@@ -308,17 +330,23 @@ def source_line(device: torch.device, quick: bool) -> str:
     return line + (" with --quick (small sizes: rough figures)" if quick else "")
 
 
-def process_growth(device: torch.device, offload_dir: str, quick: bool, log) -> dict | None:
+def process_growth(device: torch.device, offload_dir: str, quick: bool, log,
+                   max_memory: int | None = None) -> dict | None:
     """What a run's process grows by beyond its projection, per dtype, at torch's thread count
     (host/process_memory.py); where the CPU computes, as only there do the tiers share the process's memory.
     The default dtype, and bfloat16 where the CPU computes it natively: elsewhere its probes took over a
     minute, for runs no one makes (the pre-flight allows its default growth there). quick: one probe,
-    of the default dtype."""
+    of the default dtype. A dtype whose probes could not all be measured is left out (its default applies)."""
     if device.type != "cpu":
         return None
     threads = torch.get_num_threads()
     dtypes = [default_dtype(device)] + ([torch.bfloat16] if not quick and cpu_has_native_bf16() else [])
-    return {dtype_name(d): {str(threads): calibrate(dtype_name(d), threads, offload_dir, log, quick)} for d in dtypes}
+    table = {}
+    for d in dtypes:
+        growth = calibrate(dtype_name(d), threads, offload_dir, log, quick, max_memory)
+        if growth is not None:
+            table[dtype_name(d)] = {str(threads): growth}
+    return table or None
 
 
 def matmul_dtypes(device: torch.device) -> tuple:
@@ -340,13 +368,19 @@ def logged(log, what: str, fn, *args):
     return value
 
 
-def measure(device: torch.device, offload_dir: str, quick: bool = False, log=say) -> HardwareProfile:
+def measure(device: torch.device, offload_dir: str, quick: bool = False, log=say,
+            max_memory: int | None = None) -> HardwareProfile:
     """Measures this machine with `device` computing and disk files in `offload_dir`. quick: small
-    sizes, well under a minute in all, rough figures (for tests)."""
+    sizes, well under a minute in all, rough figures (for tests). Every measurement is sized to the
+    memory the process may use: free memory, within its memory cgroup's limit or `max_memory`
+    (bytes, --max-memory)."""
     device = torch.device(device)
     meter, start = LoadMeter(), time.perf_counter()
     with torch.no_grad():
-        profile = _measure(device, offload_dir, quick, log)
+        profile = _measure(device, offload_dir, quick, log, max_memory)
+    # The measurement's engines read the memory limit's room while measuring: the run's pre-flight
+    # reads it again, as it stands before the run loads anything (memory_limit.process_limit).
+    process_limit.cache_clear()
     others = meter.result()["others_cpu_share"]
     warn_if_others_were_busy(others, log)
     profile = dataclasses.replace(profile, measure_seconds=time.perf_counter() - start)
@@ -354,10 +388,16 @@ def measure(device: torch.device, offload_dir: str, quick: bool = False, log=say
     return profile if quick else dataclasses.replace(profile, others_cpu_share=others)
 
 
-def _measure(device: torch.device, offload_dir: str, quick: bool, log) -> HardwareProfile:
+def _measure(device: torch.device, offload_dir: str, quick: bool, log, max_memory: int | None) -> HardwareProfile:
     cpu = torch.device("cpu")
     dtype = default_dtype(device)
-    sizes, host_sizes = sizes_for(device, quick), sizes_for(cpu, quick)
+    limit = limit_now(max_memory)
+    room = None if limit is None else limit.room
+    if limit is not None:
+        log(f"note: measuring within the memory limit of {limit.describe()}: {max(0, room) >> 20} MB left to use")
+    # On CUDA the device's own sizes are held to its free memory (affordable_bytes), not to the host's limit.
+    sizes, host_sizes = within(sizes_for(device, quick), room if device.type == "cpu" else None), \
+        within(sizes_for(cpu, quick), room)
     sync = synchronizer(device)
     ram = psutil.virtual_memory().total
     disk_free = shutil.disk_usage(existing_ancestor(offload_dir)).free  # before the trial files take any
@@ -379,7 +419,7 @@ def _measure(device: torch.device, offload_dir: str, quick: bool, log) -> Hardwa
         gpu_mem = ram
     disk_read, disk_write = logged(log, "disk", disk_rates, offload_dir, host_sizes, log, device)
     overhead = logged(log, "layer overhead", layer_overhead, device, dtype, sizes)
-    growth = logged(log, "process growth", process_growth, device, offload_dir, quick, log)
+    growth = logged(log, "process growth", process_growth, device, offload_dir, quick, log, max_memory)
     calls = logged(log, "attention calls", attention_costs, device, dtype, sizes, sync)
     return HardwareProfile(
         name=LOCAL, source=source_line(device, quick), device=device.type, dtype=dtype_name(dtype),
@@ -390,4 +430,4 @@ def _measure(device: torch.device, offload_dir: str, quick: bool, log) -> Hardwa
         dequant_kernel=dequant_kernel(device), kernels_build=native.build() if device.type == "cpu" else None,
         int4_matmul_flops={d: t for d, t in int4.items() if t} or None,
         layer_overhead=overhead, attention_costs=calls, process_growth=growth,
-        link_bandwidth=logged(log, "link between processes", link_rate, quick))
+        link_bandwidth=link_within(quick, log, max_memory))

@@ -1,6 +1,7 @@
 """Timing on the machine at hand: the sizes a measurement uses, a call's median seconds, and work
 done beside compute as the engine's I/O threads do it (for measure.py)."""
 
+import dataclasses
 import itertools
 import statistics
 import time
@@ -29,26 +30,45 @@ class Sizes:
     timing_budget: float   # seconds the timed runs of one measurement may take together
     repeats: int           # timed runs at most
     stream_bytes: int      # weights the matmul table cycles through
+    attention_bytes: int   # the tensors of one prompt attention measurement
 
 
 CPU_SIZES = Sizes(matmul_k=1024, matmul_n=4096, attention_seq=512, kv_bytes=256 << 20, copy_bytes=256 << 20,
                   disk_bytes=512 << 20, disk_chunk=4 << 20, dequant_rows=1024, trial_target=0.4, max_call=0.75,
-                  disk_seconds=1.0, timing_budget=2.0, repeats=7, stream_bytes=256 << 20)
+                  disk_seconds=1.0, timing_budget=2.0, repeats=7, stream_bytes=256 << 20, attention_bytes=1 << 30)
 CUDA_SIZES = Sizes(matmul_k=8192, matmul_n=8192, attention_seq=2048, kv_bytes=2 << 30, copy_bytes=512 << 20,
                    disk_bytes=512 << 20, disk_chunk=64 << 20, dequant_rows=4096, trial_target=0.4, max_call=0.75,
-                   disk_seconds=1.0, timing_budget=2.0, repeats=7, stream_bytes=1 << 30)
+                   disk_seconds=1.0, timing_budget=2.0, repeats=7, stream_bytes=1 << 30, attention_bytes=1 << 30)
 QUICK_CPU_SIZES = Sizes(matmul_k=256, matmul_n=1024, attention_seq=128, kv_bytes=8 << 20, copy_bytes=8 << 20,
                         disk_bytes=8 << 20, disk_chunk=2 << 20, dequant_rows=64, trial_target=0.02, max_call=0.04,
-                        disk_seconds=0.05, timing_budget=0.1, repeats=3, stream_bytes=8 << 20)
+                        disk_seconds=0.05, timing_budget=0.1, repeats=3, stream_bytes=8 << 20,
+                        attention_bytes=1 << 30)
 QUICK_CUDA_SIZES = Sizes(matmul_k=2048, matmul_n=2048, attention_seq=512, kv_bytes=64 << 20, copy_bytes=64 << 20,
                          disk_bytes=8 << 20, disk_chunk=2 << 20, dequant_rows=512, trial_target=0.02, max_call=0.04,
-                         disk_seconds=0.05, timing_budget=0.1, repeats=3, stream_bytes=64 << 20)
+                         disk_seconds=0.05, timing_budget=0.1, repeats=3, stream_bytes=64 << 20,
+                         attention_bytes=1 << 30)
 
 
 def sizes_for(device: torch.device, quick: bool) -> Sizes:
     if device.type == "cuda":
         return QUICK_CUDA_SIZES if quick else CUDA_SIZES
     return QUICK_CPU_SIZES if quick else CPU_SIZES
+
+
+# Where a memory limit applies, the bytes one measurement's largest buffer may take, of the room left
+# under it: the memory copy beside compute holds three such at once (source, destination and the
+# weights the compute streams), and the rest is for the process's own growth.
+ROOM_SHARE = 1 / 8
+
+
+def within(sizes: Sizes, room: int | None) -> Sizes:
+    """`sizes`, with every buffer a measurement makes at once held to ROOM_SHARE of `room`, the bytes
+    the process may still add under its memory limit (None: no limit applies)."""
+    if room is None:
+        return sizes
+    most = max(1 << 20, int(room * ROOM_SHARE))
+    return dataclasses.replace(sizes, **{name: min(getattr(sizes, name), most) for name in
+                                         ("kv_bytes", "copy_bytes", "disk_bytes", "stream_bytes", "attention_bytes")})
 
 
 def synchronizer(device: torch.device):

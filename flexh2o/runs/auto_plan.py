@@ -28,9 +28,9 @@ def check_planning_flags(args, planning: bool):
             raise UsageError(f"--{flag.replace('_', '-')}", f"must be a positive integer, got {value}")
 
 
-def local_profile(device, offload_dir: str):
+def local_profile(device, offload_dir: str, max_memory: int | None = None):
     from flexh2o.profiling.local_profile import ensure_local_profile  # measuring pulls in the engine
-    return ensure_local_profile(device, offload_dir)
+    return ensure_local_profile(device, offload_dir, max_memory=max_memory)
 
 
 def cached_local_profile(device, dtype: str):

@@ -25,7 +25,7 @@ def choose_policy(args, policy, spec, device, dtype, caps, planning, stage=None)
     profile = None
     if planning:
         offload_dir = args.offload_dir or default_offload_dir()
-        profile = local_profile(device, offload_dir)
+        profile = local_profile(device, offload_dir, caps.get("max_memory"))
         plan = planned_policy if stage is None else functools.partial(planned_stage_policy, stage=stage)
         policy = plan(args, policy, spec, dtype_name(dtype, device), caps, profile, offload_dir)
     elif placement_flag(args) is None:
