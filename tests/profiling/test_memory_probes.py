@@ -29,7 +29,7 @@ LIMIT = GB
 # flexh2o.run with the profile measured quickly (small timing sizes, the first memory probe only):
 # the same path as a full measurement, in seconds.
 QUICK_RUN = ("import sys, flexh2o.profiling.measure as m; full = m.measure; "
-             "m.measure = lambda device, offload_dir, quick=False, log=m.print_to_stderr, max_memory=None: "
+             "m.measure = lambda device, offload_dir, quick=False, log=m.say, max_memory=None: "
              "full(device, offload_dir, True, log, max_memory); "
              "from flexh2o.run import main; sys.exit(main(sys.argv[1:]))")
 
