@@ -1,8 +1,8 @@
 """The commands of README.md and docs/*.md run as a reader pastes them, on a fresh copy of the
-repository with the SmolLM2 file `make setup` downloads.
+repository (the files git tracks) with the SmolLM2 file `make setup` downloads.
 
-Every fenced block names its language. A `bash` or `python` block has one marker on the line
-before its fence:
+Every fenced block names its language. A `bash` or `python` block has a marker on the last
+non-blank line before its fence:
 
     <!-- run -->                            run as written
     <!-- run: OLD => NEW; OLD2 => NEW2 -->  run with each OLD (which must occur) replaced by NEW,
@@ -12,9 +12,9 @@ before its fence:
 
 The blocks of one page run in order in one directory, so a block may use a file an earlier one
 wrote. `python` in a command is the Python running the tests. In every shell block, run or not,
-the flags given to a `python -m flexh2o.COMMAND` must be among those COMMAND's --help names
-(flexh2o.lm_eval's are lm-eval's, checked where its blocks run), and
-a path into the repository's code or configs must exist; every Python block must parse.
+the flags given to a `python -m flexh2o.COMMAND` must be among those its --help names (those of
+flexh2o.lm_eval are lm-eval's, checked where its blocks run), and a path into the repository's
+code or configs must exist; every Python block must parse.
 """
 
 import ast
