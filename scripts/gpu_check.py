@@ -21,7 +21,8 @@ check_sections.py says what happens past one):
    a CPU memcpy (scripts/bench_cpu_attention.py's measurement).
 
 The first line checks what the check needs (CUDA, the GPU's free memory, pytest and
-pytest-timeout) and says what is missing.
+pytest-timeout) and says what is missing; without a CUDA device it is the only line, and the exit
+status is 1.
 """
 
 import argparse
@@ -63,7 +64,7 @@ def needs() -> list[str]:
         sys.exit(f"gpu-check: cannot run: missing {', '.join(missing)} (pip install -e . on this machine)")
     import torch
     if not torch.cuda.is_available():
-        sys.exit(f"gpu-check: cannot run: torch {torch.__version__} sees no CUDA device")
+        sys.exit(f"gpu-check: no CUDA device (torch {torch.__version__}): nothing checked")
     free, total = torch.cuda.mem_get_info()
     notes = [f"missing {m}: {what}" for m, what in (("pytest", "the CUDA tests are skipped"),
                                                     ("pytest_timeout", "the CUDA tests run without a per-test timeout"))

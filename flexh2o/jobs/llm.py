@@ -160,8 +160,8 @@ class LLM:
         temperature, top_p, top_k: sampling; temperature 0 is greedy.
         stop: a string or list of strings that end a completion (not included in its text).
         seed: every prompt's sampling seed (default: from the LLM's seed and the prompt's index,
-            so a prompt's tokens do not depend on its block).
-        progress: a progress bar on stderr, moving as each block finishes."""
+            so a prompt's tokens do not depend on the prompts beside it).
+        progress: a progress bar on stderr, moving as prompts finish."""
         self._check_not_inside("generate")
         switch("progress", progress)
         prompts = prompt_source(prompts)

@@ -4,6 +4,7 @@ hang ends the check with every thread's stack and leaves the hung section's name
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -97,11 +98,33 @@ check.run("hangs", 1, lambda s: time.sleep(3600))
 def test_gpu_check_without_cuda_says_so_in_one_line():
     r = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "gpu_check.py")], capture_output=True,
                        text=True, timeout=120, cwd=REPO)
-    if "sees no CUDA device" not in r.stderr:
+    if "no CUDA device" not in r.stderr:
         pytest.skip("a CUDA machine: the check itself is `make gpu-check`")
     assert r.returncode == 1
     assert r.stderr.strip().splitlines() == [r.stderr.strip()]
-    assert r.stderr.startswith("gpu-check: cannot run: torch ")
+    assert r.stderr.startswith("gpu-check: no CUDA device (torch ")
+
+
+@pytest.mark.skipif(not shutil.which("make"), reason="no make here")
+def test_make_gpu_check_takes_the_virtual_environments_python(tmp_path):
+    """On a machine set up with `make`, the check runs with .venv's torch (which says there is no
+    CUDA device on a CPU), not the machine's python3, which may have no torch at all."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (venv / "bin" / "python").chmod(0o755)
+    dry = subprocess.run(["make", "-s", "-n", "gpu-check", f"VENV={venv}"], cwd=REPO, capture_output=True,
+                         text=True, timeout=60)
+    assert dry.stdout.split()[1:3] == [str(venv / "bin" / "python"), "scripts/gpu_check.py"], dry.stdout
+    without = subprocess.run(["make", "-s", "-n", "gpu-check", f"VENV={tmp_path / 'none'}"], cwd=REPO,
+                             capture_output=True, text=True, timeout=60)
+    assert without.stdout.split()[1] == "python3", without.stdout
+    r = subprocess.run(["make", "-s", "gpu-check", f"VENV={venv}"], cwd=REPO, capture_output=True, text=True,
+                       timeout=120)
+    if "no CUDA device" not in r.stderr:
+        pytest.skip("a CUDA machine: the check itself is `make gpu-check`")
+    assert r.returncode != 0
+    assert r.stderr.splitlines()[0].startswith("gpu-check: no CUDA device (torch ")
 
 
 def test_the_allocator_rows_batch_is_the_largest_that_fits(tiny_models, monkeypatch):
