@@ -88,13 +88,21 @@ def _file_sha256(path: str) -> str:
     return digest.hexdigest()
 
 
+def is_sha256(value) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
 def _read_cache() -> dict:
+    """The cached SHA-256 by file version; whatever in the file is not one (the file broken, edited,
+    of another shape) is left out, and computed again where it is needed."""
     try:
         with open(cache_path(), "rb") as f:
             cache = parse_json(f.read())
-        return cache if isinstance(cache, dict) else {}
-    except (OSError, ValueError):  # none yet, or broken: computed again
+    except (OSError, ValueError):  # none yet, or not JSON (BadJson is a ValueError)
         return {}
+    if not isinstance(cache, dict):
+        return {}
+    return {k: v for k, v in cache.items() if is_sha256(v)}
 
 
 def _write_cache(cache: dict):

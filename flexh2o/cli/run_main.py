@@ -107,11 +107,9 @@ def run(args) -> int:
     device = parse_device(args.device or default_device())
     dtype = parse_dtype(args.dtype) if args.dtype else None
     spec, weights_dir = resolve_model(args.model, args.path)
-    for flag in ("json_out", "output"):
-        if getattr(args, flag):
-            check_output_file(f"--{flag.replace('_', '-')}", getattr(args, flag),
-                              inputs=(args.input, args.prompts_file))
-    if args.input:
+    if args.json_out:
+        check_output_file("--json-out", args.json_out, inputs=(args.input, args.prompts_file))
+    if args.input:  # --output's folder is tried for room where the job opens it: a finished job writes nothing
         check_job_names(args)
     if args.offload_dir is not None:
         check_offload_dir(args.offload_dir)

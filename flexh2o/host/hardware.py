@@ -11,6 +11,7 @@ import math
 import os
 from dataclasses import MISSING, asdict, dataclass, fields
 
+from flexh2o.common.arguments import shown
 from flexh2o.common.cache_dir import cache_dir
 from flexh2o.common.errors import UsageError
 from flexh2o.common.json_data import BadJson, parse_json
@@ -130,33 +131,35 @@ def check_fields(data: dict, where: str):
     def number(field, value, strict=True, integer=False):
         kind = "a whole number" if integer else "a number"
         if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
-            bad(field, f"must be {kind}, not {value!r}")
-        if not math.isfinite(value) or value < 0 or (strict and value == 0):
-            bad(field, f"must be {'above 0' if strict else 'at least 0'} and finite, not {value!r}")
+            bad(field, f"must be {kind}, not {shown(value)}")
+        # (an integer beyond a float's range would make isfinite raise; no figure comes near 2**1000)
+        if (isinstance(value, int) and not -2 ** 1000 < value < 2 ** 1000) or not math.isfinite(value) or value < 0 \
+                or (strict and value == 0):
+            bad(field, f"must be {'above 0' if strict else 'at least 0'} and finite, not {shown(value)}")
 
     def table(field, value, dtype, rows: bool):
         if not isinstance(value, dict) or not value:
-            bad(field, f"must be a non-empty table by dtype, not {value!r}")
+            bad(field, f"must be a non-empty table by dtype, not {shown(value)}")
         if dtype is not None and dtype not in value:
-            bad(field, f"has no figures for the profile's dtype {dtype!r}")
+            bad(field, f"has no figures for the profile's dtype {shown(dtype)}")
         for d, entry in value.items():
             if not rows:
-                number(f"{field}[{d!r}]", entry)
+                number(f"{field}[{shown(d)}]", entry)
                 continue
             if not isinstance(entry, dict) or not entry:
-                bad(f"{field}[{d!r}]", f"must be a non-empty table of FLOP/s by rows, not {entry!r}")
+                bad(f"{field}[{shown(d)}]", f"must be a non-empty table of FLOP/s by rows, not {shown(entry)}")
             for r, rate in entry.items():
                 if not (isinstance(r, str) and r.isdigit() and int(r) > 0):
-                    bad(f"{field}[{d!r}]", f"has a row count {r!r} that is not a positive whole number")
-                number(f"{field}[{d!r}][{r!r}]", rate)
+                    bad(f"{field}[{shown(d)}]", f"has a row count {shown(r)} that is not a positive whole number")
+                number(f"{field}[{shown(d)}][{shown(r)}]", rate)
 
     for field in ("name", "source"):
         if not isinstance(data[field], str):
-            bad(field, f"must be a string, not {data[field]!r}")
+            bad(field, f"must be a string, not {shown(data[field])}")
     if data["device"] not in DEVICES:
-        bad("device", f"must be one of {', '.join(DEVICES)}, not {data['device']!r}")
+        bad("device", f"must be one of {', '.join(DEVICES)}, not {shown(data['device'])}")
     if data["dtype"] not in DTYPES:
-        bad("dtype", f"must be one of {', '.join(DTYPES)}, not {data['dtype']!r}")
+        bad("dtype", f"must be one of {', '.join(DTYPES)}, not {shown(data['dtype'])}")
     for field in ("gpu_mem", "cpu_mem"):
         number(field, data[field], integer=True)
     number("disk_mem", data["disk_mem"], strict=False, integer=True)
@@ -173,33 +176,33 @@ def check_fields(data: dict, where: str):
             bad("attention_costs", f"must hold a line for each of {', '.join(ATTENTION_CALLS)}")
         for call, line in costs.items():
             if not isinstance(line, list) or len(line) != 2:
-                bad(f"attention_costs[{call!r}]", f"must be [fixed seconds, seconds per unit], not {line!r}")
+                bad(f"attention_costs[{shown(call)}]", f"must be [fixed seconds, seconds per unit], not {shown(line)}")
             for value in line:
-                number(f"attention_costs[{call!r}]", value, strict=False)
+                number(f"attention_costs[{shown(call)}]", value, strict=False)
     share = data.get("others_cpu_share")
     if share is not None:
         number("others_cpu_share", share, strict=False)
         if share > 1:
-            bad("others_cpu_share", f"must be a share between 0 and 1, not {share!r}")
+            bad("others_cpu_share", f"must be a share between 0 and 1, not {shown(share)}")
     if data.get("int4_matmul_flops") is not None:
         table("int4_matmul_flops", data["int4_matmul_flops"], None, rows=True)
     for field in ("link_bandwidth", "measure_seconds"):
         if data.get(field) is not None:
             number(field, data[field])
     if data.get("kernels_build") is not None and not isinstance(data["kernels_build"], str):
-        bad("kernels_build", f"must be a build's name (a string), not {data['kernels_build']!r}")
+        bad("kernels_build", f"must be a build's name (a string), not {shown(data['kernels_build'])}")
     kernel = data.get("dequant_kernel")
     if kernel not in (None, *DEQUANT_KERNELS):
-        bad("dequant_kernel", f"must be one of {', '.join(DEQUANT_KERNELS)}, not {kernel!r}")
+        bad("dequant_kernel", f"must be one of {', '.join(DEQUANT_KERNELS)}, not {shown(kernel)}")
     growth = data.get("process_growth")
     if growth is not None:
         if not isinstance(growth, dict):
-            bad("process_growth", f"must be a table of bytes by dtype and thread count, not {growth!r}")
+            bad("process_growth", f"must be a table of bytes by dtype and thread count, not {shown(growth)}")
         for d, by_threads in growth.items():
             if not isinstance(by_threads, dict) or not all(isinstance(t, str) and t.isdigit() for t in by_threads):
-                bad(f"process_growth[{d!r}]", f"must be a table of bytes by thread count, not {by_threads!r}")
+                bad(f"process_growth[{shown(d)}]", f"must be a table of bytes by thread count, not {shown(by_threads)}")
             for t, nbytes in by_threads.items():
-                number(f"process_growth[{d!r}][{t!r}]", nbytes, strict=False, integer=True)
+                number(f"process_growth[{shown(d)}][{shown(t)}]", nbytes, strict=False, integer=True)
 
 
 def local_cache_path() -> str:

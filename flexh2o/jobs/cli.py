@@ -26,13 +26,14 @@ from flexh2o.offload.offload_dir import default_offload_dir
 from flexh2o.runs.setup import choose_policy, dtype_name, load_engine
 from flexh2o.common.signals import set_stop_outcome
 from flexh2o.jobs.blocks import ROUND_TO, round_up
-from flexh2o.jobs.files import OutputLock, WriteFailed, check_written_names
+from flexh2o.jobs.files import OutputLock, WriteFailed, check_written_names, left_temporary_files, \
+    remove_left_temporary_files
 from flexh2o.jobs.format import formatter_for
 from flexh2o.jobs.input import JobInput
 from flexh2o.jobs.job import Job
-from flexh2o.jobs.output import JobOutput, settings_path
+from flexh2o.jobs.output import JobOutput, finished_records, record_id, settings_path
 from flexh2o.jobs.plans import FixedPlan, SearchedPlans
-from flexh2o.jobs.replicas import merge, part_paths, start_over
+from flexh2o.jobs.replicas import merge, part_paths, records_in, start_over
 
 JOB_ONLY = ("output", "skip_bad", "ordered", "overwrite", "fixed_blocks", "join_every", "prompt_chunk")
 
@@ -96,11 +97,17 @@ def run_job(args, policy, spec, weights_dir, device, dtype, caps, planning: bool
                   "flexh2o_version": version()}
     settings = {**job_settings(args, spec, provenance["dtype"], provenance["model_sha256"]),
                 "input_records": job_input.fingerprint}
-    output = open_output(args, settings, job_input, replica)
-    if all(e.id in output.done for e in job_input.entries):  # a finished job run again: the model is not loaded
-        if args.ordered and replica is None:
-            output.rewrite_in_order([e.id for e in job_input.entries])
-        output.close()
+    if replica is None:  # read only: a run refused before its weights load writes nothing
+        output = None
+        in_output, done = already_done(args, settings)
+    else:
+        output = open_output(args, settings, job_input, replica)
+        done = output.done
+    if all(e.id in done for e in job_input.entries):  # a finished job run again: the model is not loaded
+        if replica is None:
+            finish_done(args, settings, job_input, in_output)
+        else:
+            output.close()
         print(f"records: {len(job_input.entries)}, every one already in {args.output}: nothing to do", flush=True)
         first_on_node(replica, "plan", lambda: None)  # its node's other ranks may wait to plan after it
         return finish(replica, settings)
@@ -122,9 +129,21 @@ def run_job(args, policy, spec, weights_dir, device, dtype, caps, planning: bool
                                  dtype_name(dtype, device))
         plans = SearchedPlans(spec, policy, profile, limits, dtype_name(dtype, device), args.max_batch)
     total = len(job_input.entries)
-    set_stop_outcome(lambda: f"{sum(e.id in output.done for e in job_input.entries)} of {total} records are safe "
-                              f"in {output.path}; run the same command again to finish the rest ({resume_command()})")
-    engine = load_engine(args, spec, policy, device, dtype, caps, dummy=False, profile=profile, stage=stage)
+    opened = [output] if output is not None else []
+    set_stop_outcome(lambda: f"{sum(e.id in (opened[0].done if opened else done) for e in job_input.entries)} of "
+                              f"{total} records are safe in {args.output if replica is None else opened[0].path}; "
+                              f"run the same command again to finish the rest ({resume_command()})")
+
+    def open_once_it_fits():  # the pre-flight passed: now the output, its settings and its lock are made
+        opened.append(open_output(args, settings, job_input, None))
+    try:
+        engine = load_engine(args, spec, policy, device, dtype, caps, dummy=False, profile=profile, stage=stage,
+                             once_it_fits=open_once_it_fits if replica is None else None)
+    except BaseException:
+        if opened:
+            opened[0].close()
+        raise
+    output = opened[0]
     try:
         generate_all(args, engine, job_input, output, tokenizer, spec, plans, read_seconds, ordered=replica is None,
                      provenance=provenance)
@@ -132,6 +151,38 @@ def run_job(args, policy, spec, weights_dir, device, dtype, caps, planning: bool
         engine.close()
         output.close()
     return finish(replica, settings)
+
+
+def already_done(args, settings) -> tuple[list[str], set[str]]:
+    """Read only: (the ids of --output's whole records in file order, the ids of every record it and
+    any part an interrupted data-parallel run left hold); a resume that cannot go on is refused
+    here, before anything is planned, loaded or written."""
+    if args.overwrite:
+        return [], set()
+    in_output = [record_id(r) for r in finished_records(args.output, settings)]
+    return in_output, set(in_output) | set(records_in(part_paths(args.output), settings))
+
+
+def finish_done(args, settings, job_input, in_output: list[str]):
+    """Every record is done: writes only what is left to write (parts to merge, --ordered's rewrite
+    of an output out of input order), so a finished job in a folder now read-only has nothing to do."""
+    ids = [e.id for e in job_input.entries]
+    if part_paths(args.output) or (args.ordered and in_output != ids):
+        output = open_output(args, settings, job_input, None)  # merges the parts
+        try:
+            if args.ordered:
+                output.rewrite_in_order(ids)
+        finally:
+            output.close()
+    elif left_temporary_files(args.output) or left_temporary_files(settings_path(args.output)):
+        try:
+            lock = OutputLock(args.output)  # a rewrite a SIGKILL stopped left its file: removed once no job runs
+        except (UsageError, WriteFailed):
+            return
+        try:
+            remove_left_temporary_files([args.output, settings_path(args.output)])
+        finally:
+            lock.release()
 
 
 def open_output(args, settings, job_input, replica) -> JobOutput:

@@ -5,18 +5,22 @@ before anything is written: none may be the input file under another spelling (`
 link), and none may be a symlink, a directory, a FIFO or a device (output.refusal). Files are
 opened without following a link (O_NOFOLLOW), new ones created exclusively (O_EXCL), and whole
 rewrites go to a fresh temporary name (mkstemp) renamed into place, so a link planted beside the
-output is never written through. A failed write (a full disk, a file-size limit, an I/O error)
-becomes WriteFailed, which the command prints as one line naming the path and the cause.
+output is never written through. The temporary name starts with the file's own (`.OUT.tmp-` and 8
+random characters), so a job holding the output's lock knows that such a file beside it was left
+by a rewrite a SIGKILL stopped, and removes it. A failed write (a full disk, a file-size limit, an
+I/O error) becomes WriteFailed, which the command prints as one line naming the path and the cause.
 """
 
 import errno
 import fcntl
 import os
+import re
 import stat
 import tempfile
 
 from flexh2o.common.errors import UsageError
 from flexh2o.common.output_files import check_not_input, current_umask, refusal
+from flexh2o.common.signals import deferred
 
 NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -55,14 +59,41 @@ def open_for_append(path: str, create: bool) -> int:
     return fd
 
 
+def temporary_prefix(path: str) -> str:
+    return "." + os.path.basename(path) + ".tmp-"
+
+
+def left_temporary_files(path: str) -> list[str]:
+    """The temporary files of rewrites of `path` that are still beside it (mkstemp's 8 characters
+    after temporary_prefix): left by a killed rewrite, once no job holds the output's lock."""
+    directory = os.path.dirname(os.path.abspath(path))
+    name = re.compile(re.escape(temporary_prefix(path)) + "[a-z0-9_]{8}")
+    try:
+        return sorted(os.path.join(directory, n) for n in os.listdir(directory) if name.fullmatch(n))
+    except OSError:
+        return []
+
+
+def remove_left_temporary_files(paths: list[str]):
+    """Best effort: a file that cannot be removed only takes room."""
+    for path in paths:
+        for left in left_temporary_files(path):
+            try:
+                os.unlink(left)
+            except OSError:
+                pass
+
+
 def write_lines_atomic(path: str, lines) -> int:
     """path <- the lines (str, each ending in a newline), through a fresh temporary file in its
     directory renamed into place; a failure or a signal leaves `path` as it was and no temporary
-    file. Returns how many lines."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-")
-    written = 0
+    file (a SIGKILL leaves one, which left_temporary_files finds). Returns how many lines."""
+    tmp, f, written = None, None, 0
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with deferred():  # a signal between the file's creation and `tmp` naming it would leave it behind
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=temporary_prefix(path))
+            f = os.fdopen(fd, "w", encoding="utf-8")
+        with f:
             os.fchmod(f.fileno(), 0o666 & ~current_umask())
             for line in lines:
                 f.write(line)
@@ -72,9 +103,16 @@ def write_lines_atomic(path: str, lines) -> int:
         os.replace(tmp, path)
     except BaseException as e:
         try:
-            os.unlink(tmp)
+            if f is not None:
+                f.close()
         except OSError:
             pass
+        finally:
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
         if isinstance(e, OSError):
             raise WriteFailed(path, e) from None
         raise

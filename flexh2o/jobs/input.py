@@ -12,13 +12,14 @@ Three formats, told apart by the file's first non-blank line:
 `index_records` reads the file once, line by line: every record is checked and tokenized then,
 before any weight loads, and only its id, where it lies in the file and its length are kept, so
 memory stays flat however many records there are. A block's prompts are read again when it runs
-(`read_prompt`), after checking that the file has not changed since. The reading also takes the
-file's fingerprint (its size and a hash of its bytes), which a resumed job must match.
+(`JobInput.request`), and each line read again must hash to what it did the first time: the file's
+size and modified time say nothing (a file rewritten with its old time put back, /proc's files of
+size 0). The reading also takes the file's fingerprint (its size and a SHA-256 of its bytes), which
+a resumed job must match.
 """
 
 import hashlib
 import math
-import os
 from dataclasses import dataclass
 
 from flexh2o.common.arguments import shown
@@ -56,6 +57,7 @@ class Entry:
     seed: int | None
     error: str | None = None  # a bad record kept by --skip-bad: what is wrong with it
     given_id: int | None = None  # an integer id as the record gave it (`id` is its text), written back as is
+    digest: int | None = None  # of the line's bytes as first read (line_digest): read again, it must match
 
 
 @dataclass
@@ -224,11 +226,10 @@ def prompt_length(tokenizer, request: Request, chat: bool) -> int:
 
 
 class Fingerprint:
-    """The input as read: its size, modification time and a hash of its bytes."""
+    """The input as read: its size and a hash of its bytes."""
 
-    def __init__(self, f):
-        st = os.fstat(f.fileno())
-        self.size, self.mtime_ns, self.hash = 0, st.st_mtime_ns, hashlib.sha256()
+    def __init__(self):
+        self.size, self.hash = 0, hashlib.sha256()
 
     def add(self, raw: bytes):
         self.size += len(raw)
@@ -238,12 +239,17 @@ class Fingerprint:
         return {"size": self.size, "sha256": self.hash.hexdigest()}
 
 
+def line_digest(raw: bytes) -> int:
+    """64 bits of a line's hash: what an index entry keeps to know its line when it is read again."""
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
+
+
 def lines_of(path: str, fingerprint: list | None = None):
-    """(line number, byte offset, text) of every non-blank line, read one at a time; the file's
-    Fingerprint is appended to `fingerprint`."""
+    """(line number, byte offset, text, line_digest of its bytes) of every non-blank line, read one
+    at a time; the file's Fingerprint is appended to `fingerprint`."""
     offset = 0
     with open(path, "rb") as f:
-        seen = Fingerprint(f)
+        seen = Fingerprint()
         if fingerprint is not None:
             fingerprint.append(seen)
         for number in range(1, 1 << 62):
@@ -263,13 +269,13 @@ def lines_of(path: str, fingerprint: list | None = None):
                 raise UsageError("--input", f"{path}:{number}: not text (a NUL byte at character "
                                  f"{text.index(chr(0))})")
             if text:
-                yield number, start, text
+                yield number, start, text, line_digest(raw)
 
 
-def read_line(path: str, offset: int) -> str:
+def read_line(path: str, offset: int) -> bytes:
     with open(path, "rb") as f:
         f.seek(offset)
-        return f.readline(MAX_LINE + 1).decode("utf-8-sig" if offset == 0 else "utf-8").strip()
+        return f.readline(MAX_LINE + 1)
 
 
 class JobInput:
@@ -283,7 +289,7 @@ class JobInput:
         except OSError as e:
             raise UsageError("--input", f"cannot read {path}: {e.strerror}") from None
         self.entries, self.bad, seen, read = [], 0, set(), []
-        for line, offset, text in lines_of(path, read):
+        for line, offset, text, digest in lines_of(path, read):
             try:
                 request = parse_record(text, self.format, line, defaults, urls)
                 if request.id in seen:
@@ -305,30 +311,29 @@ class JobInput:
                 continue
             seen.add(request.id)
             self.entries.append(Entry(len(self.entries), request.id, line, offset, n, request.max_tokens,
-                                      request.sampling, request.seed, given_id=request.given_id))
+                                      request.sampling, request.seed, given_id=request.given_id, digest=digest))
         if not self.entries:
             raise UsageError("--input", f"{path} holds no records")
-        self.read = read[0]
-        self.fingerprint = self.read.to_dict()
+        self.fingerprint = read[0].to_dict()
         taken = next((e for e in self.entries if e.error is not None and e.id in seen), None)
         if taken is not None:
             raise UsageError("--input", f"{path}:{taken.line}: a bad record, whose error record takes the id "
                              f"{taken.id!r}, and another record has that id: give that record another id")
 
-    def check_unchanged(self):
-        """Refuses to read prompts from an input that changed since it was read and checked."""
+    def read_again(self, entry: Entry) -> str:
+        """The entry's line, refused where its bytes are not those indexed (the file changed since)."""
         try:
-            st = os.stat(self.path)
-            changed = (st.st_size, st.st_mtime_ns) != (self.read.size, self.read.mtime_ns)
-        except OSError:
-            changed = True
-        if changed:
-            raise UsageError("--input", f"{self.path} changed while the job ran: the records written so far are "
-                             "kept; run again with the input as it was, or give --overwrite to start afresh")
+            raw = read_line(self.path, entry.offset)
+        except OSError as e:
+            raise UsageError("--input", f"cannot read {self.path} again: {e.strerror}") from None
+        if line_digest(raw) != entry.digest:
+            raise UsageError("--input", f"{self.path} changed while the job ran (line {entry.line} is not what it "
+                             "was when the job began): the records written so far are kept; put the input back as "
+                             "it was and run the same command to finish, or give a new input another --output")
+        return raw.decode("utf-8-sig" if entry.offset == 0 else "utf-8").strip()
 
     def request(self, entry: Entry) -> Request:
-        self.check_unchanged()
-        request = parse_record(read_line(self.path, entry.offset), self.format, entry.line, self.defaults, self.urls)
+        request = parse_record(self.read_again(entry), self.format, entry.line, self.defaults, self.urls)
         request.max_tokens = entry.max_tokens  # (the default, where it depends on the prompt's length)
         return request
 

@@ -4,18 +4,25 @@ Each batch of finished records goes out in one write, flushed and fsynced: a rea
 job killed at any moment, leaves at most one partial last line, which the next run drops and
 redoes. Beside the output, `OUT.job.json` keeps the settings the records were made with and the
 input's fingerprint (its size and a hash of its bytes); a resumed job with other settings or
-another input is refused unless --overwrite starts the output again. A write that fails (a full
-disk) is cut back to the records before it, so the output stays resumable (WriteFailed).
+another input is refused unless --overwrite starts the output again. The settings file is read as
+data: one that is not a job's settings is one line naming it. A write that fails (a full disk) is
+cut back to the records before it, so the output stays resumable (WriteFailed).
 """
 
 import json
 import os
 
+from flexh2o.checkpoints.fingerprint import is_sha256
+from flexh2o.common.arguments import shown
 from flexh2o.common.errors import UsageError
 from flexh2o.common.json_data import BadJson, parse_json
-from flexh2o.common.output_files import check_output_file, write_json_atomic
+from flexh2o.common.output_files import check_output_file, json_text
 from flexh2o.common.signals import deferred
-from flexh2o.jobs.files import OutputLock, WriteFailed, open_for_append, write_lines_atomic
+from flexh2o.jobs.files import OutputLock, WriteFailed, open_for_append, remove_left_temporary_files, \
+    write_lines_atomic
+
+MAX_SETTINGS = 1 << 20  # bytes: a job's settings take a few hundred
+NOT_COMPARED = ("input",)  # the input's path: the same file under another spelling (or moved) resumes
 
 
 def settings_path(path: str) -> str:
@@ -46,29 +53,81 @@ def complete_records(path: str):
     return records, good
 
 
-def check_settings(path: str, settings: dict):
-    """Refuses to add to the output at `path` records made with other settings than `settings`."""
+JSON_KINDS = {dict: "an object", list: "a list", str: "a string", bool: "true or false", int: "a number",
+              float: "a number", type(None): "null"}
+
+
+def is_fingerprint(value) -> bool:
+    """An input's fingerprint as JobInput takes it: {"size": bytes, "sha256": 64 hex digits}."""
+    return isinstance(value, dict) and isinstance(value.get("size"), int) and not isinstance(value["size"], bool) \
+        and is_sha256(value.get("sha256"))
+
+
+def saved_settings(path: str) -> tuple[dict | None, str | None]:
+    """(the settings saved beside the output at `path`, None), or (None, what is wrong with their file)."""
     try:
         with open(settings_path(path), "rb") as f:
-            saved = parse_json(f.read())
-        if not isinstance(saved, dict):
-            raise BadJson("is not a JSON object")
-    except (OSError, BadJson):
-        raise UsageError("--output", f"{path} exists and no job settings lie beside it "
-                         f"({settings_path(path)}): not a flexh2o job's output; give --overwrite to "
-                         "replace it") from None
-    changed = sorted(k for k in set(saved) | set(settings) if saved.get(k) != settings.get(k))
+            text = f.read(MAX_SETTINGS + 1)
+    except FileNotFoundError:
+        return None, "is missing"
+    except OSError as e:
+        return None, f"cannot be read ({e.strerror})"
+    if len(text) > MAX_SETTINGS:
+        return None, f"is larger than {MAX_SETTINGS >> 20} MB, far beyond any job's settings"
+    try:
+        saved = parse_json(text)
+    except BadJson as e:
+        return None, str(e)
+    if not isinstance(saved, dict):
+        return None, f"holds {JSON_KINDS.get(type(saved), 'a JSON value')}, not a job's settings (an object)"
+    if not isinstance(saved.get("model"), str) or not is_fingerprint(saved.get("input_records")):
+        return None, "lacks what a job's settings hold (the model, the input's size and SHA-256)"
+    return saved, None
+
+
+def finished_count(n: int) -> str:
+    return f"{n} finished record" + ("" if n == 1 else "s")
+
+
+def check_settings(path: str, settings: dict, finished: int):
+    """Refuses to add to the output at `path`, which holds `finished` whole records, records made
+    with other settings than `settings`. Where records are finished, the way out it names keeps them."""
+    saved, wrong = saved_settings(path)
+    if wrong is not None:
+        if finished:
+            raise UsageError("--output", f"{settings_path(path)} {wrong}, so the {finished_count(finished)} in {path} "
+                             "cannot be checked against this run: put back the settings file made with them, or give "
+                             "another --output")
+        raise UsageError("--output", f"{path} exists and its job settings {settings_path(path)} {wrong}: not a "
+                         "flexh2o job's output; give --overwrite to replace it, or another --output")
+    changed = sorted(k for k in (set(saved) | set(settings)) - set(NOT_COMPARED) if saved.get(k) != settings.get(k))
     if "input_records" in changed:
-        before, now = saved.get("input_records") or {}, settings.get("input_records") or {}
-        raise UsageError("--input", f"{settings.get('input')} is not the input {path} was begun with ("
-                         f"{before.get('size', '?')} bytes then, {now.get('size', '?')} now"
-                         f"{', its records differ' if before.get('size') == now.get('size') else ''}): give "
-                         f"--overwrite to start {path} afresh from this input, or give the original input")
+        before, now = saved["input_records"], settings["input_records"]
+        what = (f"{settings.get('input')} is not the input {path} was begun with ({before['size']} bytes then, "
+                f"{now['size']} now{', its records differ' if before['size'] == now['size'] else ''})")
+        if finished:
+            raise UsageError("--input", f"{what}: give the input it was begun with to go on from its "
+                             f"{finished_count(finished)}, or give this input another --output")
+        raise UsageError("--input", f"{what}: give --overwrite to start {path} afresh from this input (it holds no "
+                         "finished record), or give the original input")
     if changed:
         k = changed[0]
-        raise UsageError("--output", f"{path} was made with {k}={saved.get(k)!r}, this run has "
-                         f"{settings.get(k)!r}" + (f" (and {len(changed) - 1} more)" if len(changed) > 1
-                                                   else "") + "; give --overwrite to start it again")
+        what = (f"{path} was made with {k}={shown(saved.get(k))}, this run has {shown(settings.get(k))}"
+                + (f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""))
+        if finished:
+            raise UsageError("--output", f"{what}: run with the settings it was made with to go on from its "
+                             f"{finished_count(finished)}, or give another --output")
+        raise UsageError("--output", f"{what}; give --overwrite to start it again (it holds no finished record)")
+
+
+def finished_records(path: str, settings: dict) -> list[dict]:
+    """The whole records of the output at `path` that a run with `settings` resumes (none where
+    there is no output), read without writing anything; a resume that cannot go on is refused."""
+    if not os.path.lexists(path):
+        return []
+    records, _ = complete_records(path)
+    check_settings(path, settings, len(records))
+    return records
 
 
 def write_in_order(path: str, by_id: dict, ids: list[str]) -> int:
@@ -79,10 +138,7 @@ def write_in_order(path: str, by_id: dict, ids: list[str]) -> int:
 
 
 def write_settings(path: str, settings: dict):
-    try:
-        write_json_atomic(settings_path(path), settings)
-    except OSError as e:
-        raise WriteFailed(settings_path(path), e) from None
+    write_lines_atomic(settings_path(path), [json_text(settings)])
 
 
 class JobOutput:
@@ -96,22 +152,25 @@ class JobOutput:
         self.lock = lock or OutputLock(path)
         self.done: set[str] = set()
         try:
+            remove_left_temporary_files([path, settings_path(path)])  # the lock is ours: no rewrite runs
             if os.path.lexists(path) and not overwrite:
                 self._resume()
             else:
                 with deferred():
                     if os.path.lexists(path):
                         os.unlink(path)
-                    self.fd = open_for_append(path, create=True)
+                # The settings first: a stop before the output exists leaves a job that starts afresh.
                 write_settings(path, settings)
+                with deferred():
+                    self.fd = open_for_append(path, create=True)
         except BaseException:
             self.close()
             raise
 
     def _resume(self):
-        check_settings(self.path, self.settings)
-        self.fd = open_for_append(self.path, create=False)
         records, good = complete_records(self.path)
+        check_settings(self.path, self.settings, len(records))
+        self.fd = open_for_append(self.path, create=False)
         if good < os.fstat(self.fd).st_size:
             self._cut(good)  # a record half-written by a kill is redone
         self.done = {record_id(r) for r in records}

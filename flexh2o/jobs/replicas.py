@@ -18,6 +18,7 @@ import shutil
 
 from flexh2o.common.errors import UsageError
 from flexh2o.common.signals import deferred
+from flexh2o.jobs.files import remove_left_temporary_files
 from flexh2o.jobs.output import JobOutput, check_settings, complete_records, record_id, settings_path, write_in_order, \
     write_settings
 
@@ -48,8 +49,9 @@ def records_in(paths: list[str], settings: dict) -> dict:
     found = {}
     for path in paths:
         if os.path.exists(path) and os.path.getsize(path) > 0:  # a part just opened may lack its settings yet
-            check_settings(path, settings)
-            for record in complete_records(path)[0]:
+            records = complete_records(path)[0]
+            check_settings(path, settings, len(records))
+            for record in records:
                 found.setdefault(record_id(record), record)
     return found
 
@@ -68,6 +70,7 @@ def merge(output: str, settings: dict, ids_in_order: list[str]) -> int:
     place; then the parts removed. Returns how many records it holds."""
     found = records_in([output] + part_paths(output), settings)
     with deferred():
+        remove_left_temporary_files([output, settings_path(output)])  # a merge or rewrite a SIGKILL stopped
         write_settings(output, settings)
         written = write_in_order(output, found, ids_in_order)
         shutil.rmtree(parts_dir(output), ignore_errors=True)

@@ -5,7 +5,10 @@ them, so 4-bit quantization ran at 0.9 GB/s of float32 on 2 cores where one fuse
 memory speed. The kernels here are plain C, compiled for this CPU (-march=native) into the user's
 cache directory, keyed by the source, the flags, the compiler and the CPU; without a compiler,
 or with FLEXH2O_NATIVE=0, `library()` is None and callers keep their torch path. A build is written
-under a temporary name and renamed, so an interrupted one leaves nothing half-written. The
+under a temporary name and renamed, so an interrupted one leaves nothing half-written; beside it,
+`kernels-BUILD.json` records its size and SHA-256. A library in the cache that does not match its
+record (cut short, another program's, or none recorded) is never loaded: it is built again, or, where
+that fails, the kernels are off for the run, in one line either way. The
 matrix products split their weight rows over torch's thread count with OpenMP (where the compiler
 has it): a decode step's products are small, and handing them to Python threads (split_rows, which
 the element-wise kernels keep) cost more than splitting saved.
@@ -16,10 +19,13 @@ import hashlib
 import os
 import platform
 import subprocess
+import sys
 import tempfile
 import threading
 
 from flexh2o.common.cache_dir import cache_dir as flexh2o_cache_dir
+from flexh2o.common.json_data import BadJson, parse_json
+from flexh2o.common.output_files import write_json_atomic
 
 SOURCES = ("quant4.c", "blocks.c", "attention.c")
 HEADERS = ("common.h",)  # hashed with the sources: a change to them is a new build
@@ -28,6 +34,8 @@ OPENMP = "-fopenmp"  # the products' threads (a compiler without it builds them 
 
 _lock = threading.Lock()
 _loaded: dict = {}
+MISSING = "is missing"  # (no build yet: built without a word)
+MAX_RECORD = 1 << 16  # bytes: a build's record takes about 150
 
 
 def cache_dir() -> str:
@@ -54,7 +62,12 @@ def _compiler() -> tuple[str, str] | None:
     return (cc, version.stdout) if version.returncode == 0 else None
 
 
+def record_path(target: str) -> str:
+    return target[:-len(".so")] + ".json"
+
+
 def _build(cc: str, target: str):
+    """Compiles the kernels into `target`, then records its size and SHA-256 beside it."""
     here = os.path.dirname(__file__)
     os.makedirs(os.path.dirname(target), exist_ok=True)
     fd, partial = tempfile.mkstemp(suffix=".so.part", dir=os.path.dirname(target))
@@ -66,10 +79,58 @@ def _build(cc: str, target: str):
                            timeout=300)
         except subprocess.CalledProcessError:
             subprocess.run([cc, *FLAGS, "-o", partial, *sources, "-lm"], check=True, capture_output=True, timeout=300)
+        with open(partial, "rb") as f:
+            data = f.read()
         os.replace(partial, target)
     finally:
         if os.path.exists(partial):
             os.remove(partial)
+    write_json_atomic(record_path(target), {"library": os.path.basename(target), "size": len(data),
+                                            "sha256": hashlib.sha256(data).hexdigest()})
+
+
+def _recorded(target: str) -> dict | str:
+    """The record of the build at `target` ({"library", "size", "sha256"}), or what is wrong with it."""
+    where = record_path(target)
+    try:
+        with open(where, "rb") as f:
+            text = f.read(MAX_RECORD + 1)
+    except FileNotFoundError:
+        return f"has no record of its build beside it ({where})"
+    except OSError as e:
+        return f"has a record that cannot be read ({where}: {e.strerror})"
+    try:
+        record = parse_json(text) if len(text) <= MAX_RECORD else None
+    except BadJson:
+        record = None
+    if not isinstance(record, dict) or record.get("library") != os.path.basename(target) or \
+            not isinstance(record.get("size"), int) or isinstance(record["size"], bool) or \
+            not isinstance(record.get("sha256"), str):
+        return f"has a record that is not its build's ({where})"
+    return record
+
+
+def _unlike_its_build(target: str) -> str | None:
+    """None where the library at `target` is what its build made (its size and SHA-256); else why not."""
+    try:
+        with open(target, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return MISSING
+    except OSError as e:
+        return f"cannot be read ({e.strerror})"
+    record = _recorded(target)
+    if isinstance(record, str):
+        return record
+    if len(data) != record["size"]:
+        return f"holds {len(data)} bytes where its build made {record['size']} (cut short, or another file)"
+    if hashlib.sha256(data).hexdigest() != record["sha256"]:
+        return "is not the library its build made (another SHA-256)"
+    return None
+
+
+def _note(line: str):
+    print(f"note: {line}", file=sys.stderr, flush=True)
 
 
 def library() -> ctypes.CDLL | None:
@@ -102,12 +163,40 @@ def _load() -> ctypes.CDLL | None:
             key.update(f.read())
     _loaded["build"] = key.hexdigest()[:16]
     target = os.path.join(cache_dir(), f"kernels-{_loaded['build']}.so")
-    try:
-        if not os.path.exists(target):
+    off = "flexh2o's C kernels are off for this run (torch's operations instead)"
+    why = _unlike_its_build(target)
+    if why is not None:
+        try:
             _build(cc, target)
+        except (OSError, subprocess.SubprocessError) as e:
+            if why != MISSING:
+                _note(f"{target} {why}, and building it again failed ({_failure(e)}): {off}")
+            return None
+        found = _unlike_its_build(target)
+        if found is not None:
+            _note(f"{target} {found} right after its build (another process may be building it): {off}")
+            return None
+        if why != MISSING:
+            _note(f"{target} {why}: built again")
+    try:
         lib = ctypes.CDLL(target)
-    except (OSError, subprocess.SubprocessError):
+        _declare(lib)
+    except (OSError, AttributeError) as e:  # AttributeError: a kernel missing from the library
+        _note(f"{target} cannot be loaded as flexh2o's kernels ({e}): {off}")
         return None
+    return lib
+
+
+def _failure(error: Exception) -> str:
+    if isinstance(error, subprocess.CalledProcessError):
+        lines = (error.stderr or b"").decode(errors="replace").strip().splitlines()
+        return f"the compiler said: {lines[-1][:200]}" if lines else f"the compiler exited with {error.returncode}"
+    if isinstance(error, OSError):
+        return error.strerror or str(error)
+    return str(error)
+
+
+def _declare(lib):
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.quantize_rows.argtypes = [ptr, ctypes.c_int, i64, i64, ptr, i64, i64]
     lib.dequantize_rows.argtypes = [ptr, i64, ptr, ctypes.c_int, i64, i64, i64]
@@ -117,7 +206,6 @@ def _load() -> ctypes.CDLL | None:
     lib.decode_attention.restype = ctypes.c_int
     lib.quantize_rows.restype = i64
     lib.dequantize_rows.restype = lib.dequantize_blocks.restype = lib.matmul_all.restype = None
-    return lib
 
 
 PARALLEL_VALUES = 1 << 18  # below this many values a kernel runs on the calling thread alone

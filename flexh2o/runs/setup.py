@@ -83,16 +83,22 @@ def placement_note(spec, policy, device, dtype, prompt_len: int, gen_len: int, o
     return line
 
 
-def load_engine(args, spec, policy, device, dtype, caps: dict, dummy: bool, profile=None, stage=None) -> Engine:
+def load_engine(args, spec, policy, device, dtype, caps: dict, dummy: bool, profile=None, stage=None,
+                once_it_fits=None) -> Engine:
     """The engine of a run, its weights placed by `policy`, sized for args.prompt_len + args.gen_len.
-    Where anything is placed off the compute device, a note says what goes where once the pre-flight passed."""
-    def announce():
-        say(placement_note(spec, policy, device, dtype, args.prompt_len, args.gen_len, args.offload_dir, dummy,
-                           profile))
+    Once the pre-flight passed, once_it_fits() runs, if given (a job makes its files there: a refused
+    run writes none); then, where anything is placed off the compute device, a note says what goes where."""
     off_device = any(policy.disk_percent(kind) > 0 or getattr(policy, f"{kind}_cpu_percent") > 0
                      for kind in ("w", "cache"))
+
+    def before_loading():
+        if once_it_fits is not None:
+            once_it_fits()
+        if off_device and stage is None:
+            say(placement_note(spec, policy, device, dtype, args.prompt_len, args.gen_len, args.offload_dir, dummy,
+                               profile))
     return Engine.load(args.model, policy=policy, device=device, dtype=dtype, dummy=dummy, path=args.path,
                        offload_dir=args.offload_dir, progress=args.verbose, seed=args.seed,
                        bypass_page_cache=args.no_page_cache, prompt_len=args.prompt_len, gen_len=args.gen_len,
                        placement_flag=placement_flag(args) or "--weights/--cache/--act",
-                       before_loading=announce if off_device and stage is None else None, stage=stage, **caps)
+                       before_loading=before_loading, stage=stage, **caps)

@@ -46,6 +46,30 @@ FLUSH_RECORDS = 64  # finished records written at once (or after FLUSH_SECONDS)
 log = logging.getLogger("flexh2o.serve")
 
 
+STATUSES = ("validating", "in_progress", "finalizing", "cancelling", *ENDED)
+
+
+def batch_record_problem(record, batch_id: str) -> str | None:
+    """What keeps a batch's saved object from being one this server wrote, or None: every field the
+    server reads back is checked, so a file edited by hand is left aside, not a traceback later."""
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    if record.get("id") != batch_id:
+        return "its id is not its file's name"
+    if record.get("status") not in STATUSES:
+        return "no known status"
+    if record.get("endpoint") not in ENDPOINTS:
+        return "no known endpoint"
+    if not all(isinstance(record.get(k), str) for k in ("input_file_id", "_output_file_id", "_error_file_id")):
+        return "its file ids are not strings"
+    if not isinstance(record.get("created_at"), int) or isinstance(record["created_at"], bool):
+        return "created_at is not a time in seconds"
+    counts = record.get("request_counts")
+    if not isinstance(counts, dict) or not all(isinstance(v, int) for v in counts.values()):
+        return "request_counts is not a table of counts"
+    return None
+
+
 def not_found(batch_id: str) -> ApiError:
     return ApiError(404, f"no batch {batch_id!r} on this server", "batch_id", "batch_not_found")
 
@@ -247,10 +271,10 @@ class BatchStore:
             try:
                 with open(path, "rb") as f:
                     record = parse_json(f.read())
-                if not isinstance(record, dict) or record.get("id") != name[:-5] or \
-                        not isinstance(record.get("status"), str) or not isinstance(record.get("request_counts"), dict):
-                    raise ValueError("not a batch object")
-            except (OSError, ValueError) as e:
+                wrong = batch_record_problem(record, name[:-5])
+                if wrong is not None:
+                    raise ValueError(wrong)
+            except (OSError, ValueError) as e:  # BadJson is a ValueError
                 log.warning("warning: %s is not a batch flexh2o wrote (%s): left as it is", path, e)
                 continue
             batch = Batch(self, record)

@@ -2,6 +2,7 @@
 version of each file (checkpoints/fingerprint.py); and the flexh2o version beside it."""
 
 import hashlib
+import json
 import os
 import re
 
@@ -85,6 +86,21 @@ def test_a_broken_or_unwritable_cache_costs_a_read_and_nothing_else(cache, monke
     (cache / "a file").write_bytes(b"")
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache / "a file"))  # no directory can be made under it
     assert fingerprint.model_sha256(str(path)) == sha(b"weights")
+
+
+@pytest.mark.parametrize("shape", ["[]", "null", '"x"', "7", "[" * 100000, "not-a-sha256", "a-number", "a-list"],
+                         ids=["list", "null", "string", "number", "nested-deeply", "not-a-sha256", "a-number", "a-list"])
+def test_a_cache_of_another_shape_is_computed_again_never_taken(cache, shape):
+    path = cache / "m.gguf"
+    path.write_bytes(b"weights")
+    os.makedirs(os.path.dirname(fingerprint.cache_path()))
+    key = fingerprint._key(str(path))
+    entry = {"not-a-sha256": "f" * 63, "a-number": 5, "a-list": [sha(b"weights")]}
+    text = json.dumps({key: entry[shape]}) if shape in entry else shape
+    with open(fingerprint.cache_path(), "w") as f:
+        f.write(text)
+    assert fingerprint.model_sha256(str(path)) == sha(b"weights")
+    assert fingerprint._read_cache() == {key: sha(b"weights")}
 
 
 def test_the_version_names_the_package_and_in_a_checkout_its_commit():

@@ -48,6 +48,11 @@ CASES = {
                                                              ("prompt_fused", "prompt_observed", "decode_fused",
                                                               "decode_evicting")}), "attention_costs['prompt_fused']"),
     "name-not-a-string": (setter("name", 7), "name"),
+    "memory-beyond-a-float": (setter("gpu_mem", 10 ** 400), "gpu_mem"),
+    "growth-beyond-a-float": (setter("process_growth", {"float32": {"2": 10 ** 400}}), "process_growth['float32']['2']"),
+    "attention-cost-beyond-a-float": (setter("attention_costs", {c: [10 ** 400, 1e-9] for c in
+                                                                ("prompt_fused", "prompt_observed", "decode_fused",
+                                                                 "decode_evicting")}), "attention_costs['prompt_fused']"),
 }
 
 
@@ -59,6 +64,16 @@ def test_a_broken_profile_file_names_its_field(tmp_path, case):
     with pytest.raises(UsageError) as e:
         load_profile(str(path))
     assert e.value.flag == "--hardware" and f"{path}: {field} " in e.value.message
+    assert len(e.value.message) < 300  # a value is quoted short
+
+
+@pytest.mark.parametrize("text", ["[]", "null", '"t4"', "3", "[" * 100000])
+def test_a_profile_file_of_another_shape_is_one_line(tmp_path, text):
+    path = tmp_path / "machine.json"
+    path.write_text(text)
+    with pytest.raises(UsageError) as e:
+        load_profile(str(path))
+    assert e.value.flag == "--hardware" and str(path) in e.value.message and len(e.value.message) < 300
 
 
 @pytest.mark.parametrize("text, says", [

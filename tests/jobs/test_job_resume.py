@@ -58,8 +58,8 @@ EDITS = {
 
 
 @pytest.mark.parametrize("edit", EDITS)
-def test_a_resume_on_an_edited_input_is_refused_saying_how_to_start_afresh(model_with_tokenizer, tmp_path, capsys,
-                                                                            edit):
+def test_a_resume_on_an_edited_input_is_refused_saying_how_to_keep_what_is_done(model_with_tokenizer, tmp_path, capsys,
+                                                                               edit):
     path, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     write_jsonl(path, RECORDS)
     assert run_job(model_with_tokenizer, path, out) == 0
@@ -70,7 +70,8 @@ def test_a_resume_on_an_edited_input_is_refused_saying_how_to_start_afresh(model
     assert run_job(model_with_tokenizer, path, out) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: --input: {path} is not the input {out} was begun with")
-    assert "--overwrite" in err[0]
+    assert "3 finished records" in err[0] and "another --output" in err[0]
+    assert "--overwrite" not in err[0]  # it would discard the 3 records
     assert out.read_bytes() == kept
     assert run_job(model_with_tokenizer, path, out, "--overwrite") == 0
     assert len(lines(out)) == len(EDITS[edit](RECORDS))
@@ -83,9 +84,27 @@ def test_the_input_changed_while_the_job_runs_is_refused_before_its_prompts_are_
                          {"max_tokens": 2, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None}, 64)
     job_input.tokens(job_input.entries[1])
     write_jsonl(path, EDITS["line-inserted"](RECORDS))
+    job_input.tokens(job_input.entries[1])  # its line, where it was, as it was: the same record
     with pytest.raises(UsageError) as e:
-        job_input.tokens(job_input.entries[1])
-    assert e.value.flag == "--input" and "changed while the job ran" in e.value.message
+        job_input.tokens(job_input.entries[2])  # the inserted line lies where it was
+    assert e.value.flag == "--input" and "changed while the job ran (line 3 " in e.value.message
+    assert "--overwrite" not in e.value.message
+
+
+def test_an_input_rewritten_with_its_size_and_modified_time_put_back_is_still_caught(model_with_tokenizer, tmp_path):
+    path = tmp_path / "in.jsonl"
+    write_jsonl(path, RECORDS)
+    job_input = JobInput(str(path), load_tokenizer(str(model_with_tokenizer)),
+                         {"max_tokens": 2, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None}, 64)
+    before = path.stat()
+    edited = EDITS["same-size-other-bytes"](RECORDS)
+    write_jsonl(path, edited)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    assert job_input.tokens(job_input.entries[1])[0].prompt == RECORDS[1]["prompt"]
+    with pytest.raises(UsageError) as e:
+        job_input.tokens(job_input.entries[0])
+    assert e.value.flag == "--input" and "changed while the job ran (line 1 " in e.value.message
 
 
 def test_a_second_job_on_the_same_output_is_refused_while_the_first_runs(model_with_tokenizer, tmp_path, capsys):
@@ -159,14 +178,14 @@ def test_a_failed_json_out_at_the_end_is_one_line(model_with_tokenizer, tmp_path
     path, out, report = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "report.json"
     write_jsonl(path, RECORDS)
     import flexh2o.common.output_files
-    # the second atomic write: the first is the job's settings
-    fail_from(monkeypatch, flexh2o.common.output_files.os, "fsync", 2, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)),
+    # the first atomic write under a plain .tmp- name (the job's settings go under .out.jsonl.job.json.tmp-)
+    fail_from(monkeypatch, flexh2o.common.output_files.os, "fsync", 1, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)),
               when=lambda fd: os.readlink(f"/proc/self/fd/{fd}").startswith(str(tmp_path / ".tmp-")))
     assert run_job(model_with_tokenizer, path, out, "--json-out", str(report)) == 1
     line = last_line(capsys.readouterr().err)
     assert line.startswith(f"error: cannot write {report}: No space left on device")
     assert len(lines(out)) == len(RECORDS) and not report.exists()
-    assert not [f for f in os.listdir(tmp_path) if f.startswith(".tmp-")]
+    assert not [f for f in os.listdir(tmp_path) if ".tmp-" in f]
 
 
 def limited(size: int):
@@ -218,7 +237,7 @@ def test_resuming_with_other_settings_is_refused_unless_overwrite(model_with_tok
     capsys.readouterr()
     assert run(model_with_tokenizer, path, out, "--gpu-batch-size", "5", "--gen-len", "3") == 2
     err = capsys.readouterr().err
-    assert "--output" in err and "max_tokens=2" in err and "--overwrite" in err
+    assert "--output" in err and "max_tokens=2" in err and "another --output" in err and "--overwrite" not in err
     assert run(model_with_tokenizer, path, out, "--gpu-batch-size", "5", "--gen-len", "3", "--overwrite") == 0
     assert all(r["completion_tokens"] <= 3 for r in records(out).values())
 
@@ -235,7 +254,7 @@ def test_resuming_with_another_version_of_the_model_files_is_refused(model_with_
     capsys.readouterr()
     assert run(model, path, out, "--gpu-batch-size", "5", "--gen-len", "2") == 2
     err = capsys.readouterr().err
-    assert f"was made with model_sha256={before!r}, this run has " in err and "--overwrite" in err
+    assert f"was made with model_sha256={before!r}, this run has " in err and "another --output" in err
 
 
 def start_job(model_dir, input_path, output_path, *flags):

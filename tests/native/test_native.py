@@ -1,6 +1,11 @@
 """The C kernels (flexh2o/native): the same bytes and values as quant.py's torch path, whatever the
 shape, dtype, strides and thread split; a machine that cannot build them keeps the torch path."""
 
+import hashlib
+import json
+import os
+import sys
+
 import pytest
 import torch
 
@@ -114,3 +119,124 @@ def test_a_bad_group_comes_back_non_finite_in_every_width(out_dtype):
     assert not torch.isfinite(back[1, 64:128]).any() and not torch.isfinite(back[2, :64]).any()
     assert torch.isfinite(back[0]).all() and torch.equal(back[0], by_torch(quant.dequantize, quant.quantize(x[:1]), 200,
                                                                              dtype=out_dtype)[0])
+
+
+# -- the kernels' cache: a library that is not what its build made is never loaded ------------------
+
+def fake_compiler(tmp_path, library: str | None) -> str:
+    """A compiler that answers --version and builds by copying `library` to its -o path (None: every
+    build fails), noting each build in tmp_path/builds."""
+    cc = tmp_path / "cc"
+    build = f'cp "{library}" "$2"' if library else "exit 1"
+    cc.write_text('#!/bin/sh\n[ "$1" = --version ] && echo fake-cc 1.0 && exit 0\n'
+                  f'echo build >> "{tmp_path / "builds"}"\n'
+                  f'while [ "$#" -gt 0 ]; do [ "$1" = -o ] && {build} && exit 0; shift; done\nexit 1\n')
+    cc.chmod(0o755)
+    return str(cc)
+
+
+def put(path, data: bytes):
+    """path <- data under a new inode: a library this process has mapped is never written in place."""
+    with open(str(path) + ".new", "wb") as f:
+        f.write(data)
+    os.replace(str(path) + ".new", path)
+
+
+def builds(tmp_path) -> int:
+    return len((tmp_path / "builds").read_text().splitlines()) if (tmp_path / "builds").exists() else 0
+
+
+def loaded_digests(monkeypatch) -> list:
+    """The SHA-256 of every file ctypes.CDLL loads from now on, taken as it is called."""
+    seen, real = [], native.ctypes.CDLL
+
+    def cdll(path, *args, **kwargs):
+        with open(path, "rb") as f:
+            seen.append(hashlib.sha256(f.read()).hexdigest())
+        return real(path, *args, **kwargs)
+    monkeypatch.setattr(native.ctypes, "CDLL", cdll)
+    return seen
+
+
+def kernels_built_from(monkeypatch, tmp_path):
+    """The session's real kernels, copied in by fake_compiler into a fresh cache: (target, their bytes)."""
+    real = native.library()._name
+    monkeypatch.setenv("CC", fake_compiler(tmp_path, real))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "_loaded", {})
+    assert native.library() is not None and builds(tmp_path) == 1
+    target = os.path.join(native.cache_dir(), f"kernels-{native.build()}.so")
+    return target, open(real, "rb").read()
+
+
+DAMAGE = {
+    "cut-short": lambda lib: lib[:1000],
+    "one-byte-changed": lambda lib: lib[:5000] + bytes([lib[5000] ^ 1]) + lib[5001:],
+    "another-program": lambda lib: open(sys.executable, "rb").read(),
+    "empty": lambda lib: b"",
+}
+
+
+@needs_kernels
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_library_unlike_its_build_is_built_again_and_never_loaded(monkeypatch, tmp_path, capsys, damage):
+    target, good = kernels_built_from(monkeypatch, tmp_path)
+    monkeypatch.setattr(native, "_loaded", {})
+    assert native.library() is not None and builds(tmp_path) == 1  # as recorded: loaded without a build
+    put(target, DAMAGE[damage](good))
+    monkeypatch.setattr(native, "_loaded", {})
+    capsys.readouterr()
+    seen = loaded_digests(monkeypatch)
+    assert native.library() is not None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"note: {target} ") and err[0].endswith(": built again"), err
+    assert builds(tmp_path) == 2 and seen == [hashlib.sha256(good).hexdigest()]
+    assert open(target, "rb").read() == good
+
+
+RECORDS = {
+    "missing": None,
+    "a-list": "[]",
+    "null": "null",
+    "a-string": '"kernels"',
+    "size-as-text": lambda record: json.dumps(dict(record, size=str(record["size"]))),
+    "another-library": lambda record: json.dumps(dict(record, library="kernels-0000000000000000.so")),
+    "nested-deeply": "[" * 100000,
+    "not-json": "{",
+}
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", RECORDS)
+def test_a_record_of_the_build_that_is_not_one_means_a_new_build(monkeypatch, tmp_path, capsys, case):
+    target, good = kernels_built_from(monkeypatch, tmp_path)
+    record = native.record_path(target)
+    if RECORDS[case] is None:
+        os.remove(record)
+    else:
+        text = RECORDS[case]
+        put(record, (text if isinstance(text, str) else text(json.load(open(record)))).encode())
+    monkeypatch.setattr(native, "_loaded", {})
+    capsys.readouterr()
+    assert native.library() is not None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"note: {target} ") and err[0].endswith(": built again"), err
+    assert builds(tmp_path) == 2 and json.load(open(record))["size"] == len(good)
+
+
+def test_a_library_unlike_its_build_that_cannot_be_built_again_is_refused_in_one_line(monkeypatch, tmp_path,
+                                                                                       capsys):
+    monkeypatch.setenv("CC", fake_compiler(tmp_path, None))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "_loaded", {})
+    assert native.library() is None  # no build yet, and this compiler fails: the torch path, without a word
+    assert capsys.readouterr().err == ""
+    target = os.path.join(native.cache_dir(), f"kernels-{native._loaded['build']}.so")
+    put(target, b"\x7fELF" + bytes(100))  # someone's file where this build's library would lie
+    monkeypatch.setattr(native, "_loaded", {})
+    seen = loaded_digests(monkeypatch)
+    assert native.library() is None and seen == []
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"note: {target} "), err
+    assert "building it again failed (the compiler exited with 1)" in err[0]
+    assert err[0].endswith("flexh2o's C kernels are off for this run (torch's operations instead)")

@@ -213,3 +213,37 @@ def test_a_batch_survives_a_killed_server(word_llama, tmp_path):
     assert done.status == "completed" and done.request_counts.completed == RECORDS
     assert sorted(listed) == sorted(f"req-{k}" for k in range(RECORDS))  # each once
     assert answers(records) == answers(want)
+
+
+GOOD, BROKEN = "batch_" + "a" * 24, "batch_" + "b" * 24  # ids as the server makes them
+
+
+def saved_batch(batch_id: str, **fields) -> dict:
+    return {"id": batch_id, "object": "batch", "endpoint": "/v1/completions", "input_file_id": "file-1",
+            "status": "completed", "created_at": 1, "request_counts": {"total": 1, "completed": 1, "failed": 0},
+            "_output_file_id": "file-2", "_error_file_id": "file-3", **fields}
+
+
+BROKEN_BATCHES = {
+    "a-list": [],
+    "null": None,
+    "created-at-as-text": saved_batch(BROKEN, created_at="yesterday"),
+    "unknown-status": saved_batch(BROKEN, status="done"),
+    "unknown-endpoint": saved_batch(BROKEN, status="in_progress", endpoint="/v1/embeddings"),
+    "input-file-id-a-number": saved_batch(BROKEN, status="in_progress", input_file_id=7),
+    "counts-as-text": saved_batch(BROKEN, request_counts={"total": "1"}),
+    "no-output-file-id": {k: v for k, v in saved_batch(BROKEN).items() if k != "_output_file_id"},
+}
+
+
+@pytest.mark.parametrize("case", BROKEN_BATCHES)
+def test_a_saved_batch_of_another_shape_is_left_aside_in_one_warning(tmp_path, caplog, case):
+    from flexh2o.server.batches import BatchStore
+    (tmp_path / f"{GOOD}.json").write_text(json.dumps(saved_batch(GOOD)))
+    (tmp_path / f"{BROKEN}.json").write_text(json.dumps(BROKEN_BATCHES[case]))
+    store = BatchStore(str(tmp_path), None, None, (None, None), None, "m", {}, 64, 0)
+    store.resume_all()  # a batch left aside starts no thread (none of this store's parts exist to run one)
+    assert list(store.batches) == [GOOD] and store.threads == []
+    assert [b.id for b in store.list()] == [GOOD]
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and f"{tmp_path / (BROKEN + '.json')} is not a batch flexh2o wrote" in warned[0], warned
