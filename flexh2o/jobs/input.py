@@ -91,7 +91,7 @@ def detect_format(path: str) -> str:
     that parses as an object decides ("openai" where it has a custom_id), so that a broken first
     record, an error record under --skip-bad, does not decide how the others are read."""
     check_regular_file(path, "--input")
-    for n, (_, _, text) in enumerate(lines_of(path)):
+    for n, (_, _, text, _) in enumerate(lines_of(path)):
         if n == 0 and not text.startswith("{"):
             return "text"
         try:
