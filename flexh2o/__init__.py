@@ -10,6 +10,10 @@ __all__ = sorted(_EXPORTS)
 from flexh2o.host.malloc import fix_mmap_threshold  # noqa: E402
 fix_mmap_threshold()
 
+# Before torch loads: OpenMP reads how its threads wait once (thread_waiting.py).
+from flexh2o.host.thread_waiting import choose_waiting  # noqa: E402
+choose_waiting()
+
 
 def __getattr__(name):
     if name not in _EXPORTS:

@@ -5,6 +5,7 @@ import torch
 
 from flexh2o.offload.disk import OffloadError
 from flexh2o.offload.offload_dir import check_offload_dir
+from flexh2o.host.thread_waiting import waiting_note
 from flexh2o.host.devices import default_device, parse_device, parse_dtype
 from flexh2o.common.errors import UsageError
 from flexh2o.common.messages import say
@@ -115,6 +116,8 @@ def run(args) -> int:
         check_offload_dir(args.offload_dir)
     world = world_from_env(args.pipeline_stages)
     check_benchmark_flags(args, world.distributed)
+    if waiting_note() is not None and world.rank == 0:
+        say(waiting_note())
     if world.distributed:
         return run_in_world(args, world, policy, spec, weights_dir, device, dtype, caps, planning, run_block)
     if args.input:

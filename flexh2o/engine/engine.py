@@ -12,6 +12,7 @@ from flexh2o.offload.disk import DiskStore
 from flexh2o.offload.offload_dir import check_offload_dir
 from flexh2o.common.errors import UsageError
 from flexh2o.kv import make_policy
+from flexh2o.host.cpu_limit import fit_threads
 from flexh2o.host.devices import default_device, default_dtype, parse_device, parse_dtype
 from flexh2o.engine.preflight import (add, capacities, check_fits, load_transient, projected_need, run_need,
                                       weight_need, with_loading)
@@ -166,6 +167,7 @@ class Engine:
             raise UsageError("--offload-dir", "the policy puts tensors on disk: give an offload directory")
         if uses_disk:
             check_offload_dir(offload_dir)
+        fit_threads()  # before the pre-flight, whose projection depends on the thread count
         caps = capacities(device, offload_dir if uses_disk else None, gpu_mem, cpu_mem, disk_mem, max_memory,
                           str(dtype).removeprefix("torch."), growth)
         if prompt_len and gen_len:

@@ -2,11 +2,13 @@
 no longer describes the machine (another device, another dequantizing kernel or C build, or taken
 while the machine was busy and it is quiet now)."""
 
+import hashlib
 from typing import TYPE_CHECKING
 
 from flexh2o.common.errors import UsageError
 from flexh2o.common.messages import say
 from flexh2o.common.names import duration
+from flexh2o.common.output_files import write_text_atomic
 from flexh2o.host.hardware import BUSY_SHARE, LOCAL, HardwareProfile, load_profile, local_cache_path, save_local
 
 if TYPE_CHECKING:
@@ -66,11 +68,32 @@ def quiet_now(profile: HardwareProfile, log) -> tuple[HardwareProfile | None, st
     if now <= QUIET_SHARE:
         return None, (f"the cached profile was measured while other processes kept {then:.0%} of the CPU busy, and "
                       f"the machine is quiet now ({now:.0%})")
-    log(f"note: the cached profile was measured while other processes kept {then:.0%} of the CPU busy (now "
-        f"{now:.0%}): its figures may be low, and predictions off by as much (up to 30x for the per-layer "
-        "overhead); the first run that finds the machine quiet measures it again, or now: "
-        "python -m flexh2o.profile --force")
+    if not noted_before():
+        log(f"note: the cached profile was measured while other processes kept {then:.0%} of the CPU busy: its "
+            "predictions may be low; python -m flexh2o.profile --force measures it again (said once)")
     return profile, None
+
+
+def noted_before() -> bool:
+    """Whether a run already said the cached profile was measured on a busy machine; marks it said.
+    The mark is the profile file's SHA-256, so a profile measured again is flagged again."""
+    path = local_cache_path()
+    try:
+        with open(path, "rb") as f:
+            version = hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return False
+    try:
+        with open(path + ".busy-noted", encoding="utf-8") as f:
+            if f.read() == version:
+                return True
+    except OSError:
+        pass
+    try:
+        write_text_atomic(path + ".busy-noted", version)
+    except OSError:
+        pass  # unmarked: said again next time, nothing worse
+    return False
 
 
 # Seconds a first measurement with the CPU computing took (python -m flexh2o.profile --force with an

@@ -26,6 +26,7 @@ from flexh2o.offload.offload_dir import existing_ancestor
 from flexh2o.engine.engine import Engine
 from flexh2o.host.devices import default_dtype
 from flexh2o.kv.home import cpu_attention_dtype
+from flexh2o.host.cpu_limit import fit_threads
 from flexh2o.host.machine import LoadMeter, cpu_has_native_bf16, cpu_model
 from flexh2o.engine.preflight import capacities
 from flexh2o.profiling.memory_growth import calibrate
@@ -375,6 +376,7 @@ def measure(device: torch.device, offload_dir: str, quick: bool = False, log=say
     memory the process may use: free memory, within its memory cgroup's limit or `max_memory`
     (bytes, --max-memory)."""
     device = torch.device(device)
+    fit_threads()  # the threads runs will use
     meter, start = LoadMeter(), time.perf_counter()
     with torch.no_grad():
         profile = _measure(device, offload_dir, quick, log, max_memory)

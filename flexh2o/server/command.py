@@ -17,6 +17,7 @@ import torch
 
 from flexh2o.checkpoints.fingerprint import model_sha256
 from flexh2o.common.errors import UsageError
+from flexh2o.common.messages import say
 from flexh2o.common.names import DEFAULT_MAX_MODEL_LEN
 from flexh2o.common.signals import set_stop_outcome
 from flexh2o.common.version import version
@@ -24,6 +25,7 @@ from flexh2o.engine.generate_arguments import check_refill_arguments
 from flexh2o.engine.policy import Policy, placement_flag, policy_percents
 from flexh2o.engine.preflight import parse_size
 from flexh2o.host.devices import default_device, parse_device, parse_dtype
+from flexh2o.host.thread_waiting import waiting_note
 from flexh2o.models import eos_ids, resolve_model
 from flexh2o.offload.disk import OffloadError
 from flexh2o.offload.io_tasks import IOTaskError
@@ -146,6 +148,8 @@ def serve(args, on_ready=None) -> int:
         raise UsageError("--max-model-len", f"{spec.name} has {spec.max_positions} positions, got {n}")
     if args.offload_dir is not None:
         check_offload_dir(args.offload_dir)
+    if waiting_note() is not None:
+        say(waiting_note())
     state_dir = StateDir(args.state_dir) if args.state_dir else None
     try:
         return run_server(args, key, limits, planning, policy, caps, device, dtype, spec, weights_dir,

@@ -1,0 +1,78 @@
+"""How torch's threads wait for each other, chosen from how busy the machine is as the process starts.
+
+torch's CPU operations and flexh2o's C kernels run on GNU OpenMP's threads. Between two parallel
+operations, and at the end of each, a thread that has finished spins (300,000 turns by default)
+before it sleeps. On a machine to itself that is the fastest: the next operation starts without a
+wake-up. Beside another busy process it is the slowest: a thread stopped by the scheduler holds
+the operation back while the others spin on the CPU it needs (a 16-prompt SmolLM2 batch on 2
+cores: 3.7x slower beside a 2-process hog that took half the CPU). Waiting passively (sleeping at
+once) halves that loss, and costs about a fifth on a quiet machine (results/shared_machine.md).
+
+OpenMP reads its waiting policy once, when torch loads, so the choice is made then: passive where
+other processes keep more than BUSY_SHARE of the CPU busy at the start, spinning otherwise. It
+applies only where torch is not loaded yet and the user set neither OMP_WAIT_POLICY nor
+GOMP_SPINCOUNT (both are kept as given). The thread count itself stays fixed for the run: torch's
+products are summed in another order with another count, and a record's tokens must not depend
+on the machine's load.
+"""
+
+import os
+import sys
+import time
+
+BUSY_SHARE = 0.15   # of all CPUs, kept busy by other processes: the machine is shared
+SAMPLE = 0.05       # seconds the CPU counters are sampled over
+USER_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+chosen: str | None = None  # what choose_waiting() decided: "passive", "spinning", or None (not its choice)
+others_share: float | None = None
+
+
+def busy_jiffies() -> tuple[int, int] | None:
+    """(jiffies every CPU spent busy since boot, this process's own), from /proc; None off Linux."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+        with open("/proc/self/stat", encoding="ascii") as f:
+            own = f.read().rsplit(")", 1)[1].split()
+    except (OSError, ValueError, IndexError):
+        return None
+    idle = sum(fields[3:5])  # idle, iowait
+    guests = sum(fields[8:10])  # already counted in user and nice
+    return sum(fields) - idle - guests, int(own[11]) + int(own[12])  # utime, stime
+
+
+def others_cpu_share(seconds: float = SAMPLE) -> float | None:
+    """The share of all CPUs other processes keep busy over `seconds`; None where unknown."""
+    before = busy_jiffies()
+    start = time.monotonic()
+    time.sleep(seconds)
+    after = busy_jiffies()
+    if before is None or after is None:
+        return None
+    ticks = os.sysconf("SC_CLK_TCK") * (time.monotonic() - start) * (os.cpu_count() or 1)
+    return max(0.0, ((after[0] - before[0]) - (after[1] - before[1])) / ticks)
+
+
+def choose_waiting(environ=os.environ, modules=sys.modules, measure=others_cpu_share) -> str | None:
+    """Sets OMP_WAIT_POLICY=PASSIVE in `environ` where the machine is busy now; returns what was
+    chosen, or None where the choice is not flexh2o's (torch already loaded, the user's setting)."""
+    global chosen, others_share
+    if "torch" in modules or any(name in environ for name in USER_SETTINGS):
+        return None
+    others_share = measure()
+    if others_share is not None and others_share > BUSY_SHARE:
+        environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        chosen = "passive"
+    else:
+        chosen = "spinning"
+    return chosen
+
+
+def waiting_note() -> str | None:
+    """One line for a command to print where the threads were set to wait passively and a person
+    watches (stderr a terminal: what a script reads does not change with the machine's load)."""
+    if chosen != "passive" or not sys.stderr.isatty():
+        return None
+    return (f"note: other processes kept {others_share:.0%} of the CPU busy as this run started: its threads wait "
+            "without spinning (OMP_WAIT_POLICY=ACTIVE spins; faster once the machine is quiet)")
