@@ -5,8 +5,9 @@ operations, and at the end of each, a thread that has finished spins (300,000 tu
 before it sleeps. On a machine to itself that is the fastest: the next operation starts without a
 wake-up. Beside another busy process it is the slowest: a thread stopped by the scheduler holds
 the operation back while the others spin on the CPU it needs (a 16-prompt SmolLM2 batch on 2
-cores: 3.7x slower beside a 2-process hog that took half the CPU). Waiting passively (sleeping at
-once) halves that loss, and costs about a fifth on a quiet machine (results/shared_machine.md).
+cores: 28-34 tok/s beside a 2-process hog against 95-123 alone). Waiting passively (sleeping at
+once) gave 45-58 beside the hog but 83-92 alone, so it is chosen only for a busy machine
+(results/shared_machine.md measures the choice as made).
 
 OpenMP reads its waiting policy once, when torch loads, so the choice is made then: passive where
 other processes keep more than BUSY_SHARE of the CPU busy at the start, spinning otherwise. It
