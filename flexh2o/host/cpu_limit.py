@@ -13,6 +13,8 @@ import os
 
 import torch
 
+from flexh2o.host.cgroups import cgroup_directories
+
 
 def usable_cpus(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int:
     """The CPUs this process may use: its affinity mask, within its cgroup's CPU quota."""
@@ -27,31 +29,10 @@ def usable_cpus(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgr
 def cgroup_cpu_quota(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> float | None:
     """The tightest CPU quota on this process's cgroup path, in CPUs (1.5: one and a half CPUs'
     time per period); None where no cgroup on the path sets one."""
-    try:
-        with open(proc_cgroup, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    found = []
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        hierarchy, controllers, path = parts
-        if hierarchy == "0" and controllers == "":  # v2 (on a hybrid system, maybe under unified/)
-            for base in (root, os.path.join(root, "unified")):
-                found += [_v2_quota(directory) for directory in _path_up(base, path)]
-        elif "cpu" in controllers.split(","):
-            for base in {os.path.join(root, controllers), os.path.join(root, "cpu"), os.path.join(root, "cpu,cpuacct")}:
-                found += [_v1_quota(directory) for directory in _path_up(base, path)]
+    found = [(_v2_quota if kind == "cgroup v2" else _v1_quota)(directory)
+             for directory, kind in cgroup_directories("cpu", proc_cgroup, root)]
     found = [quota for quota in found if quota is not None]
     return min(found) if found else None
-
-
-def _path_up(base: str, path: str) -> list[str]:
-    """The cgroup directory of `path` under `base`, and every one above it."""
-    parts = [p for p in path.split("/") if p]
-    return [os.path.join(base, *parts[:depth]) for depth in range(len(parts), -1, -1)]
 
 
 def _v2_quota(directory: str) -> float | None:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import psutil
 
+from flexh2o.host.cgroups import cgroup_directories
+
 UNLIMITED = 1 << 62  # v1 reports "no limit" as a number near 2^63
 
 
@@ -50,32 +52,14 @@ def limit_now(max_memory: int | None = None, proc_cgroup: str = "/proc/self/cgro
 
 def cgroup_limit(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> MemoryLimit | None:
     """The tightest memory limit on this process's cgroup path (v2, or v1's memory controller)."""
-    try:
-        with open(proc_cgroup, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
     found = []
-    for line in lines:
-        hierarchy, controllers, path = line.split(":", 2)
-        if hierarchy == "0" and controllers == "":  # v2 (on a hybrid system, maybe under unified/)
-            for base in (root, os.path.join(root, "unified")):
-                found += _walk(base, path, "memory.max", "memory.current", "cgroup v2")
-        elif "memory" in controllers.split(","):
-            found += _walk(os.path.join(root, "memory"), path, "memory.limit_in_bytes", "memory.usage_in_bytes",
-                           "cgroup v1")
-    return min(found, key=lambda limit: limit.room) if found else None
-
-
-def _walk(base: str, path: str, limit_file: str, usage_file: str, kind: str) -> list[MemoryLimit]:
-    """The limits set on `path` and every cgroup above it under `base`."""
-    out, parts = [], [p for p in path.split("/") if p]
-    for depth in range(len(parts), -1, -1):
-        directory = os.path.join(base, *parts[:depth])
+    for directory, kind in cgroup_directories("memory", proc_cgroup, root):
+        limit_file, usage_file = (("memory.max", "memory.current") if kind == "cgroup v2"
+                                  else ("memory.limit_in_bytes", "memory.usage_in_bytes"))
         limit, usage = _read(os.path.join(directory, limit_file)), _read(os.path.join(directory, usage_file))
         if limit is not None and limit < UNLIMITED and usage is not None:
-            out.append(MemoryLimit(limit, limit - usage, f"{kind} {os.path.join(directory, limit_file)}"))
-    return out
+            found.append(MemoryLimit(limit, limit - usage, f"{kind} {os.path.join(directory, limit_file)}"))
+    return min(found, key=lambda limit: limit.room) if found else None
 
 
 def _read(path: str) -> int | None:
