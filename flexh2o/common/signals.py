@@ -60,6 +60,11 @@ def stopped_for() -> str | None:
     return _state.reason
 
 
+def noted_signal() -> int | None:
+    """The first signal received (one noted inside deferred() is raised only on leaving it)."""
+    return _state.first
+
+
 def stop_for(reason: str):
     """Stops the run from any thread as a SIGTERM would (it unwinds and removes its offload files),
     its last line the error `reason` and its exit status 1: another rank of its world failed

@@ -196,9 +196,9 @@ def run_server(args, key, limits, planning, policy, caps, device, dtype, spec, w
               "stops)", flush=True)
         if on_ready is not None:
             on_ready(service, url)
-        return 0 if service.wait() else 1  # (a failed engine's line is logged)
+        return 0 if service.run(args.shutdown_timeout) else 1  # (a failed engine's line is logged)
     finally:
-        service.stop(args.shutdown_timeout)
+        service.stop()
 
 
 def metrics_total(metrics) -> int:

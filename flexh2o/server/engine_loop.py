@@ -1,5 +1,6 @@
-"""The one thread that drives the engine: every sequence the server generates, a choice of an online
-request or a record of a batch, joins one pool of refilled slots (engine/slot_pool.py).
+"""The engine's loop: every sequence the server generates, a choice of an online request or a record
+of a batch, joins one pool of refilled slots (engine/slot_pool.py). run() drives it on the thread
+that calls it, the one that loaded the model (service.py says why).
 
 The pool's source hands it, whenever a row is free, the next online sequence of a bounded queue
 (`max_queued`: beyond it a request is refused with 429, never kept), and while none waits the
@@ -7,13 +8,13 @@ next record of a running batch (a feed, batches.py), so batch records fill the r
 requests leave. When nothing runs and nothing waits the pool waits for work, its caches kept.
 
 Each sequence is a slot_request.Request whose tag (a Tag) says where its tokens go. The tags'
-methods run on this thread; what they hand to an asyncio loop (the HTTP side) is posted (post())
+methods run on the engine's thread; what they hand to an asyncio loop (the HTTP side) is posted (post())
 and delivered once per token step, in one wake-up of that loop for all its sequences: one
 wake-up per token of every stream would take the CPU from the engine's threads far more often.
 
 stop_taking() ends the intake: new requests are refused (503), the batches pause (their records
 in flight are cancelled: a batch resumes them when the server starts again), the queued and
-running online sequences finish, then the thread ends. cancel_all() cuts that short.
+running online sequences finish, then run() returns. cancel_all() cuts that short.
 """
 
 import collections
@@ -52,7 +53,7 @@ class EngineLoop:
                  prompt_chunk: int | None = None, metrics=None, on_failure=None):
         """prompt_len, gen_len: the shape every row's cache is sized for (the longest prompt and the
         most new tokens of any sequence); eos: the ids that end a sequence; on_failure(error): called
-        on this thread if the engine fails (the server then stops)."""
+        on the engine's thread if the engine fails (the server then stops)."""
         self.engine, self.shape, self.eos = engine, (prompt_len, gen_len), eos
         self.max_queued, self.join_every, self.prompt_chunk = max_queued, join_every, prompt_chunk
         self.metrics, self.on_failure = metrics, on_failure
@@ -64,10 +65,7 @@ class EngineLoop:
         self.outbox: dict = {}            # asyncio loop -> [(function, args)] posted during this token step
         self.taking = True
         self.failure = None
-        self.thread = threading.Thread(target=self._run, name="flexh2o engine", daemon=True)
-
-    def start(self):
-        self.thread.start()
+        self.started, self.ended = False, threading.Event()
 
     # -- from any thread ----------------------------------------------------------------------------
     def submit(self, requests: list):
@@ -125,15 +123,23 @@ class EngineLoop:
             return not self.queue and not self.in_pool
 
     def join(self, timeout: float | None = None) -> bool:
-        self.thread.join(timeout)
-        return not self.thread.is_alive()
+        """Whether run() has ended (or never started) within `timeout` seconds."""
+        return not self.started or self.ended.wait(timeout)
 
     def _changed(self):
         self.cond.notify_all()
         if self.metrics is not None:
             self.metrics.queue_depth.set(len(self.queue))
 
-    # -- on the engine thread -----------------------------------------------------------------------
+    # -- on the engine's thread ---------------------------------------------------------------------
+    def run(self):
+        """Generates until the intake stopped and nothing is left, or the engine failed."""
+        self.started = True
+        try:
+            self._run()
+        finally:
+            self.ended.set()
+
     def _run(self):
         try:
             with torch.no_grad():

@@ -1,15 +1,21 @@
 """A server's life: the HTTP side up first (GET /health answers 503, loading), the engine loaded and
-started, then served until stopped; stopping is graceful.
+served until stopped; stopping is graceful.
 
-uvicorn runs the app on a thread of its own, so the main thread keeps flexh2o's signal handling
-(common/signals.py) through the whole life: a signal while the weights load unwinds the loading
-and removes its offload files, as a run's would. stop():
+uvicorn runs the app on a thread of its own. The engine runs on the thread that loaded it (the
+main thread, under the CLI): torch's OpenMP threads spin while they wait for the next operation
+only where no more threads compute than there are CPUs, and every thread that has computed keeps
+a team of its own, so a model loaded on one thread and run on another ran 9% slower on 2 cores
+(its OpenMP threads slept between operations: 61.7 against 67.7 tok/s, medians of 6 interleaved
+runs over 24 of scripts/bench_serve.py's prompts). A signal while the weights load unwinds the loading and removes its
+offload files, as a run's would; once the engine runs, a signal is only noted (signals.deferred)
+and a watching thread stops the server gracefully, then the signal is raised as the loop returns.
 
+Stopping (a signal, ask_stop(), or in stop() if the loop never ran):
 1. new requests are refused (503) and /health says "stopping";
 2. the batches' records in flight are cancelled (each batch resumes them at the next start) and
    the online requests queued or running go on, for up to `timeout` seconds; then they are cancelled;
-3. uvicorn closes its connections (the answers are out by then) and its thread ends;
-4. the engine loop ends, the batches' outputs are closed and the engine removes its offload files.
+3. the engine loop returns; uvicorn closes its connections (the answers are out by then) and its
+   thread ends; the batches' outputs are closed and the engine removes its offload files.
 """
 
 import logging
@@ -17,6 +23,8 @@ import threading
 import time
 
 import uvicorn
+
+from flexh2o.common import signals
 
 STEP_WAIT = 0.05  # seconds between looks at whether the running requests have ended
 HTTP_GRACE = 5.0  # seconds uvicorn waits for a connection still open after the answers went out
@@ -49,10 +57,9 @@ class Service:
             time.sleep(0.01)
 
     def serve(self, engine, loop, files=None, batches=None):
-        """The engine is loaded: requests are taken from now on."""
+        """The engine is loaded: requests are taken from now on (run() generates them)."""
         self.engine, self.loop = engine, loop
         self.state.loop, self.state.files, self.state.batches = loop, files, batches
-        loop.start()
         if batches is not None:
             batches.resume_all()
         self.state.status = "ready"
@@ -62,33 +69,47 @@ class Service:
         self.state.status = "failed"
         self.failed.set()
 
-    def wait(self) -> bool:
-        """Until the engine fails (False) or ask_stop() is called (True); a signal, in the main thread,
-        raises out of here."""
-        while not (self.failed.wait(0.2) or self.stop_asked.is_set()):
-            pass
+    def run(self, timeout: float) -> bool:
+        """Runs the engine on this thread until the server is stopped (True) or the engine fails
+        (False); `timeout`: the seconds a graceful stop gives the running requests."""
+        watcher = threading.Thread(target=self._stop_when_asked, args=(timeout,), name="flexh2o stop watcher",
+                                   daemon=True)
+        watcher.start()
+        with signals.deferred():
+            self.loop.run()
+        watcher.join()
         return not self.failed.is_set()
+
+    def _stop_when_asked(self, timeout: float):
+        while not self.loop.ended.wait(STEP_WAIT):
+            if self.stop_asked.is_set() or signals.noted_signal() is not None:
+                self._drain(timeout)
+                return
 
     def ask_stop(self):
         self.stop_asked.set()
 
-    def stop(self, timeout: float):
+    def _drain(self, timeout: float):
+        """Steps 1 and 2 of a stop: the intake closed, the running requests given `timeout` seconds."""
         if self.state.status != "failed":
             self.state.status = "stopping"
         loop = self.loop
-        if loop is not None:
-            loop.stop_taking()
-            deadline = time.monotonic() + timeout
-            while not loop.idle() and time.monotonic() < deadline:
-                time.sleep(STEP_WAIT)
-            if not loop.idle():
-                log.warning("warning: requests still running after --shutdown-timeout %gs: cancelled", timeout)
-                loop.cancel_all()
+        loop.stop_taking()
+        deadline = time.monotonic() + timeout
+        while not loop.idle() and time.monotonic() < deadline:
+            time.sleep(STEP_WAIT)
+        if not loop.idle():
+            log.warning("warning: requests still running after --shutdown-timeout %gs: cancelled", timeout)
+            loop.cancel_all()
+
+    def stop(self):
+        if self.loop is not None:  # (where run() never ran: nothing more is queued)
+            self.loop.stop_taking()
+        if self.state.status != "failed":
+            self.state.status = "stopping"
         self.http.should_exit = True
         if self.http_thread.is_alive():
             self.http_thread.join()
-        if loop is not None:
-            loop.join()
         if self.state.batches is not None:
             self.state.batches.close()
         if self.engine is not None:

@@ -3,6 +3,7 @@ loaded, the log line per request, and a state dir that one server at a time uses
 
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -143,3 +144,35 @@ def test_the_api_key_may_come_from_the_environment(word_llama, tmp_path, monkeyp
         assert server.client(api_key="from-env").models.list().data
     finally:
         assert server.stop() == 0
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_lets_the_running_request_finish_then_stops_the_process(word_llama, tmp_path, signum):  # noqa: F811
+    """The engine runs on the main thread, where Python handles signals: a signal there must not cut
+    the request short but close the intake, let the request finish, and exit 128 + signum with one
+    line and no offload files."""
+    import openai
+    offload = tmp_path / "offload"
+    process = subprocess.Popen([sys.executable, "-m", "flexh2o.serve", "--model", word_llama, "--gpu-batch-size", "2",
+                                "--max-model-len", "128", "--dtype", "float32", "--port", "0", "--quiet",
+                                "--offload-dir", str(offload)], cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        line = process.stdout.readline()
+        assert " serving " in line, (line, process.stderr.read() if process.poll() is not None else "")
+        client = openai.OpenAI(base_url=line.split(" at ")[1].split()[0], api_key="none", max_retries=0)
+        stream = client.completions.create(model=line.split(" serving ")[1].split()[0], prompt="the sea", max_tokens=120, temperature=0,
+                                           stream=True, stream_options={"include_usage": True})
+        chunks = [next(iter(stream))]
+        process.send_signal(signum)
+        chunks += list(stream)
+        _, err = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    usage = [c.usage for c in chunks if c.usage is not None]
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert usage and usage[0].completion_tokens == 120 and reasons == ["length"]
+    assert process.returncode == 128 + signum
+    assert err.strip().splitlines()[-1] == (f"stopped by {signum.name}: the server stopped (1 requests answered) and "
+                                            "its offload files removed")
+    assert not offload.exists() or not any(offload.iterdir())
