@@ -97,17 +97,16 @@ def run_job(args, policy, spec, weights_dir, device, dtype, caps, planning: bool
                   "flexh2o_version": version()}
     settings = {**job_settings(args, spec, provenance["dtype"], provenance["model_sha256"]),
                 "input_records": job_input.fingerprint}
-    if replica is None:  # read only: a run refused before its weights load writes nothing
-        output = None
-        in_output, done = already_done(args, settings)
-    else:
-        output = open_output(args, settings, job_input, replica)
-        done = output.done
+    # Read only: a run refused before its weights load writes nothing (a replica's part included).
+    in_output, done = already_done(args, settings)
+    all_ids = [e.id for e in job_input.entries]
+    if replica is not None:
+        job_input.entries = replica.own(job_input.entries)
     if all(e.id in done for e in job_input.entries):  # a finished job run again: the model is not loaded
         if replica is None:
             finish_done(args, settings, job_input, in_output)
-        else:
-            output.close()
+        else:  # rank 0 merges the parts once every replica has opened its own
+            open_output(args, settings, all_ids, replica).close()
         print(f"records: {len(job_input.entries)}, every one already in {args.output}: nothing to do", flush=True)
         first_on_node(replica, "plan", lambda: None)  # its node's other ranks may wait to plan after it
         return finish(replica, settings)
@@ -129,16 +128,16 @@ def run_job(args, policy, spec, weights_dir, device, dtype, caps, planning: bool
                                  dtype_name(dtype, device))
         plans = SearchedPlans(spec, policy, profile, limits, dtype_name(dtype, device), args.max_batch)
     total = len(job_input.entries)
-    opened = [output] if output is not None else []
+    opened = []
     set_stop_outcome(lambda: f"{sum(e.id in (opened[0].done if opened else done) for e in job_input.entries)} of "
-                              f"{total} records are safe in {args.output if replica is None else opened[0].path}; "
+                              f"{total} records are safe in {opened[0].path if opened else args.output}; "
                               f"run the same command again to finish the rest ({resume_command()})")
 
-    def open_once_it_fits():  # the pre-flight passed: now the output, its settings and its lock are made
-        opened.append(open_output(args, settings, job_input, None))
+    def open_once_it_fits():  # the pre-flight passed: now the output (or part), its settings and its lock are made
+        opened.append(open_output(args, settings, all_ids, replica))
     try:
         engine = load_engine(args, spec, policy, device, dtype, caps, dummy=False, profile=profile, stage=stage,
-                             once_it_fits=open_once_it_fits if replica is None else None)
+                             once_it_fits=open_once_it_fits)
     except BaseException:
         if opened:
             opened[0].close()
@@ -168,7 +167,7 @@ def finish_done(args, settings, job_input, in_output: list[str]):
     of an output out of input order), so a finished job in a folder now read-only has nothing to do."""
     ids = [e.id for e in job_input.entries]
     if part_paths(args.output) or (args.ordered and in_output != ids):
-        output = open_output(args, settings, job_input, None)  # merges the parts
+        output = open_output(args, settings, ids, None)  # merges the parts
         try:
             if args.ordered:
                 output.rewrite_in_order(ids)
@@ -185,14 +184,11 @@ def finish_done(args, settings, job_input, in_output: list[str]):
             lock.release()
 
 
-def open_output(args, settings, job_input, replica) -> JobOutput:
+def open_output(args, settings, all_ids: list[str], replica) -> JobOutput:
     """The output this process appends to: --output itself (parts an interrupted data-parallel run
-    left merged into it first), or its replica's part, holding only its share of the records."""
-    all_ids = [e.id for e in job_input.entries]
+    left merged into it first), or its replica's part (its `done`: the records made anywhere)."""
     if replica is not None:
-        output = replica.open_output(settings, args.overwrite, all_ids)
-        job_input.entries = replica.own(job_input.entries)
-        return output
+        return replica.open_output(settings, args.overwrite, all_ids)
     lock = OutputLock(args.output)  # before anything is removed or merged
     try:
         if args.overwrite:

@@ -109,6 +109,18 @@ def test_ranks_given_other_settings_refuse_before_loading(model_with_tokenizer, 
                                  "with the same"
 
 
+def test_replicas_the_preflight_refuses_write_nothing(model_with_tokenizer, job_prompts, tmp_path):
+    """No part, parts folder, settings or lock: the replicas open their parts only once their batch fits."""
+    out = tmp_path / "job" / "out.jsonl"
+    out.parent.mkdir()
+    results = finish(start_world(model_with_tokenizer, job_prompts, out, 2, lambda rank: [
+        "--gpu-mem", "1KB", "--weights", "gpu=100", "--offload-dir", str(tmp_path / "off")]))
+    refused = [code for code, _, err in results if code == 2 and last_line(err).startswith("error: --gpu-mem")]
+    stopped = [code for code, _, err in results if code == 1 and "stopped" in last_line(err)]  # by the other's refusal
+    assert refused and len(refused) + len(stopped) == 2, results
+    assert os.listdir(out.parent) == []
+
+
 @pytest.mark.slow  # out of make test's 10 minutes (make test-all): a killed stage below covers the ground
 def test_a_rank_that_fails_stops_the_other_naming_it(model_with_tokenizer, job_prompts, tmp_path):
     off = tmp_path / "off"
