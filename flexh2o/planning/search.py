@@ -11,6 +11,7 @@ Among the policies within `tolerance` of the best predicted total throughput it 
 batch: past the point where the device is busy a larger batch buys little and costs memory and latency.
 """
 
+import functools
 import itertools
 from dataclasses import dataclass, replace
 
@@ -40,7 +41,8 @@ def shares(step: float) -> list[tuple[float, float]]:
     return [(g * step, c * step) for g in range(n, -1, -1) for c in range(n - g, -1, -1)]
 
 
-def cache_shares(batch: int, step: float) -> list[tuple[float, float]]:
+@functools.cache  # (asked for once per batch shape and switch: the same few batches again and again)
+def cache_shares(batch: int, step: float) -> tuple[tuple[float, float], ...]:
     """The cache placements that differ for a gpu-batch: one grid point per distinct split of its
     sequences, the one nearest the split's own percentages (so a split with sequences on disk is
     never shown as a placement without disk)."""
@@ -51,7 +53,7 @@ def cache_shares(batch: int, step: float) -> list[tuple[float, float]]:
         distance = abs(g - 100 * rows["gpu"] / batch) + abs(c - 100 * rows["cpu"] / batch)
         if key not in best or distance < best[key][0]:
             best[key] = (distance, (g, c))
-    return [share for _, share in best.values()]
+    return tuple(share for _, share in best.values())
 
 
 def stacked(channels: list[Channels], shape: tuple) -> Channels:

@@ -109,7 +109,7 @@ def test_a_run_started_with_sighup_ignored_survives_it(long_model, tmp_path):
     """Under nohup a SIGHUP (the terminal closing) must not cancel the run."""
     offload_dir = tmp_path / "off"
     offload_dir.mkdir()
-    proc = start_run(long_model, offload_dir, hup=signal.SIG_IGN, gen_len=200)
+    proc = start_run(long_model, offload_dir, hup=signal.SIG_IGN, gen_len=80)
     try:
         wait_for_offload_files(proc, offload_dir)
         proc.send_signal(HUP)

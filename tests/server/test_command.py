@@ -146,7 +146,7 @@ def test_the_api_key_may_come_from_the_environment(word_llama, tmp_path, monkeyp
         assert server.stop() == 0
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
 def test_a_signal_lets_the_running_request_finish_then_stops_the_process(word_llama, tmp_path, signum):  # noqa: F811
     """The engine runs on the main thread, where Python handles signals: a signal there must not cut
     the request short but close the intake, let the request finish, and exit 128 + signum with one
