@@ -65,7 +65,7 @@ class EngineLoop:
         self.outbox: dict = {}            # asyncio loop -> [(function, args)] posted during this token step
         self.taking = True
         self.failure = None
-        self.started, self.ended = False, threading.Event()
+        self.ended = threading.Event()  # run() has returned
 
     # -- from any thread ----------------------------------------------------------------------------
     def submit(self, requests: list):
@@ -122,10 +122,6 @@ class EngineLoop:
         with self.cond:
             return not self.queue and not self.in_pool
 
-    def join(self, timeout: float | None = None) -> bool:
-        """Whether run() has ended (or never started) within `timeout` seconds."""
-        return not self.started or self.ended.wait(timeout)
-
     def _changed(self):
         self.cond.notify_all()
         if self.metrics is not None:
@@ -134,7 +130,6 @@ class EngineLoop:
     # -- on the engine's thread ---------------------------------------------------------------------
     def run(self):
         """Generates until the intake stopped and nothing is left, or the engine failed."""
-        self.started = True
         try:
             self._run()
         finally:

@@ -6,16 +6,17 @@ main thread, under the CLI): torch's OpenMP threads spin while they wait for the
 only where no more threads compute than there are CPUs, and every thread that has computed keeps
 a team of its own, so a model loaded on one thread and run on another ran 9% slower on 2 cores
 (its OpenMP threads slept between operations: 61.7 against 67.7 tok/s, medians of 6 interleaved
-runs over 24 of scripts/bench_serve.py's prompts). A signal while the weights load unwinds the loading and removes its
-offload files, as a run's would; once the engine runs, a signal is only noted (signals.deferred)
-and a watching thread stops the server gracefully, then the signal is raised as the loop returns.
+runs over 24 of scripts/bench_serve.py's prompts). A signal while the weights load unwinds the
+loading and removes its offload files, as a run's would; once the engine runs, a signal is only
+noted (signals.deferred) and a watching thread stops the server gracefully, the signal raised
+once the loop returns.
 
-Stopping (a signal, ask_stop(), or in stop() if the loop never ran):
+A stop (a signal or ask_stop() while the engine runs):
 1. new requests are refused (503) and /health says "stopping";
 2. the batches' records in flight are cancelled (each batch resumes them at the next start) and
    the online requests queued or running go on, for up to `timeout` seconds; then they are cancelled;
-3. the engine loop returns; uvicorn closes its connections (the answers are out by then) and its
-   thread ends; the batches' outputs are closed and the engine removes its offload files.
+3. the engine loop returns; then stop(): uvicorn closes its connections (the answers are out by
+   then) and its thread ends; the batches' outputs are closed and the engine removes its offload files.
 """
 
 import logging
