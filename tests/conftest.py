@@ -238,6 +238,12 @@ def fail_from(monkeypatch, owner, name, call: int, error: BaseException, when=la
     return calls
 
 
+def write(path, text: str):
+    """A file at `path` (a pathlib.Path) holding `text`, its folders made."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
 def last_line(stderr: str) -> str:
     """The last line, past the progress bar's carriage returns."""
     return re.split(r"[\r\n]", stderr.rstrip())[-1]

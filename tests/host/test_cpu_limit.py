@@ -10,12 +10,7 @@ import pytest
 import torch
 
 from flexh2o.host.cpu_limit import cgroup_cpu_quota, fit_threads, usable_cpus
-from conftest import REPO
-
-
-def write(path, text):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+from conftest import REPO, write
 
 
 def test_a_v2_quota_is_the_tightest_on_the_path_up(tmp_path):

@@ -10,14 +10,9 @@ import pytest
 
 from flexh2o.host.memory_limit import cgroup_limit, process_limit
 from flexh2o.run import main
-from conftest import REPO, last_line
+from conftest import REPO, last_line, write
 
 GB = 1 << 30
-
-
-def write(path, text):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
 
 
 def test_a_cgroup_v2_limit_is_the_tightest_on_the_path_up(tmp_path):
