@@ -219,5 +219,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from flexh2o.common.signals import run_stoppable
-    sys.exit(run_stoppable(main))
+    from flexh2o.common.signals import exit_with, run_stoppable
+    exit_with(run_stoppable(main))

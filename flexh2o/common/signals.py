@@ -164,7 +164,23 @@ def run_command(build_parser, main, heavy: tuple):
     build_parser().parse_args()
     for module in heavy:
         importlib.import_module(module)
-    sys.exit(run_stoppable(main))
+    exit_with(run_stoppable(main))
+
+
+def exit_with(code: int | None):
+    """sys.exit(code), except where a run that stopped or failed still has other threads: it has
+    removed its files by now, and it leaves at once with its output flushed. A helper thread may
+    still be inside a native call (a receive from a pipeline stage that died, a read, a matmul); one
+    that returns from it while Python shuts down is ended by pthread_exit, which aborts the process
+    ("terminate called without an active exception", SIGABRT instead of the run's own status)."""
+    if code and threading.active_count() > 1:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+    sys.exit(code)
 
 
 def run_stoppable(main) -> int:

@@ -5,11 +5,11 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from tqdm import tqdm
 
 from flexh2o.common.arguments import shown, switch, text, whole
 from flexh2o.offload.disk import DiskStore
 from flexh2o.offload.offload_dir import check_offload_dir
+from flexh2o.common.messages import progress_bar
 from flexh2o.common.errors import UsageError
 from flexh2o.kv import make_policy
 from flexh2o.host.cpu_limit import fit_threads
@@ -184,7 +184,7 @@ class Engine:
         tiers = Tiers(device, dtype, disk, overlap=policy.overlap)
         try:
             prefetch = getattr(source, "prefetch", lambda names: None)
-            with tqdm(layers, desc="load weights", unit="layer", disable=not progress, leave=False) as bar:
+            with progress_bar(layers, desc="load weights", unit="layer", disable=not progress, leave=False) as bar:
                 for i, layer in enumerate(bar):
                     # The disk reads the next two layers while this one is quantized and written (one
                     # ahead left it idle part of the time: OPT-1.3B from a float16 checkpoint not in the

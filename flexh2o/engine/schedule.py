@@ -9,8 +9,7 @@ computes (load_weight). The layers and tiers do the work; this only orders it.
 
 import time
 
-from tqdm import tqdm
-
+from flexh2o.common.messages import progress_bar
 from flexh2o.engine.decode_graphs import DecodeGraphs, why_not
 from flexh2o.offload.held_weights import loaded_with
 
@@ -73,7 +72,7 @@ class Schedule:
         steps_done = gen_len
         # The bar counts token steps of the whole batch, so its rate is steps/s, not tokens/s. It is
         # closed on the way out of an error too: an error's line must not run on from it.
-        with tqdm(total=gen_len, desc="generate", unit="step", disable=not progress, leave=False) as bar:
+        with progress_bar(total=gen_len, desc="generate", unit="step", disable=not progress, leave=False) as bar:
             for i in range(gen_len):
                 start, counts = time.perf_counter(), self.counts()
                 self.begin_token(i)

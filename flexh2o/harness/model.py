@@ -6,16 +6,15 @@ two agree; the weights load at the first request, once the requests of that kind
 """
 
 import dataclasses
-import sys
 
 import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
-from tqdm import tqdm
 
 from flexh2o.checkpoints.fingerprint import model_sha256
+from flexh2o.common.messages import progress_bar
 from flexh2o.common.errors import UsageError
 from flexh2o.common.version import version
 from flexh2o.jobs.input import sampling
@@ -162,7 +161,7 @@ class FlexH2OLM(TemplateLM):
             return score(engine, items, self.plans, bar.update)
 
     def _progress(self, total: int, what: str, disable: bool):
-        return tqdm(total=total, desc=f"flexh2o: {what}", disable=disable, file=sys.stderr)
+        return progress_bar(total=total, desc=f"flexh2o: {what}", disable=disable)
 
     def _engine(self, prompt_len: int, gen_len: int):
         """The loaded engine (loaded at the first call, its pre-flight counting this call's longest shape)."""

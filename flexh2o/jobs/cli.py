@@ -12,9 +12,8 @@ import shlex
 import sys
 import time
 
-from tqdm import tqdm
-
 from flexh2o.checkpoints.fingerprint import model_sha256
+from flexh2o.common.messages import progress_bar
 from flexh2o.common.errors import UsageError
 from flexh2o.common.version import version
 from flexh2o.models import eos_ids
@@ -220,8 +219,8 @@ def generate_all(args, engine, job_input, output, tokenizer, spec, plans, read_s
                  ordered: bool = True, provenance: dict | None = None) -> int:
     """provenance: the model, its SHA-256, the dtype and flexh2o's version, which the summary records."""
     # Closed on the way out of an error too: a bar left drawn would run into the error's line.
-    with tqdm(total=len(job_input.entries), initial=len(output.done & {e.id for e in job_input.entries}),
-              unit="record", desc="job", dynamic_ncols=True, disable=args.quiet) as bar:
+    with progress_bar(total=len(job_input.entries), initial=len(output.done & {e.id for e in job_input.entries}),
+                      unit="record", desc="job", dynamic_ncols=True, disable=args.quiet) as bar:
         tokens = [0]
 
         def progress(records: int, generated: int):

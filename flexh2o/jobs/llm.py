@@ -17,10 +17,10 @@ import threading
 from dataclasses import dataclass
 
 import torch
-from tqdm import tqdm
 
 from flexh2o.common.arguments import number, placement, stops, switch, text, whole
 from flexh2o.engine.engine import Engine
+from flexh2o.common.messages import progress_bar
 from flexh2o.common.errors import UsageError
 from flexh2o.jobs.job import Job
 from flexh2o.jobs.plans import FixedPlan
@@ -166,7 +166,7 @@ class LLM:
         switch("progress", progress)
         prompts = prompt_source(prompts)
         total = len(prompts) if hasattr(prompts, "__len__") else None
-        with tqdm(total=total, unit="prompt", desc="generate", disable=not progress, dynamic_ncols=True) as bar:
+        with progress_bar(total=total, unit="prompt", desc="generate", disable=not progress, dynamic_ncols=True) as bar:
             out = list(self.stream(prompts, max_tokens, temperature, top_p, top_k, stop, seed,
                                    progress=lambda records, tokens: bar.update(records)))
         out.sort(key=lambda c: c.index)

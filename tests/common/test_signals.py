@@ -276,3 +276,29 @@ def test_a_signal_inside_a_finalizer_still_stops_the_run(monkeypatch, capsys):
             signal.signal(s, h)
     err = capsys.readouterr().err
     assert "Traceback" not in err and "stopped by SIGINT" in err
+
+
+BUSY_HELPER = """
+import argparse, threading, torch
+from flexh2o.common.signals import run_command
+
+def busy():  # a helper thread in and out of native code, as a receive from a dead stage returns
+    a = torch.randn(600, 600)
+    while True:
+        a = (a @ a) / 600
+
+def main():
+    threading.Thread(target=busy, daemon=True).start()
+    (torch.randn(600, 600) @ torch.randn(600, 600)).sum()
+    return 1
+
+run_command(argparse.ArgumentParser, main, heavy=())
+"""
+
+
+def test_a_failed_run_with_a_helper_thread_in_native_code_exits_with_its_own_status():
+    """Python's shutdown would end that thread with pthread_exit and abort the process (SIGABRT):
+    a pipeline stage whose peer failed was seen to."""
+    done = subprocess.run([sys.executable, "-c", BUSY_HELPER], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert "terminate" not in done.stderr
