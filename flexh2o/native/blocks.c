@@ -124,10 +124,34 @@ static void row_block(int format, const float *x, int64_t rows, int64_t ldx, int
         y[r * ldy] = sum8(acc[r]);
 }
 
+/* WIDE weight rows against one row of x. There row_block's sum is one chain of dependent
+   multiply-adds, each waiting for the one before, and the chain, not the dequantizing, sets the
+   time; here the sums of WIDE weight rows advance side by side. Each is still summed exactly as
+   row_block sums it, so a row's result does not depend on how many rows came with it. */
+#define WIDE 4
+static void wide_block(int format, const float *x, int64_t k, const uint8_t *b, int64_t row_bytes, float *y) {
+    __m256 acc[WIDE];
+    for (int c = 0; c < WIDE; c++)
+        acc[c] = _mm256_setzero_ps();
+    int64_t bytes = block_bytes(format);
+    for (int64_t start = 0, at = 0; start < k; start += BLOCK, at += bytes)
+        for (int c = 0; c < WIDE; c++) {
+            __m256 w[4];
+            block_vectors(format, b + c * row_bytes + at, w);
+            for (int q = 0; q < 4; q++)
+                acc[c] = _mm256_fmadd_ps(w[q], _mm256_loadu_ps(x + start + 8 * q), acc[c]);
+        }
+    for (int c = 0; c < WIDE; c++)
+        y[c] = sum8(acc[c]);
+}
+
 void matmul_blocks(int format, const float *x, int64_t m, int64_t ldx, int64_t k, const uint8_t *w, float *y,
                    int64_t ldy, int64_t first, int64_t last) {
-    int64_t row_bytes = k / BLOCK * block_bytes(format);
-    for (int64_t j = first; j < last; j++) /* a weight row stays in L1 while every block of x passes */
+    int64_t row_bytes = k / BLOCK * block_bytes(format), j = first;
+    if (m == 1)
+        for (; j + WIDE <= last; j += WIDE)
+            wide_block(format, x, k, w + j * row_bytes, row_bytes, y + j);
+    for (; j < last; j++) /* a weight row stays in L1 while every block of x passes */
         for (int64_t i = 0; i < m; i += ROWS)
             row_block(format, x + i * ldx, m - i < ROWS ? m - i : ROWS, ldx, k, w + j * row_bytes, y + i * ldy + j,
                       ldy);

@@ -48,6 +48,24 @@ def test_the_product_equals_dequantize_then_multiply(fmt, rows):
     assert got.shape == (rows, 45) and ((got.double() - x.double() @ weight.T).abs() <= 1e-6 * scale).all()
 
 
+@pytest.mark.skipif(native.library() is None, reason="no C compiler: the kernels cannot be built here")
+@pytest.mark.parametrize("fmt", FORMATS + ["F16", "BF16"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_rows_product_is_the_same_alone_as_among_others(fmt, threads, monkeypatch):
+    """A row alone is multiplied four weight rows at a time (blocks.c's wide_block), among others a
+    weight row at a time: bit-equal, whatever the weight rows' count (here not a multiple of four)."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    values = np.random.default_rng(3).standard_normal((53, 192)).astype(np.float32)
+    if fmt in FORMATS:
+        blocks = blocks_of(values, fmt)
+    else:
+        blocks = torch.from_numpy(values).to({"F16": torch.float16, "BF16": torch.bfloat16}[fmt]).view(torch.uint8)
+    x = torch.randn(9, 192, generator=torch.Generator().manual_seed(4))
+    together = grouped_weight.matmul(x, blocks, 192, fmt)
+    for r in range(9):
+        assert torch.equal(grouped_weight.matmul(x[r:r + 1], blocks, 192, fmt), together[r:r + 1]), (fmt, r)
+
+
 def tiny_blocks_model(tmp_path, mixed_qkv=False) -> str:
     """A tiny Llama GGUF with matrices in every kept format (q/k/v in one, or, mixed, in two)."""
     def matrix_type(name):
