@@ -208,6 +208,23 @@ void dequantize_rows(const uint8_t *packed, int64_t n, void *out, int dtype, int
    makes of it (code * scale + minimum, rounded twice); only the order of the sums differs from
    dequantize-then-multiply. */
 #if defined(__AVX2__) && defined(__FMA__)
+/* Half a group's values (high: the high nibbles, values 32..63) as four vectors of eight, made as
+   dequantize_rows makes them. */
+static void half_group(const uint8_t *record, int high, __m256 w[4]) {
+    uint16_t scale_bits, low_bits;
+    memcpy(&scale_bits, record + HALF, 2);
+    memcpy(&low_bits, record + HALF + 2, 2);
+    __m256 s = _mm256_set1_ps((float)f16_from_bits(scale_bits));
+    __m256 l = _mm256_set1_ps((float)f16_from_bits(low_bits));
+    __m128i mask = _mm_set1_epi8(15);
+    for (int q = 0; q < 4; q++) {
+        __m128i a = _mm_loadu_si128((const __m128i *)record + q / 2);
+        __m128i nib = high ? _mm_and_si128(_mm_srli_epi16(a, 4), mask) : _mm_and_si128(a, mask);
+        __m128i bytes = (q % 2) ? _mm_srli_si128(nib, 8) : nib;
+        w[q] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)), s), l);
+    }
+}
+
 /* One weight row against up to ROWS rows of x: each group's values made once, in registers, half a
    group at a time, and multiplied into every row's accumulator. */
 #define ROWS 8
@@ -216,42 +233,49 @@ static void row_block(const float *x, int64_t rows, int64_t ldx, int64_t k, cons
     __m256 acc[ROWS];
     for (int r = 0; r < ROWS; r++)
         acc[r] = _mm256_setzero_ps();
-    __m128i mask = _mm_set1_epi8(15);
-    for (int64_t start = 0; start < k; start += GROUP, record += GROUP_BYTES) {
-        uint16_t scale_bits, low_bits;
-        memcpy(&scale_bits, record + HALF, 2);
-        memcpy(&low_bits, record + HALF + 2, 2);
-        __m256 s = _mm256_set1_ps((float)f16_from_bits(scale_bits));
-        __m256 l = _mm256_set1_ps((float)f16_from_bits(low_bits));
-        __m128i pairs[2] = {_mm_loadu_si128((const __m128i *)record), _mm_loadu_si128((const __m128i *)record + 1)};
-        for (int high = 0; high < 2; high++) { /* values 0..31 are the low nibbles, 32..63 the high ones */
+    for (int64_t start = 0; start < k; start += GROUP, record += GROUP_BYTES)
+        for (int high = 0; high < 2; high++) {
             __m256 w[4];
-            for (int q = 0; q < 4; q++) {
-                __m128i a = pairs[q / 2];
-                __m128i nib = high ? _mm_and_si128(_mm_srli_epi16(a, 4), mask) : _mm_and_si128(a, mask);
-                __m128i bytes = (q % 2) ? _mm_srli_si128(nib, 8) : nib;
-                w[q] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)), s), l);
-            }
+            half_group(record, high, w);
             const float *xs = x + start + high * HALF;
             for (int r = 0; r < ROWS; r++) {
                 if (r >= rows)
                     break;
                 const float *xr = xs + r * ldx;
-                acc[r] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), acc[r]);
-                acc[r] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), acc[r]);
-                acc[r] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), acc[r]);
-                acc[r] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), acc[r]);
+                for (int q = 0; q < 4; q++)
+                    acc[r] = _mm256_fmadd_ps(w[q], _mm256_loadu_ps(xr + 8 * q), acc[r]);
             }
         }
-    }
     for (int r = 0; r < rows; r++)
         y[r * ldy] = sum8(acc[r]);
 }
 
+/* WIDE weight rows against one row of x, their sums side by side (blocks.c's wide_block says why);
+   each summed exactly as row_block sums it. */
+#define WIDE 4
+static void wide_block(const float *x, int64_t k, const uint8_t *record, int64_t record_bytes, float *y) {
+    __m256 acc[WIDE];
+    for (int c = 0; c < WIDE; c++)
+        acc[c] = _mm256_setzero_ps();
+    for (int64_t start = 0, at = 0; start < k; start += GROUP, at += GROUP_BYTES)
+        for (int high = 0; high < 2; high++)
+            for (int c = 0; c < WIDE; c++) {
+                __m256 w[4];
+                half_group(record + c * record_bytes + at, high, w);
+                for (int q = 0; q < 4; q++)
+                    acc[c] = _mm256_fmadd_ps(w[q], _mm256_loadu_ps(x + start + high * HALF + 8 * q), acc[c]);
+            }
+    for (int c = 0; c < WIDE; c++)
+        y[c] = sum8(acc[c]);
+}
+
 void matmul_groups(const float *x, int64_t m, int64_t ldx, int64_t k, const uint8_t *w, float *y, int64_t ldy,
                    int64_t first, int64_t last) {
-    int64_t record_bytes = k / GROUP * GROUP_BYTES;
-    for (int64_t j = first; j < last; j++) /* a weight row stays in L1 while every block of x passes */
+    int64_t record_bytes = k / GROUP * GROUP_BYTES, j = first;
+    if (m == 1)
+        for (; j + WIDE <= last; j += WIDE)
+            wide_block(x, k, w + j * record_bytes, record_bytes, y + j);
+    for (; j < last; j++) /* a weight row stays in L1 while every block of x passes */
         for (int64_t i = 0; i < m; i += ROWS)
             row_block(x + i * ldx, m - i < ROWS ? m - i : ROWS, ldx, k, w + j * record_bytes, y + i * ldy + j, ldy);
 }

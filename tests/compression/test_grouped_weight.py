@@ -28,6 +28,18 @@ def test_the_product_equals_dequantize_then_multiply(rows, n, k):
     assert ((got.double() - expected).abs() <= 1e-6 * scale + 1e-30).all()
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_rows_product_is_the_same_alone_as_among_others(threads, monkeypatch):
+    """A row alone is multiplied four weight rows at a time (quant4.c's wide_block), among others a
+    weight row at a time: bit-equal, whatever the weight rows' count (here not a multiple of four)."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    groups = quant.quantize(torch.randn(53, 192, generator=torch.Generator().manual_seed(5)))
+    x = torch.randn(9, 192, generator=torch.Generator().manual_seed(6))
+    together = grouped_weight.matmul(x, groups, 192)
+    for r in range(9):
+        assert torch.equal(grouped_weight.matmul(x[r:r + 1], groups, 192), together[r:r + 1]), r
+
+
 def test_split_over_threads_and_leading_dimensions(monkeypatch):
     groups = quant.quantize(torch.randn(70, 128))
     x = torch.randn(2, 3, 128)
