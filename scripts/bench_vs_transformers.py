@@ -24,7 +24,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from flexh2o import Engine, Policy  # noqa: E402
-from flexh2o.host.machine import LoadMeter, cpu_compute_dtype, describe_machine  # noqa: E402
+from flexh2o.host.cpu_load import LoadMeter  # noqa: E402
+from flexh2o.host.machine import cpu_compute_dtype, describe_machine  # noqa: E402
 from flexh2o.models.opt import PRESETS  # noqa: E402
 from flexh2o.common.output_files import write_results  # noqa: E402
 from flexh2o.runs.prompts import synthetic_prompts  # noqa: E402

@@ -25,7 +25,8 @@ from flexh2o import LLM, Engine, Policy  # noqa: E402
 from flexh2o.jobs.job import until_eos  # noqa: E402
 from flexh2o.jobs.input import Request, prompt_ids, sampling  # noqa: E402
 from flexh2o.models import eos_ids  # noqa: E402
-from flexh2o.host.machine import LoadMeter, describe_machine  # noqa: E402
+from flexh2o.host.cpu_load import LoadMeter  # noqa: E402
+from flexh2o.host.machine import describe_machine  # noqa: E402
 from flexh2o.common.output_files import write_results  # noqa: E402
 from bench_quality import MODEL, shakespeare_texts  # noqa: E402
 

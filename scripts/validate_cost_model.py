@@ -24,7 +24,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from flexh2o import Engine, Policy  # noqa: E402
 from flexh2o.host.devices import default_device, default_dtype, parse_device  # noqa: E402
-from flexh2o.host.machine import LoadMeter, describe_machine  # noqa: E402
+from flexh2o.host.cpu_load import LoadMeter  # noqa: E402
+from flexh2o.host.machine import describe_machine  # noqa: E402
 from flexh2o.models import resolve_model  # noqa: E402
 from flexh2o.planning.cost_model import predict  # noqa: E402
 from flexh2o.profiling.measure import disk_rates  # noqa: E402

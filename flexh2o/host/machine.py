@@ -1,9 +1,7 @@
-"""What machine a figure was measured on: CPU, cores, memory, GPU (through pynvml), torch, and
-how busy other processes kept it meanwhile."""
+"""What machine a figure was measured on: CPU, cores, memory, GPU (through pynvml), torch (how
+busy other processes kept it meanwhile: host/cpu_load.py)."""
 
-import os
 import platform
-import time
 
 import psutil
 import torch
@@ -64,32 +62,3 @@ def describe_machine() -> dict:
     }
 
 
-def cpu_seconds() -> tuple[float, float]:
-    """(CPU seconds every process has run, CPU seconds this one and its finished children have run)
-    since boot or start: a profile's probes run as children, and the C kernels' build too."""
-    system, own = psutil.cpu_times(), psutil.Process().cpu_times()
-    guests = getattr(system, "guest", 0.0) + getattr(system, "guest_nice", 0.0)  # already counted in user, nice
-    idle = system.idle + getattr(system, "iowait", 0.0)
-    return sum(system) - guests - idle, own.user + own.system + own.children_user + own.children_system
-
-
-class LoadMeter:
-    """How busy the machine was from its creation until result(): the 1-minute load average at both
-    ends, and the share of all cores that other processes kept busy (this process excluded)."""
-
-    def __init__(self):
-        self.start_wall, self.start_cpu, self.start_load = time.perf_counter(), cpu_seconds(), os.getloadavg()[0]
-
-    def result(self) -> dict:
-        (all_now, own_now), (all_then, own_then) = cpu_seconds(), self.start_cpu
-        wall = max(time.perf_counter() - self.start_wall, 1e-9)
-        others = (all_now - all_then - (own_now - own_then)) / (wall * psutil.cpu_count())
-        return {"loadavg_1min": [round(self.start_load, 2), round(os.getloadavg()[0], 2)],
-                "others_cpu_share": round(max(0.0, others), 3)}
-
-
-def others_cpu_share_now(seconds: float = 0.5) -> float:
-    """The share of all cores other processes keep busy now, over `seconds`."""
-    meter = LoadMeter()
-    time.sleep(seconds)
-    return meter.result()["others_cpu_share"]

@@ -19,9 +19,9 @@ on the machine's load.
 
 import os
 import sys
-import time
 
-from flexh2o.host.hardware import BUSY_SHARE  # (torch-free, as this module must be)
+from flexh2o.host.cpu_load import others_cpu_share  # (torch-free, as this module must be)
+from flexh2o.host.hardware import BUSY_SHARE
 
 SAMPLE = 0.05       # seconds the CPU counters are sampled over
 USER_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
@@ -30,33 +30,7 @@ chosen: str | None = None  # what choose_waiting() decided: "passive", "spinning
 others_share: float | None = None
 
 
-def busy_jiffies() -> tuple[int, int] | None:
-    """(jiffies every CPU spent busy since boot, this process's own), from /proc; None off Linux."""
-    try:
-        with open("/proc/stat", encoding="ascii") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-        with open("/proc/self/stat", encoding="ascii") as f:
-            own = f.read().rsplit(")", 1)[1].split()
-    except (OSError, ValueError, IndexError):
-        return None
-    idle = sum(fields[3:5])  # idle, iowait
-    guests = sum(fields[8:10])  # already counted in user and nice
-    return sum(fields) - idle - guests, int(own[11]) + int(own[12])  # utime, stime
-
-
-def others_cpu_share(seconds: float = SAMPLE) -> float | None:
-    """The share of all CPUs other processes keep busy over `seconds`; None where unknown."""
-    before = busy_jiffies()
-    start = time.monotonic()
-    time.sleep(seconds)
-    after = busy_jiffies()
-    if before is None or after is None:
-        return None
-    ticks = os.sysconf("SC_CLK_TCK") * (time.monotonic() - start) * (os.cpu_count() or 1)
-    return max(0.0, ((after[0] - before[0]) - (after[1] - before[1])) / ticks)
-
-
-def choose_waiting(environ=os.environ, modules=sys.modules, measure=others_cpu_share) -> str | None:
+def choose_waiting(environ=os.environ, modules=sys.modules, measure=lambda: others_cpu_share(SAMPLE)) -> str | None:
     """Sets OMP_WAIT_POLICY=PASSIVE in `environ` where the machine is busy now; returns what was
     chosen, or None where the choice is not flexh2o's (torch already loaded, the user's setting)."""
     global chosen, others_share

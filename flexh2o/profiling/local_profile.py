@@ -63,8 +63,8 @@ def quiet_now(profile: HardwareProfile, log) -> tuple[HardwareProfile | None, st
     """For a profile measured while other processes kept some of the CPU busy: (None, why) where the
     machine is quiet enough now to measure it again; else (the profile, None), with a note on what
     its predictions are worth."""
-    from flexh2o.host.machine import others_cpu_share_now
-    then, now = profile.others_cpu_share, others_cpu_share_now()
+    from flexh2o.host.cpu_load import others_cpu_share
+    then, now = profile.others_cpu_share, others_cpu_share()
     if now <= QUIET_SHARE:
         return None, (f"the cached profile was measured while other processes kept {then:.0%} of the CPU busy, and "
                       f"the machine is quiet now ({now:.0%})")

@@ -27,7 +27,8 @@ from flexh2o.engine.engine import Engine
 from flexh2o.host.devices import default_dtype
 from flexh2o.kv.home import cpu_attention_dtype
 from flexh2o.host.cpu_limit import fit_threads
-from flexh2o.host.machine import LoadMeter, cpu_has_native_bf16, cpu_model
+from flexh2o.host.cpu_load import LoadMeter
+from flexh2o.host.machine import cpu_has_native_bf16, cpu_model
 from flexh2o.engine.preflight import capacities
 from flexh2o.profiling.memory_growth import calibrate
 from flexh2o.models.opt import OPTSpec

@@ -124,7 +124,7 @@ def test_the_load_meter_counts_its_own_children_as_its_own_work():
     """A profile's probes run as child processes: their CPU time is this process's own, not other
     processes' load. The child spends a fixed amount of CPU time (not of wall time), so how busy the
     machine is changes nothing."""
-    from flexh2o.host.machine import cpu_seconds
+    from flexh2o.host.cpu_load import cpu_seconds
     own_before = cpu_seconds()[1]
     subprocess.run([sys.executable, "-c", "import time\nwhile time.process_time() < 0.5: pass"], check=True)
     assert cpu_seconds()[1] - own_before >= 0.45  # (the kernel accounts it in ticks)
@@ -134,9 +134,9 @@ def test_the_load_meter_counts_its_own_children_as_its_own_work():
 def test_the_load_meter_gives_other_processes_share_of_every_core(monkeypatch, others):
     """The meter's arithmetic on given counters: 4 cores for 2 s, this process (children included)
     busy 1.5 CPU-seconds, other processes `others` of all cores."""
-    from flexh2o.host import machine
+    from flexh2o.host import cpu_load
     clock, counters = iter([100.0, 102.0]), iter([(50.0, 10.0), (50.0 + 1.5 + others * 8, 11.5)])
-    monkeypatch.setattr(machine.time, "perf_counter", lambda: next(clock))
-    monkeypatch.setattr(machine, "cpu_seconds", lambda: next(counters))
-    monkeypatch.setattr(machine.psutil, "cpu_count", lambda logical=True: 4)
-    assert machine.LoadMeter().result()["others_cpu_share"] == others
+    monkeypatch.setattr(cpu_load.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(cpu_load, "cpu_seconds", lambda: next(counters))
+    monkeypatch.setattr(cpu_load.os, "cpu_count", lambda: 4)
+    assert cpu_load.LoadMeter().result()["others_cpu_share"] == others

@@ -10,7 +10,7 @@ import psutil
 import pytest
 import torch
 
-import flexh2o.host.machine
+import flexh2o.host.cpu_load
 import flexh2o.profiling.measure
 import flexh2o.profile
 import flexh2o.profiling.local_profile
@@ -189,7 +189,7 @@ def test_a_profile_measured_on_a_busy_machine_is_measured_again_once_it_is_quiet
     fresh = replace(quick_profile[0], others_cpu_share=0.02, source="measured again")
     calls, notes = [], []
     monkeypatch.setattr(flexh2o.profiling.measure, "measure", lambda *a, **k: calls.append(a) or fresh)
-    monkeypatch.setattr(flexh2o.host.machine, "others_cpu_share_now", lambda: now)
+    monkeypatch.setattr(flexh2o.host.cpu_load, "others_cpu_share", lambda: now)
     got = flexh2o.profiling.local_profile.ensure_local_profile("cpu", str(cache_home / "offload"), log=notes.append)
     assert (got, len(calls)) == ((fresh, 1) if measures else (busy, 0))
     assert any("measured while other processes kept 74% of the CPU busy" in n for n in notes)
