@@ -108,12 +108,17 @@ def run_llama(binary: str, batch: int, a) -> dict:
     return {"prefill_tok_s": row["speed_pp"], "decode_tok_s": row["speed_tg"], "seconds": row["t"]}
 
 
+def flexh2o_flags(batch: int, a, json_out: str) -> list[str]:
+    """`python -m flexh2o.run`'s flags for flexh2o's side (scripts/decode_breakdown.py runs it so too)."""
+    return ["--model", a.model, "--prompt-len", str(a.prompt_len), "--gen-len", str(a.gen_len),
+            "--gpu-batch-size", str(batch), "--num-gpu-batches", "1", "--weights", "gpu=100,cpu=0,disk=0",
+            "--cache", "gpu=100,cpu=0,disk=0", "--compress-weight", "--no-stop-at-eos", "--quiet",
+            "--json-out", json_out] + (["--dtype", a.dtype] if a.dtype else [])
+
+
 def run_flexh2o(batch: int, a, workdir: str) -> dict:
     out = os.path.join(workdir, "flexh2o.json")
-    cmd = [sys.executable, "-m", "flexh2o.run", "--model", a.model, "--prompt-len", str(a.prompt_len),
-           "--gen-len", str(a.gen_len), "--gpu-batch-size", str(batch), "--num-gpu-batches", "1",
-           "--weights", "gpu=100,cpu=0,disk=0", "--cache", "gpu=100,cpu=0,disk=0", "--compress-weight",
-           "--no-stop-at-eos", "--quiet", "--json-out", out] + (["--dtype", a.dtype] if a.dtype else [])
+    cmd = [sys.executable, "-m", "flexh2o.run", *flexh2o_flags(batch, a, out)]
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, cwd=REPO, env=env)
     if r.returncode != 0:

@@ -2,10 +2,10 @@
 
     python scripts/decode_breakdown.py       # SmolLM2-135M Q4_1, 128 + 64 tokens, batch 1, 8 and 32
 
-flexh2o runs as scripts/bench_vs_llamacpp.py runs it (--compress-weight: the file's blocks multiplied
-as stored; weights and cache in memory; the whole batch one gpu-batch; greedy), in this process, with
-timers around the parts of a step. A part's time is its outermost timer's, so the LM head's product
-counts as the LM head, not as the block product:
+flexh2o runs with scripts/bench_vs_llamacpp.py's flags (--compress-weight: the file's blocks
+multiplied as stored; weights and cache in memory; the whole batch one gpu-batch; greedy, no stop at
+EOS), in this process, with timers around the parts of a step. A part's time is its outermost
+timer's, so the LM head's product counts as the LM head, not as the block product:
 
 - block product: the layers' weight products (compression/grouped_weight.py's matmul);
 - attention: CachedAttention.attend (the cache's append, the scores, the weighted sum);
@@ -101,18 +101,17 @@ def _timed(fn) -> float:
 
 
 def run_flexh2o(batch: int, a, timers: Timers) -> dict:
+    from bench_vs_llamacpp import flexh2o_flags
     from flexh2o.run import main
-    out = os.path.join(tempfile.mkdtemp(), "run.json")
     timers.seconds = dict.fromkeys(PARTS, 0.0)
-    with contextlib.redirect_stdout(io.StringIO()):  # (the run's own report)
-        code = main(["--model", a.model, "--prompt-len", str(a.prompt_len), "--gen-len", str(a.gen_len),
-                     "--gpu-batch-size", str(batch), "--num-gpu-batches", "1", "--weights", "gpu=100,cpu=0,disk=0",
-                     "--cache", "gpu=100,cpu=0,disk=0", "--compress-weight", "--dtype", a.dtype, "--quiet",
-                     "--json-out", out])
-    if code != 0:
-        raise RuntimeError(f"flexh2o.run exited {code}")
-    with open(out) as f:
-        r = json.load(f)
+    with tempfile.TemporaryDirectory() as work:
+        out = os.path.join(work, "run.json")
+        with contextlib.redirect_stdout(io.StringIO()):  # (the run's own report)
+            code = main(flexh2o_flags(batch, a, out))
+        if code != 0:
+            raise RuntimeError(f"flexh2o.run exited {code}")
+        with open(out) as f:
+            r = json.load(f)
     steps = r["steps_done"] - 1
     step = r["decode_latency_s"] / steps
     parts = {p: s / steps for p, s in timers.seconds.items()}
