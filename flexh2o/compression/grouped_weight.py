@@ -19,32 +19,50 @@ def matmul(x: torch.Tensor, data: torch.Tensor, k: int, fmt: str = "groups") -> 
     """x [..., k] (float32) times the transpose of the weight whose rows `data` holds in format
     `fmt` (quant.Packed: quant.py's groups, or a GGUF file's blocks): [..., n]."""
     lib = native.library()
-    rows = x.reshape(-1, k)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
     n = data.shape[0]
-    out = torch.empty(len(rows), n)
-    data = data.contiguous()
-    lib.matmul_all(gguf_blocks.NATIVE_FORMATS[fmt], rows.data_ptr(), len(rows), rows.stride(0), k, data.data_ptr(),
-                   out.data_ptr(), n, n, torch.get_num_threads())
-    return out.view(*x.shape[:-1], n)
+    if x.is_contiguous():  # rows of k values as they are: no view to make (a decode step makes 120 products)
+        rows, count, stride = x, x.numel() // k, k
+    else:
+        rows = x.reshape(-1, k)
+        rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+        count, stride = rows.shape[0], rows.stride(0)
+    out = torch.empty(*x.shape[:-1], n)
+    if not data.is_contiguous():
+        data = data.contiguous()
+    lib.matmul_all(gguf_blocks.NATIVE_FORMATS[fmt], rows.data_ptr(), count, stride, k, data.data_ptr(), out.data_ptr(),
+                   n, n, torch.get_num_threads())
+    return out
 
 
 class GroupedWeight:
     """A compressed matrix as loaded: its groups `data` [n, row bytes] in format `fmt` (quant.py's
-    groups, or a GGUF file's blocks: gguf_blocks.py) and `values`, a compute buffer [n, k] filled
-    only if a step of many rows asks for the widened matrix; None for a matrix multiplied as it is
-    at every row count (Placed.any_rows)."""
+    groups, or a GGUF file's blocks: gguf_blocks.py) multiplied as they are, and widened into a
+    compute buffer [n, k] only if a step of many rows asks for it. `values`: that buffer; or a
+    function that takes one from the pool the first time (a weight kept loaded from token to token,
+    WeightIO.loads_once); or None: multiplied as it is at every row count (Placed.any_rows)."""
     kernel_name = "groups"  # kernel_choice.py
 
-    def __init__(self, data: torch.Tensor, k: int, values: torch.Tensor, fmt: str = "groups"):
-        self.data, self.values, self.shape, self.fmt, self._widened = data, values, (data.shape[0], k), fmt, False
+    def __init__(self, data: torch.Tensor, k: int, values, fmt: str = "groups"):
+        self.data, self.shape, self.fmt, self._widened = data, (data.shape[0], k), fmt, False
+        self.widens = values is not None
+        self._take = values if callable(values) else None
+        self.values = None if self._take is not None else values
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return matmul(x, self.data, self.shape[1], self.fmt)
 
     def widened(self) -> torch.Tensor:
+        if self.values is None:
+            self.values = self._take()
         if not self._widened:
             dequantize_as(self.data, self.fmt, self.shape[1], self.values)
             self._widened = True
         return self.values
+
+    def hand_back(self) -> torch.Tensor | None:
+        """The compute buffer this load holds, for the pool (None: it holds none); a weight kept
+        loaded takes a new one if it widens again."""
+        values = self.values
+        if self._take is not None:
+            self.values, self._widened = None, False
+        return values

@@ -186,6 +186,7 @@ class TiledWeight:
     def __init__(self, data: torch.Tensor, k: int, values: torch.Tensor):
         self.codes, self.kernel = _views(data, k)
         self.data, self.values, self.shape, self._dequantized = data, values, (data.shape[0], k), False
+        self.widens = values is not None  # None: multiplied as it is at every row count
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return matmul(x, self)

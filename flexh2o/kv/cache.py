@@ -12,6 +12,7 @@ garbage there could turn 0 * NaN into NaN.
 
 import torch
 
+from flexh2o import native
 from flexh2o.offload.slots import slot_grid
 
 
@@ -103,8 +104,9 @@ class KVCache:
         b, kv_heads = k.shape[:2]
         if slot is None:
             t = self.length
-            self.store_slot(t, k[:, :, 0], v[:, :, 0])
-            self.pos[:, :, t] = pos.to(torch.int32)
+            if not self.append_natively(t, k, v, pos):
+                self.store_slot(t, k[:, :, 0], v[:, :, 0])
+                self.pos[:, :, t] = pos.to(torch.int32)
             self.written = torch.full((b, kv_heads), t, dtype=torch.long, device=k.device)
         else:
             where, t = slot
@@ -112,6 +114,25 @@ class KVCache:
             self.pos.index_copy_(2, where, pos.to(torch.int32).view(b, 1, 1).expand(b, kv_heads, 1))
             self.written = where.expand(b, kv_heads).clone()  # its own: a store may read it on another stream
         self.length = t + 1
+
+    def append_natively(self, t: int, k, v, pos) -> bool:
+        """append's writes in one C call (native/attention.c) where this cache and the new token are
+        float32 and int64 tensors on the CPU that it takes: at a decode step's few rows, torch's eleven
+        indexing and copying operations cost more than the copying itself. False where it does not apply."""
+        if type(self).store_slot is not KVCache.store_slot or pos.dtype != torch.int64 or pos.device.type != "cpu":
+            return False
+        tensors = (self.k, self.v, k, v)
+        if any(x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(-1) != 1 for x in tensors) or \
+                not (self.k.is_contiguous() and self.v.is_contiguous() and self.pos.is_contiguous()):
+            return False
+        lib = native.library()
+        if lib is None:
+            return False
+        b, kv_heads, capacity, d = self.k.shape
+        lib.append_token(self.k.data_ptr(), self.v.data_ptr(), self.pos.data_ptr(), b, kv_heads, capacity, d, t,
+                         k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
+                         pos.data_ptr(), pos.stride(0))
+        return True
 
     def store_through(self, slot, k, v):
         """K and V [b, kv_heads, d] into the slot held by device tensor slot [1], of every (sequence, KV head)."""

@@ -142,12 +142,13 @@ def attend_own_slots(q, cache, scale: float) -> torch.Tensor | None:
         return None
     _, kv_heads, capacity, _ = k.shape
     group = heads // kv_heads  # the query heads sharing a KV head
-    rows = (q * scale).reshape(b, kv_heads, group, d).contiguous()
-    out = torch.empty_like(rows)
-    if lib.decode_attention(rows.data_ptr(), k.data_ptr(), v.data_ptr(), pos.data_ptr(), b, kv_heads, group,
-                            capacity, cache.length, d, out.data_ptr(), torch.get_num_threads()):
+    if q.stride(-1) != 1 or q.stride(1) != d:  # the kernel takes each sequence's heads as one row
+        q = q.contiguous()
+    out = torch.empty(b, heads, 1, d)
+    if lib.decode_attention(q.data_ptr(), q.stride(0), scale, k.data_ptr(), v.data_ptr(), pos.data_ptr(), b, kv_heads,
+                            group, capacity, cache.length, d, out.data_ptr(), torch.get_num_threads()):
         return None
-    return out.view(b, heads, 1, d)
+    return out
 
 
 # The fused backends a CUDA decode step may use, in PyTorch's order of preference, unless

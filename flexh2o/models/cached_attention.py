@@ -82,8 +82,8 @@ class CachedAttention(Layer):
         # CPU first, so that copy and the CPU's attention overlap the device's own parts.
         on_cpu = {n: self.tiers.start_host_copy([t[rows] for t in (q, k, v, step.positions)], cache.k.dtype)
                   for n, (rows, cache, _) in enumerate(pieces) if cache.cpu_attended}
-        outs = [None if n in on_cpu else self._decode(q[rows], k[rows], v[rows], step.positions[rows], cache,
-                                                      scale, step.for_rows(rows))
+        outs = [None if n in on_cpu else self._decode(*rows_of((q, k, v, step.positions), rows), cache, scale,
+                                                      step.for_rows(rows))
                 for n, (rows, cache, _) in enumerate(pieces)]
         for n, copied in on_cpu.items():
             rows, cache, _ = pieces[n]
@@ -155,6 +155,14 @@ class CachedAttention(Layer):
             self.kv.prompt(view, *own, step)
             cache.length = max(cache.length, view.length)
             cache.refilled.append(row - rows.start)
+
+
+def rows_of(tensors: tuple, rows: slice) -> tuple:
+    """Sequences `rows` of each tensor: the tensors themselves where that is all of them (a decode
+    step's usual single part: four slicing operations a layer saved)."""
+    if rows.start == 0 and rows.stop >= tensors[0].shape[0]:
+        return tensors
+    return tuple(t[rows] for t in tensors)
 
 
 def computed_pieces(computed: list | None, parts: list) -> list:

@@ -8,6 +8,7 @@ import functools
 
 import torch
 
+from flexh2o import native
 from flexh2o.common.errors import UsageError
 from flexh2o.compression.gguf_blocks import is_low_bit, keeps_16_bit, keeps_low_bit
 from flexh2o.compression.quant import Packed, compressible, join, quantize, stored_row_bytes
@@ -62,6 +63,13 @@ class Layer:
     def looks_up_only(self) -> bool:
         """Whether every weight is a gathered table: a step reads a few rows, nothing whole."""
         return self.gathered == len(self.weight_specs())
+
+    @property
+    def cpu_kernels(self):
+        """flexh2o's C kernels (native/) where this run computes on the CPU; None on CUDA, where
+        the layers' tensors are the device's (and a simulated device's CPU tensors must see torch's
+        operations), or where there are no kernels."""
+        return None if self.tiers.on_cuda else native.library()
 
     def weight_shares(self, policy) -> tuple[float, float]:
         """(gpu, cpu): the percentages of this layer's bytes placed on the gpu tier and in CPU memory."""
@@ -124,9 +132,10 @@ class Layer:
         for placed in self.home if self.one_of_a_kind else ():
             placed.any_rows = True
         self._loading = None
-        # Weights all used where they live: every token's "load" is this same list, nothing moves.
+        # Weights all used where they live (or multiplied where they live: WeightIO.loads_once):
+        # every token's "load" is this same list, nothing moves.
         loaded = self.home[self.gathered:]
-        self._in_place = [tiers.load(h) for h in loaded] if all(tiers.used_in_place(h) for h in loaded) else None
+        self._in_place = [tiers.load(h) for h in loaded] if all(tiers.loads_once(h) for h in loaded) else None
 
     @property
     def weights_in_place(self) -> bool:
@@ -154,9 +163,9 @@ class Layer:
             pending.wait()
 
     def release_weight(self):
-        """Hands the compute copies back to the buffer pool once the block's last gpu-batch is done."""
-        if self._loading is None or self._loading is self._in_place:
-            self._loading = None
+        """Hands the compute copies back to the buffer pool once the block's last gpu-batch is done
+        (of weights kept loaded, the buffers that a step of many rows widened them into)."""
+        if self._loading is None:
             return
         for home, pending in zip(self.home[self.gathered:], self._loading):
             self.tiers.release_loaded(pending.wait(), home)

@@ -17,7 +17,7 @@ from flexh2o.compression.kernel_choice import MAX_ROWS
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     if isinstance(weight, (TiledWeight, GroupedWeight)):
-        if weight.values is None or x.numel() // x.shape[-1] <= MAX_ROWS[weight.kernel_name]:
+        if not weight.widens or x.numel() // x.shape[-1] <= MAX_ROWS[weight.kernel_name]:
             out = weight.matmul(x)
             return out if bias is None else out.add_(bias)
         weight = weight.widened()

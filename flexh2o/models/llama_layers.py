@@ -9,20 +9,13 @@ every family shares (cached_attention.py). Weights are named as in Hugging Face 
 import math
 
 import torch
-import torch.nn.functional as F
 
 from flexh2o.models.cached_attention import CachedAttention
 from flexh2o.models.layer import Layer
+from flexh2o.models.layer_ops import rms_norm, rotate_heads, silu_times_up
 from flexh2o.models.linear import linear
 from flexh2o.models.lm_head import logits
 from flexh2o.models.real_tokens import real_tokens
-
-
-def rms_norm(x, weight, eps: float):
-    """RMSNorm as transformers computes it: normalized in float32, scaled in the input's dtype."""
-    if x.dtype == torch.float32:  # x * rsqrt(mean(x^2) + eps) * weight, in one kernel instead of seven
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 def inverse_frequencies(spec) -> torch.Tensor:
@@ -69,12 +62,6 @@ class Rotary:
             angles = torch.cat([angles, angles], dim=-1)[:, None]
             step.memo[key] = angles.cos().to(dtype), angles.sin().to(dtype)
         return step.memo[key]
-
-
-def rotate(x, cos, sin):
-    """x [b, heads, n, d] turned by its phase: each value i of the first half paired with i + d/2."""
-    first, second = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-second, first], dim=-1) * sin
 
 
 class InputEmbed(Layer):
@@ -130,14 +117,14 @@ class SelfAttention(CachedAttention):
         norm, qkv_w, qkv_b, o_w, o_b = self.split_weights()
         s = self.spec
         b, n, _ = hidden.shape
-        tokens = real_tokens(step)
-        qkv = tokens.scatter(linear(rms_norm(tokens.gather(hidden), norm, s.rms_norm_eps), qkv_w, qkv_b), b, n)
+        tokens, lib = real_tokens(step), self.cpu_kernels
+        qkv = tokens.scatter(linear(rms_norm(tokens.gather(hidden), norm, s.rms_norm_eps, lib), qkv_w, qkv_b), b, n)
         qk_heads = s.num_heads + s.num_kv_heads
-        qkv = qkv.view(b, n, qk_heads + s.num_kv_heads, s.head_dim).transpose(1, 2)  # [b, all heads, n, d]
         cos, sin = self.rotary.phases(step, qkv.dtype)
-        qk = rotate(qkv[:, :qk_heads], cos, sin)  # q and k turned together: one set of kernels
+        qk = rotate_heads(qkv, qk_heads, s.head_dim, cos, sin, lib)  # q and k turned together: one set of kernels
         q, k = qk.split([s.num_heads, s.num_kv_heads], dim=1)
-        out = self.attend(q, k, qkv[:, qk_heads:], step)
+        v = qkv.view(b, n, qk_heads + s.num_kv_heads, s.head_dim).transpose(1, 2)[:, qk_heads:]  # [b, kv heads, n, d]
+        out = self.attend(q, k, v, step)
         return tokens.add_into(hidden, linear(tokens.gather(out), o_w, o_b))
 
 
@@ -157,9 +144,9 @@ class MLP(Layer):
 
     def forward(self, hidden, step):
         norm, gate_up_w, down_w = self.weights
-        tokens = real_tokens(step)
-        gate, up = linear(rms_norm(tokens.gather(hidden), norm, self.spec.rms_norm_eps), gate_up_w).chunk(2, dim=-1)
-        return tokens.add_into(hidden, linear(F.silu(gate).mul_(up), down_w))
+        tokens, lib = real_tokens(step), self.cpu_kernels
+        gate_up = linear(rms_norm(tokens.gather(hidden), norm, self.spec.rms_norm_eps, lib), gate_up_w)
+        return tokens.add_into(hidden, linear(silu_times_up(gate_up, lib), down_w))
 
 
 class OutputEmbed(Layer):
@@ -178,7 +165,7 @@ class OutputEmbed(Layer):
         norm, weight = self.weights
 
         def head(h):
-            return logits(rms_norm(h, norm, self.spec.rms_norm_eps), weight).float()
+            return logits(rms_norm(h, norm, self.spec.rms_norm_eps, self.cpu_kernels), weight).float()
         if step.score_prompt is not None:
             step.score_prompt(hidden, head)
         return step.choose_next(head(hidden[:, -1]))  # only the last position predicts the next token

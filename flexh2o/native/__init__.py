@@ -27,7 +27,7 @@ from flexh2o.common.cache_dir import cache_dir as flexh2o_cache_dir
 from flexh2o.common.json_data import BadJson, parse_json
 from flexh2o.common.output_files import write_json_atomic
 
-SOURCES = ("quant4.c", "blocks.c", "attention.c")
+SOURCES = ("quant4.c", "blocks.c", "attention.c", "layer_ops.c")
 HEADERS = ("common.h",)  # hashed with the sources: a change to them is a new build
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
 OPENMP = "-fopenmp"  # the products' threads (a compiler without it builds them single-threaded)
@@ -133,11 +133,28 @@ def _note(line: str):
     print(f"note: {line}", file=sys.stderr, flush=True)
 
 
+def _turned_off() -> bool:
+    """FLEXH2O_NATIVE=0, read at every call (tests turn it on and off): from os.environ's own dict,
+    one lookup, where os.environ.get takes four Python calls and a decode step asks about 400 times."""
+    if _ENVIRON is None:
+        return os.environ.get("FLEXH2O_NATIVE", "1") == "0"
+    return _ENVIRON.get(_OFF_KEY) == _OFF_VALUE
+
+
+# os.environ's dict of encoded names and values (CPython's, on every platform); None elsewhere.
+_ENVIRON = getattr(os.environ, "_data", None) if hasattr(os.environ, "encodekey") else None
+_OFF_KEY, _OFF_VALUE = (os.environ.encodekey("FLEXH2O_NATIVE"), os.environ.encodevalue("0")) if _ENVIRON is not None \
+    else (None, None)
+
+
 def library() -> ctypes.CDLL | None:
     """The kernels, built if this machine has no build of this source yet; None where they cannot
     be (no compiler, a failed build) or are turned off (FLEXH2O_NATIVE=0)."""
-    if os.environ.get("FLEXH2O_NATIVE", "1") == "0":
+    if _turned_off():
         return None
+    lib = _loaded.get("lib", _loaded)  # (without the lock once loaded: a decode step asks often)
+    if lib is not _loaded:
+        return lib
     with _lock:
         if "lib" in _loaded:
             return _loaded["lib"]
@@ -202,7 +219,13 @@ def _declare(lib):
     lib.dequantize_rows.argtypes = [ptr, i64, ptr, ctypes.c_int, i64, i64, i64]
     lib.dequantize_blocks.argtypes = [ctypes.c_int, ptr, i64, ptr, ctypes.c_int, i64, i64, i64]
     lib.matmul_all.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, ptr, i64, i64, ctypes.c_int]
-    lib.decode_attention.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, ctypes.c_int]
+    lib.decode_attention.argtypes = [ptr, i64, ctypes.c_float, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr,
+                                     ctypes.c_int]
+    lib.rms_norm_rows.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_float, ptr, i64, ctypes.c_int]
+    lib.rotate_rows.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ctypes.c_int]
+    lib.silu_mul_rows.argtypes = [ptr, i64, i64, i64, ptr, i64, ctypes.c_int]
+    lib.append_token.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64]
+    lib.rms_norm_rows.restype = lib.rotate_rows.restype = lib.silu_mul_rows.restype = lib.append_token.restype = None
     lib.decode_attention.restype = ctypes.c_int
     lib.quantize_rows.restype = i64
     lib.dequantize_rows.restype = lib.dequantize_blocks.restype = lib.matmul_all.restype = None

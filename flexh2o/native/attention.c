@@ -36,7 +36,7 @@ static __m256 exp8(__m256 x) {
     return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(scale)), kept);
 }
 
-/* One (sequence, KV head): q [group, d] (already scaled), k and v [n, d], pos [n] (< 0: empty),
+/* One (sequence, KV head): q [group, d] (scaled), k and v [n, d], pos [n] (< 0: empty),
    out [group, d]; e: room for group * n floats. */
 static void attend_one(const float *q, const float *k, const float *v, const int32_t *pos, int64_t n, int64_t group,
                        int64_t d, float *e, float *out) {
@@ -90,31 +90,54 @@ static void attend_one(const float *q, const float *k, const float *v, const int
     }
 }
 
-/* q [b, kv_heads, group, d] (scaled), k and v [b, kv_heads, capacity, d], pos [b, kv_heads, capacity]:
-   slots [0, n) of each; out [b, kv_heads, group, d]. d a multiple of 8. Returns 0, or -1 where a
-   thread could not have its buffer (out is then not written whole). */
-int decode_attention(const float *q, const float *k, const float *v, const int32_t *pos, int64_t b,
-                     int64_t kv_heads, int64_t group, int64_t capacity, int64_t n, int64_t d, float *out, int threads) {
+/* q [b, kv_heads, group, d], sequence i's at q + i * ldq, multiplied by `scale` here (as torch's q * scale
+   would); k and v [b, kv_heads, capacity, d], pos [b, kv_heads, capacity]: slots [0, n) of each; out
+   [b, kv_heads, group, d]. d a multiple of 8. Returns 0, or -1 where a thread could not have its
+   buffers (out is then not written whole). */
+int decode_attention(const float *q, int64_t ldq, float scale, const float *k, const float *v, const int32_t *pos,
+                     int64_t b, int64_t kv_heads, int64_t group, int64_t capacity, int64_t n, int64_t d, float *out,
+                     int threads) {
     int failed = 0;
     #pragma omp parallel num_threads(threads)
     {
-        float *e = malloc((size_t)(group * ((n + 7) / 8 * 8) + 1) * sizeof(float));
+        float *e = malloc((size_t)(group * ((n + 7) / 8 * 8) + group * d + 1) * sizeof(float));
         if (e == NULL) {
             #pragma omp atomic write
             failed = 1;
         }
         #pragma omp for schedule(static)
-        for (int64_t t = 0; t < b * kv_heads; t++)
-            if (e != NULL)
-                attend_one(q + t * group * d, k + t * capacity * d, v + t * capacity * d, pos + t * capacity, n,
-                           group, d, e, out + t * group * d);
+        for (int64_t t = 0; t < b * kv_heads; t++) {
+            if (e == NULL)
+                continue;
+            float *scaled = e + group * ((n + 7) / 8 * 8);
+            const float *qt = q + t / kv_heads * ldq + t % kv_heads * group * d;
+            for (int64_t c = 0; c < group * d; c++)
+                scaled[c] = qt[c] * scale;
+            attend_one(scaled, k + t * capacity * d, v + t * capacity * d, pos + t * capacity, n, group, d, e,
+                       out + t * group * d);
+        }
         free(e);
     }
     return failed ? -1 : 0;
 }
 #else
-int decode_attention(const float *q, const float *k, const float *v, const int32_t *pos, int64_t b,
-                     int64_t kv_heads, int64_t group, int64_t capacity, int64_t n, int64_t d, float *out, int threads) {
+int decode_attention(const float *q, int64_t ldq, float scale, const float *k, const float *v, const int32_t *pos,
+                     int64_t b, int64_t kv_heads, int64_t group, int64_t capacity, int64_t n, int64_t d, float *out,
+                     int threads) {
     return -1; /* built without AVX2: the caller keeps PyTorch's attention */
 }
 #endif
+
+/* A decode step's new token into slot t of a full float32 cache: k_new and v_new [b, kv_heads, d] (sequence i's
+   head h at i * ld_b + h * ld_h), its position pos[i * ld_pos] (int64) for every KV head of sequence i. */
+void append_token(float *k, float *v, int32_t *pos, int64_t b, int64_t kv_heads, int64_t capacity, int64_t d,
+                  int64_t t, const float *k_new, int64_t k_ld_b, int64_t k_ld_h, const float *v_new, int64_t v_ld_b,
+                  int64_t v_ld_h, const int64_t *new_pos, int64_t ld_pos) {
+    for (int64_t i = 0; i < b; i++)
+        for (int64_t h = 0; h < kv_heads; h++) {
+            int64_t slot = (i * kv_heads + h) * capacity + t;
+            memcpy(k + slot * d, k_new + i * k_ld_b + h * k_ld_h, (size_t)d * sizeof(float));
+            memcpy(v + slot * d, v_new + i * v_ld_b + h * v_ld_h, (size_t)d * sizeof(float));
+            pos[slot] = (int32_t)new_pos[i * ld_pos];
+        }
+}

@@ -130,6 +130,16 @@ class WeightIO:
         uses, and not compressed. Loading it then moves nothing."""
         return placed.decoded_shape is None and self._in_place(placed)
 
+    def loads_once(self, placed: Placed) -> bool:
+        """Whether a load of `placed` hands over the same thing at every token, so that a layer can
+        load it once and keep it: a weight used in place, or, where the CPU computes, a compressed
+        matrix held in memory that flexh2o's kernel multiplies as it is (the buffer of its widened
+        values, for a step of many rows, is taken only then and given back at release_loaded)."""
+        if self.used_in_place(placed):
+            return True
+        return not self.on_cuda and placed.decoded_shape is not None and not placed.tiled and \
+            self._in_place(placed) and self.as_stored_kernel(placed.decoded_shape, placed.fmt) == "groups"
+
     def _in_place(self, placed: Placed) -> bool:
         return placed.resident() is not None and (placed.segments[0].tier == "gpu" or not self.on_cuda)
 
@@ -221,9 +231,9 @@ class WeightIO:
     def _load_compressed(self, placed: Placed, whole) -> Pending:
         """Its groups, moved to the compute device unless they are there, dequantized into a buffer
         (none for a matrix never widened)."""
-        out = None if self.multiplied_as_stored(placed) else self.buffer(placed.decoded_shape)
         if not self.on_cuda:
-            return self._load_compressed_for_cpu(placed, whole, out)
+            return self._load_compressed_for_cpu(placed, whole)
+        out = None if self.multiplied_as_stored(placed) else self.buffer(placed.decoded_shape)
         fmt = placed.fmt
         if whole is None:
             # Its groups go through a buffer that the I/O task gives back once their dequantizing is
@@ -244,23 +254,28 @@ class WeightIO:
                 self.release(packed)
         return self.run_io(task, out, "loading compressed weights")
 
-    def _load_compressed_for_cpu(self, placed: Placed, whole, out) -> Pending:
+    def _load_compressed_for_cpu(self, placed: Placed, whole) -> Pending:
         """Where the CPU computes, the compute thread dequantizes, when it waits for the load: on an
         I/O thread the dequantizing took cores from the compute's own threads (opt-350m, 4-bit
         weights on disk: decode as slow as with overlap off, the dequantizing itself 2.5x slower).
         The groups' buffer is taken and given back on the compute thread, in program order, so
         how many the pool makes does not depend on timing."""
         if placed.tiled or self.as_stored_kernel(placed.decoded_shape, placed.fmt) == "groups":
-            # multiplied as it is: nothing to dequantize now (models/linear.py)
+            # multiplied as it is: nothing to dequantize now (models/linear.py); the buffer of its
+            # values is taken when a step of many rows first widens it
             k = placed.decoded_shape[-1]
+            take = None if self.multiplied_as_stored(placed) else lambda: self.buffer(placed.decoded_shape)
 
             def as_stored(data):
-                return int4_tiles.TiledWeight(data, k, out) if placed.tiled else GroupedWeight(data, k, out, placed.fmt)
+                if placed.tiled:
+                    return int4_tiles.TiledWeight(data, k, take and take())
+                return GroupedWeight(data, k, take, placed.fmt)
             if whole is not None:
                 return Pending(as_stored(whole))
             packed = self.buffer(placed.shape, placed.dtype)
             return self.run_io(lambda: self.fill(packed, placed.segments), as_stored(packed),
                                "loading compressed weights")
+        out = self.buffer(placed.decoded_shape)
         if whole is not None:  # nothing to move: no I/O task at all
             return Pending(out, then=lambda: self.dequantize(whole, out, placed.fmt))
         packed = self.buffer(placed.shape, placed.dtype)
@@ -284,8 +299,9 @@ class WeightIO:
         values and (where its bytes were moved) the buffer holding them; nothing for a weight
         used where it lives."""
         if isinstance(value, (int4_tiles.TiledWeight, GroupedWeight)):
-            if value.values is not None:
-                self.release(value.values)
+            values = value.hand_back() if isinstance(value, GroupedWeight) else value.values
+            if values is not None:
+                self.release(values)
             if value.data is not placed.resident():
                 self.release(value.data)
         elif value is not placed.resident():

@@ -81,3 +81,25 @@ def test_a_compressed_run_agrees_with_the_dequantize_path(tileable_model, tmp_pa
     reference, _ = forced_logprobs(tileable_model, policy, tmp_path / "b", torch.float32)
     assert calls == {"matmul": 0, "widened": 0}
     assert (fused - reference).abs().max() < 1e-4
+
+
+
+@pytest.mark.parametrize("fused_rows", [32, 4])  # 4: the prompt step widens the weights, decode steps do not
+def test_groups_held_in_memory_are_loaded_once_and_widened_only_when_asked(tileable_model, monkeypatch, fused_rows):
+    """Multiplied where they lie, a layer's compressed weights are loaded when placed, not at every
+    token; a step of many rows takes a buffer to widen them into, and the layer gives it back."""
+    from flexh2o import Engine, Policy
+    from flexh2o.offload.weight_io import WeightIO
+    monkeypatch.setitem(kernel_choice.MAX_ROWS, "groups", fused_rows)
+    widened = count_calls(monkeypatch, grouped_weight.GroupedWeight, ["widened"])
+    ids = torch.randint(3, 128, (4, 12), generator=torch.Generator().manual_seed(1))
+    with Engine.from_pretrained(tileable_model, Policy(2, 2, compress_weight=True), device="cpu",
+                                dtype=torch.float32) as engine:
+        layers = [layer for layer in engine.layers if not layer.looks_up_only]
+        assert layers and all(layer.weights_in_place for layer in layers)
+        loads = count_calls(monkeypatch, WeightIO, ["load"])
+        engine.generate(ids, max_new_tokens=4)
+        assert loads["load"] == 0
+        free = sum(len(buffers) for buffers in engine.tiers.free_buffers.values())
+        assert free == engine.tiers.pooled_count()  # every buffer a widening took is back in the pool
+    assert (widened["widened"] > 0) == (fused_rows < 2 * 12)

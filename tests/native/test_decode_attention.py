@@ -63,3 +63,31 @@ def test_other_widths_and_no_kernels_keep_pytorchs_attention(monkeypatch):
     monkeypatch.setenv("FLEXH2O_NATIVE", "0")
     assert attend_own_slots(q, cache, 1.0) is None
     assert torch.allclose(attend_filled(q, cache, 1.0, padded=True).double(), by_float64(q, cache, 1.0), atol=1e-6)
+
+
+@needs_kernels
+def test_queries_read_where_a_layers_product_left_them():
+    """A decode step's q is a view of the fused q, k, v product (each sequence's heads side by side,
+    sequences a row apart): taken as it lies, the same result as from a contiguous copy."""
+    b, heads, kv_heads, d = 3, 6, 2, 32
+    cache = cache_of(b, kv_heads, 40, d, [40, 7, 19], seed=7)
+    qkv = torch.randn(b, 1, (heads + 2 * kv_heads) * d, generator=torch.Generator().manual_seed(8))
+    q = qkv.view(b, 1, heads + 2 * kv_heads, d).transpose(1, 2)[:, :heads]
+    assert not q.is_contiguous()
+    assert torch.equal(attend_own_slots(q, cache, 0.3), attend_own_slots(q.contiguous(), cache, 0.3))
+
+
+@needs_kernels
+def test_a_new_token_is_stored_as_torchs_indexing_stores_it(monkeypatch):
+    """KVCache.append's one C call writes what its torch operations write, from K and V views of a
+    layer's product."""
+    b, kv_heads, d, capacity = 3, 2, 16, 10
+    k_new, v_new = (torch.randn(b, 1, 3 * kv_heads * d).view(b, 1, 3 * kv_heads, d).transpose(1, 2)[:, i * kv_heads:
+                    (i + 1) * kv_heads] for i in (1, 2))
+    pos = torch.tensor([[7], [4], [9]])
+    caches = [cache_of(b, kv_heads, capacity, d, [5, 5, 5], seed=9) for _ in range(2)]
+    assert caches[0].append_natively(5, k_new, v_new, pos)
+    monkeypatch.setattr(KVCache, "append_natively", lambda *args: False)
+    caches[1].append(k_new, v_new, pos)
+    for a, b_ in zip(caches[0].tensors(), caches[1].tensors()):
+        assert torch.equal(a, b_)
