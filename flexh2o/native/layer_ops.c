@@ -6,7 +6,8 @@ square root and three products), and at a decode step's few rows their dispatch,
 arithmetic, is what costs. Each row is computed alone, in one fixed order, so a row's result does
 not depend on the rows beside it. The rotary turn makes the same float32 products and sums as
 models/layer_ops.rotate's torch code (built with -ffp-contract=off), so it is bit-equal to it; RMSNorm
-and SiLU sum and exponentiate in their own order, within a float32 rounding of torch's.
+sums in its own order and SiLU exponentiates its own way (common.h's exp8), within float32 rounding
+of torch's.
 
 Each function splits its rows over `threads` OpenMP threads where the work is large enough to pay
 for it (a prompt's rows), and runs on the calling thread otherwise (a decode step's).
@@ -63,13 +64,28 @@ void rotate_rows(float *x, int64_t ldx, int64_t rows, int64_t heads, int64_t d, 
     }
 }
 
-/* out[r, i] = silu(x[r, i]) * x[r, f + i] for i < f: the gate and up halves of a fused product. */
+/* out[r, i] = silu(x[r, i]) * x[r, f + i] for i < f: the gate and up halves of a fused product.
+   silu(g) = g * sigmoid(g), the sigmoid from t = e^-|g| (never above 1, so never overflowing): 1 / (1 + t)
+   for g >= 0, t / (1 + t) below. */
 void silu_mul_rows(const float *x, int64_t ldx, int64_t rows, int64_t f, float *out, int64_t ldo, int threads) {
     #pragma omp parallel for num_threads(threads) schedule(static) if (rows * f >= PARALLEL_VALUES / 8)
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = x + r * ldx, *up = gate + f;
         float *o = out + r * ldo;
-        for (int64_t i = 0; i < f; i++)
-            o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+        int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+        for (; i + 8 <= f; i += 8) {
+            __m256 g = _mm256_loadu_ps(gate + i);
+            __m256 t = exp8(_mm256_or_ps(g, sign)); /* e^-|g| */
+            __m256 below = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
+            __m256 sigmoid = _mm256_div_ps(_mm256_blendv_ps(one, t, below), _mm256_add_ps(one, t));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), _mm256_loadu_ps(up + i)));
+        }
+#endif
+        for (; i < f; i++) {
+            float t = expf(-fabsf(gate[i]));
+            o[i] = gate[i] * ((gate[i] < 0.0f ? t : 1.0f) / (1.0f + t)) * up[i];
+        }
     }
 }
