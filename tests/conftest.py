@@ -79,15 +79,24 @@ def padded_batch(batch, prompt_len, pads, seed=0):
 @pytest.fixture(scope="session")
 def transformers_smol():
     """transformers' own parse of SmolLM2's GGUF (config, tokenizer fields, float32 tensors named
-    "model.*"), read once for the tests that compare against it: it dequantizes for about 15 s."""
+    "model.*"), read once for the tests that compare against it: it dequantizes for about 10 s."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    import functools
+
+    import gguf
 
     from flexh2o.checkpoints.gguf_reader import read_gguf
     # load_gguf_checkpoint only takes tensor names from this model; a meta one costs no memory.
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(AutoConfig.for_model(**read_gguf(SMOL_GGUF).config))
-    return load_gguf_checkpoint(SMOL_GGUF, return_tensors=True, model_to_load=skeleton, torch_dtype=torch.float32)
+    # It builds gguf's (read-only) name map anew for each of the model's ~400 modules, a third of its
+    # time: the same map, built once, gives the same names.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        return load_gguf_checkpoint(SMOL_GGUF, return_tensors=True, model_to_load=skeleton,
+                                    torch_dtype=torch.float32)
 
 
 @pytest.fixture(scope="session")

@@ -44,7 +44,14 @@ def small_engine():
         yield engine
 
 
-def test_a_row_on_a_small_model_is_timed_as_flexgen_times_it(small_engine):
+@pytest.fixture
+def short_prompts(monkeypatch):
+    """Rows measured on 32-token prompts instead of the paper's 512: what these tests check of a row
+    (its batch shape, steps, figures and the pre-flight's cut) does not depend on the prompt's length."""
+    monkeypatch.setattr(t4_measure, "PROMPT_LEN", 32)
+
+
+def test_a_row_on_a_small_model_is_timed_as_flexgen_times_it(small_engine, short_prompts):
     row = {"name": "opt-125m 512+16, H2O-20%", "model": "opt-125m", "gen_len": 16, "kind": "H2O-20%",
            "kv": t4_measure.H2O, "paper_batch": 2, "paper_tok_s": 1.0}
     out = t4_measure.measure_row(small_engine, row, None, cut=4)
@@ -55,11 +62,11 @@ def test_a_row_on_a_small_model_is_timed_as_flexgen_times_it(small_engine):
     assert out["predicted"] is None and json.loads(json.dumps(out)) == out
 
 
-def test_a_batch_the_preflight_refuses_is_cut_to_what_fits(small_engine):
+def test_a_batch_the_preflight_refuses_is_cut_to_what_fits(small_engine, short_prompts):
     from flexh2o.engine.preflight import add, run_need
     engine, caps = small_engine, dict(small_engine.caps)
     need = [add(engine.weight_need, run_need(engine.cache_spec, Policy(gpu_batch_size=b), engine.tiers.dtype.itemsize,
-                                             512, 8, engine.tiers.compute))["gpu"] for b in (1, 2)]
+                                             t4_measure.PROMPT_LEN, 8, engine.tiers.compute))["gpu"] for b in (1, 2)]
     try:
         engine.caps["gpu"] = (need[0] + need[1]) // 2  # the weights and one sequence, not two
         assert t4_measure.admitted(engine, Policy(gpu_batch_size=1), 8)

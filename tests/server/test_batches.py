@@ -167,7 +167,7 @@ def start_process(word_llama, state_dir, offload_dir) -> tuple:
     return process, openai.OpenAI(base_url=url, api_key="none", max_retries=0)
 
 
-RECORDS = 240
+RECORDS = 80
 
 
 def stopped_mid_batch(process, client, lines: bytes, state_dir) -> str:
