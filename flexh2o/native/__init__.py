@@ -28,7 +28,7 @@ from flexh2o.common.json_data import BadJson, parse_json
 from flexh2o.common.output_files import write_json_atomic
 
 SOURCES = ("quant4.c", "blocks.c", "attention.c", "layer_ops.c")
-HEADERS = ("common.h",)  # hashed with the sources: a change to them is a new build
+HEADERS = ("common.h", "pairs.h")  # hashed with the sources: a change to them is a new build
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
 OPENMP = "-fopenmp"  # the products' threads (a compiler without it builds them single-threaded)
 
@@ -66,19 +66,18 @@ def record_path(target: str) -> str:
     return target[:-len(".so")] + ".json"
 
 
-def _build(cc: str, target: str):
-    """Compiles the kernels into `target`, then records its size and SHA-256 beside it."""
-    here = os.path.dirname(__file__)
+def _build(cc: str, target: str, flags: tuple = FLAGS, here: str = os.path.dirname(__file__)):
+    """Compiles the kernels (the sources in `here`) into `target`, then records its size and SHA-256 beside it."""
     os.makedirs(os.path.dirname(target), exist_ok=True)
     fd, partial = tempfile.mkstemp(suffix=".so.part", dir=os.path.dirname(target))
     os.close(fd)
     sources = [os.path.join(here, s) for s in SOURCES]
     try:
         try:
-            subprocess.run([cc, *FLAGS, OPENMP, "-o", partial, *sources, "-lm"], check=True, capture_output=True,
+            subprocess.run([cc, *flags, OPENMP, "-o", partial, *sources, "-lm"], check=True, capture_output=True,
                            timeout=300)
         except subprocess.CalledProcessError:
-            subprocess.run([cc, *FLAGS, "-o", partial, *sources, "-lm"], check=True, capture_output=True, timeout=300)
+            subprocess.run([cc, *flags, "-o", partial, *sources, "-lm"], check=True, capture_output=True, timeout=300)
         with open(partial, "rb") as f:
             data = f.read()
         os.replace(partial, target)
@@ -166,6 +165,19 @@ def build() -> str | None:
     """Which build of the kernels library() loaded (a hash of the sources, flags, compiler and
     CPU), or None where there is none: a profile that timed them records it (profile.py)."""
     return _loaded.get("build") if library() is not None else None
+
+
+def build_at(directory: str, flags: tuple = FLAGS, sources: str = os.path.dirname(__file__)) -> ctypes.CDLL | None:
+    """The kernels in `sources` built with `flags` into `directory`, outside the cache: a build to
+    compare with library()'s (tests, scripts/kernel_speed.py). None where there is no compiler."""
+    compiler = _compiler()
+    if compiler is None:
+        return None
+    target = os.path.join(directory, "kernels.so")
+    _build(compiler[0], target, flags, sources)
+    lib = ctypes.CDLL(target)
+    _declare(lib)
+    return lib
 
 
 def _load() -> ctypes.CDLL | None:

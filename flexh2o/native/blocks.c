@@ -13,6 +13,7 @@ Each function does the rows [first, last) of its arguments, so the caller splits
 */
 
 #include "common.h"
+#include "pairs.h"
 
 #define BLOCK 32
 
@@ -145,9 +146,62 @@ static void wide_block(int format, const float *x, int64_t k, const uint8_t *b, 
         y[c] = sum8(acc[c]);
 }
 
+#ifdef PAIRS_512
+/* scale_at for the GGUF blocks. */
+static ALWAYS_INLINE int64_t block_scale(int format, int64_t unit) {
+    return format == F16 || format == BF16 ? -1 : unit * block_bytes(format);
+}
+
+/* pair_values for the GGUF blocks: block `unit` of rows a and b. */
+static ALWAYS_INLINE void block_pair(int format, const uint8_t *a, const uint8_t *b, int64_t unit, const float s[4],
+                                     __m512 w[8]) {
+    int64_t at = unit * block_bytes(format);
+    a += at, b += at;
+    if (format == F16 || format == BF16) {
+        for (int q = 0; q < 4; q++) {
+            __m256i bits = pair_of_16(a + 16 * q, b + 16 * q);
+            w[q] = format == F16 ? _mm512_cvtph_ps(bits)
+                                 : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+        }
+        return;
+    }
+    if (format == Q8_0) {
+        /* Each code q in a lane's top byte, its other bytes zero: q * 2^24, converted exactly, times
+           d * 2^-24 (exact: d is a float16's value) is q * d rounded once, as (float)q * d is. */
+        __m512 d = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(s[0]), _mm512_set1_ps(s[2]));
+        d = _mm512_mul_ps(d, _mm512_set1_ps(0x1p-24f));
+        __m512i q8 = pair_of_32(a + 2, b + 2);
+        for (int q = 0; q < 4; q++) {
+            __m512i top = _mm512_maskz_permutexvar_epi8(0x8888888888888888ull, picks(8 * q, 32 + 8 * q, 24), q8);
+            w[q] = _mm512_mul_ps(_mm512_cvtepi32_ps(top), d);
+        }
+        return;
+    }
+    int codes_at = format == Q4_1 ? 4 : 2, zero = format == Q4_0 ? 8 : 0;
+    __m512 table_a = code_table(s[0], s[1], zero), table_b = code_table(s[2], s[3], zero);
+    __m512i raw = _mm512_castsi256_si512(pair_of_16(a + codes_at, b + codes_at));
+    __m512i low = nibbles(raw, 16), high = nibbles(_mm512_srli_epi16(raw, 4), 16);
+    for (int q = 0; q < 4; q++)
+        w[q] = looked_up(q < 2 ? low : high, picks(8 * (q % 2), 16 + 8 * (q % 2), 0), table_a, table_b);
+}
+
+static void block_pairs(int format, const float *x, int64_t m, int64_t ldx, int64_t k, const uint8_t *w,
+                        int64_t row_bytes, float *y, int64_t ldy, int64_t *first, int64_t last) {
+#define FORMAT(f) case f: pair_products(block_pair, block_scale, f, BLOCK, x, m, ldx, k, w, row_bytes, y, ldy, first, \
+                                        last); return;
+    switch (format) { /* a copy for each format, its tests on `format` gone */
+    FORMAT(Q4_0) FORMAT(Q4_1) FORMAT(Q8_0) FORMAT(F16) FORMAT(BF16)
+    }
+#undef FORMAT
+}
+#endif
+
 void matmul_blocks(int format, const float *x, int64_t m, int64_t ldx, int64_t k, const uint8_t *w, float *y,
                    int64_t ldy, int64_t first, int64_t last) {
     int64_t row_bytes = k / BLOCK * block_bytes(format), j = first;
+#ifdef PAIRS_512
+    block_pairs(format, x, m, ldx, k, w, row_bytes, y, ldy, &j, last); /* all but a few rows, two at a time */
+#endif
     if (m == 1)
         for (; j + WIDE <= last; j += WIDE)
             wide_block(format, x, k, w + j * row_bytes, row_bytes, y + j);

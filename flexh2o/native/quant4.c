@@ -12,6 +12,7 @@ threads.
 #include <math.h>
 
 #include "common.h"
+#include "pairs.h"
 
 #define GROUP 64
 #define HALF (GROUP / 2)
@@ -269,9 +270,32 @@ static void wide_block(const float *x, int64_t k, const uint8_t *record, int64_t
         y[c] = sum8(acc[c]);
 }
 
+#ifdef PAIRS_512
+/* scale_at for quant.py's groups. */
+static ALWAYS_INLINE int64_t group_scale(int format, int64_t group) {
+    (void)format;
+    return group * GROUP_BYTES + HALF;
+}
+
+/* pair_values for quant.py's groups: group `group` of rows a and b, the low nibbles' values first. */
+static ALWAYS_INLINE void group_pair(int format, const uint8_t *a, const uint8_t *b, int64_t group, const float s[4],
+                                     __m512 w[8]) {
+    (void)format;
+    int64_t at = group * GROUP_BYTES;
+    __m512i raw = pair_of_32(a + at, b + at);
+    __m512 table_a = code_table(s[0], s[1], 0), table_b = code_table(s[2], s[3], 0);
+    __m512i low = nibbles(raw, HALF), high = nibbles(_mm512_srli_epi16(raw, 4), HALF);
+    for (int q = 0; q < 8; q++)
+        w[q] = looked_up(q < 4 ? low : high, picks(8 * (q % 4), HALF + 8 * (q % 4), 0), table_a, table_b);
+}
+#endif
+
 void matmul_groups(const float *x, int64_t m, int64_t ldx, int64_t k, const uint8_t *w, float *y, int64_t ldy,
                    int64_t first, int64_t last) {
     int64_t record_bytes = k / GROUP * GROUP_BYTES, j = first;
+#ifdef PAIRS_512
+    pair_products(group_pair, group_scale, 0, GROUP, x, m, ldx, k, w, record_bytes, y, ldy, &j, last); /* most rows */
+#endif
     if (m == 1)
         for (; j + WIDE <= last; j += WIDE)
             wide_block(x, k, w + j * record_bytes, record_bytes, y + j);
