@@ -87,12 +87,17 @@ def _unraisable(hook_args, default=sys.unraisablehook):
     """A Stopped raised while a finalizer ran (a progress bar's __del__, collected at that moment)
     is swallowed there, with a traceback on stderr: the same signal is sent again a moment later,
     from another thread (here, its handler would run inside this hook and be swallowed too), so the
-    run still stops, with its one line."""
+    run still stops, with its one line. `raised` stays set until that thread sends it: a signal
+    landing while the thread starts (a wait, in this hook) must be noted, not raised and swallowed."""
     if isinstance(hook_args.exc_value, Stopped) and not _state.closing:
-        _state.raised = False
-        threading.Timer(0.01, os.kill, (os.getpid(), hook_args.exc_value.signum)).start()
+        threading.Timer(0.01, _raise_again, (hook_args.exc_value.signum,)).start()
         return
     default(hook_args)
+
+
+def _raise_again(signum):
+    _state.raised = False
+    os.kill(os.getpid(), signum)
 
 
 @contextmanager

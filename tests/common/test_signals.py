@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import pytest
@@ -267,6 +268,36 @@ def test_a_signal_inside_a_finalizer_still_stops_the_run(monkeypatch, capsys):
 
     def main():
         SignalledWhileCollected()  # collected at once
+        time.sleep(2)
+        return 0
+    try:
+        assert signals.run_stoppable(main) == 128 + INT
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "stopped by SIGINT" in err
+
+
+def test_a_signal_while_the_finalizers_stop_is_sent_again_is_only_noted(monkeypatch, capsys):
+    """A second signal lands while the hook starts the thread that sends the first one again (a
+    storm of signals did, in CI): it must be noted, not raised inside the hook and swallowed there."""
+    monkeypatch.setattr(signals, "_state", signals._State())
+    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
+    old = {s: signal.getsignal(s) for s in signals.HANDLED}
+
+    class SignalledWhileStarting(threading.Timer):
+        def start(self):
+            signal.raise_signal(TERM)
+            super().start()
+    monkeypatch.setattr(signals.threading, "Timer", SignalledWhileStarting)
+
+    class SignalledWhileCollected:
+        def __del__(self):
+            signal.raise_signal(INT)
+
+    def main():
+        SignalledWhileCollected()
         time.sleep(2)
         return 0
     try:
