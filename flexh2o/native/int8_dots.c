@@ -211,19 +211,30 @@ static inline __attribute__((always_inline)) void tile(int format, const uint8_t
                                          low[r]);
         }
     }
+    if (pairs == blocks) { /* pair_result's sums, in registers */
+        for (int r = 0; r < rows; r++) {
+            float lows[2 * COLS];
+            _mm256_storeu_ps(lows, _mm256_hadd_ps(low[r], low[r])); /* L[0] + L[1] of weight rows 0, 1, -, -, 2, 3 */
+            for (int c = 0; c < cols; c++) {
+                __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][c]), 1));
+                float sum = sum8(_mm256_add_ps(_mm512_castps512_ps256(acc[r][c]), high));
+                y[r * ldy + c] = format == Q8_0 ? sum : sum + lows[c + (c & 2)];
+            }
+        }
+        return;
+    }
     float A[ROWS][COLS][16], lows[ROWS][2 * COLS];
     for (int r = 0; r < rows; r++) {
         _mm256_storeu_ps(lows[r], low[r]);
         for (int c = 0; c < cols; c++)
             _mm512_storeu_ps(A[r][c], acc[r][c]);
     }
-    for (int r = 0; r < rows; r++) {
+    for (int r = 0; r < rows; r++) { /* an odd count: the last block, even, in plain C */
         const uint8_t *row = qx + r * qrow;
         const float *dx = (const float *)(row + k);
         for (int c = 0; c < cols; c++) {
-            if (pairs < blocks) /* an odd count: the last block, even */
-                block_step(format, w + c * wrow + pairs * bytes, (const int8_t *)row + pairs * BLOCK, dx[pairs],
-                           dx[blocks + pairs], A[r][c], lows[r] + 2 * c);
+            block_step(format, w + c * wrow + pairs * bytes, (const int8_t *)row + pairs * BLOCK, dx[pairs],
+                       dx[blocks + pairs], A[r][c], lows[r] + 2 * c);
             y[r * ldy + c] = pair_result(format, A[r][c], lows[r] + 2 * c);
         }
     }

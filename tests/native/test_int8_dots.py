@@ -89,15 +89,16 @@ def test_the_product_is_the_quantized_rows_product_and_near_float32s(fmt, m, n, 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_rows_product_is_the_same_alone_as_among_others(fmt, threads, monkeypatch):
     """Among others, rows go four at a time; weight rows four at a time, the last 53 % 4 one by
-    one; 5 blocks a row, an odd count. A row's result is the same bits every way."""
-    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
-    blocks, _ = weights(fmt, 53, 160)
-    x = activations(9, 160, seed=4)
-    together = grouped_weight.matmul(x, blocks, 160, fmt, int8=True)
-    for r in range(9):
-        assert torch.equal(grouped_weight.matmul(x[r:r + 1], blocks, 160, fmt, int8=True), together[r:r + 1]), r
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 3 - threads)
-    assert torch.equal(grouped_weight.matmul(x, blocks, 160, fmt, int8=True), together)
+    one; 5 or 6 blocks a row. A row's result is the same bits every way."""
+    for k in (160, 192):
+        monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+        blocks, _ = weights(fmt, 53, k)
+        x = activations(9, k, seed=4)
+        together = grouped_weight.matmul(x, blocks, k, fmt, int8=True)
+        for r in range(9):
+            assert torch.equal(grouped_weight.matmul(x[r:r + 1], blocks, k, fmt, int8=True), together[r:r + 1]), r
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 3 - threads)
+        assert torch.equal(grouped_weight.matmul(x, blocks, k, fmt, int8=True), together)
 
 
 def test_a_row_that_is_not_finite_is_nan_and_leaves_the_others_alone():
@@ -136,11 +137,12 @@ def test_every_path_gives_the_same_bits(tmp_path, path):
     lib = built_alone(tmp_path, PATHS[path])
     if lib is None:
         pytest.skip(f"the compiler cannot build the {path} path here")
-    x = activations(6, 160, seed=2)
-    assert torch.equal(quantized_by_c(lib, x), quantized_by_c(native.library(), x))
-    for fmt in FORMATS:
-        blocks, _ = weights(fmt, 23, 160)
-        y = torch.empty(6, 23)
-        assert lib.matmul_int8(gguf_blocks.NATIVE_FORMATS[fmt], x.data_ptr(), 6, 160, 160, blocks.data_ptr(),
-                               y.data_ptr(), 23, 23, 2) == 0
-        assert torch.equal(y, grouped_weight.matmul(x, blocks, 160, fmt, int8=True)), fmt
+    for k in (160, 192):  # an odd and an even count of blocks
+        x = activations(6, k, seed=2)
+        assert torch.equal(quantized_by_c(lib, x), quantized_by_c(native.library(), x))
+        for fmt in FORMATS:
+            blocks, _ = weights(fmt, 23, k)
+            y = torch.empty(6, 23)
+            assert lib.matmul_int8(gguf_blocks.NATIVE_FORMATS[fmt], x.data_ptr(), 6, k, k, blocks.data_ptr(),
+                                   y.data_ptr(), 23, 23, 2) == 0
+            assert torch.equal(y, grouped_weight.matmul(x, blocks, k, fmt, int8=True)), (fmt, k)
