@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_kv_flags(p)
     p.add_argument("--compress-weight", action="store_true", help="weights as 4-bit groups of 64")
     p.add_argument("--compress-cache", action="store_true", help="the KV cache as 4-bit groups of 64")
+    p.add_argument("--int8-activations", action="store_true",
+                   help="float32 on the CPU: a GGUF file's Q4_0/Q4_1/Q8_0 matrices multiplied at few rows (the fed "
+                        "tokens' steps) with int8 activations, as llama.cpp does")
     p.add_argument("--num-gpu-batches", type=int, default=1, metavar="N",
                    help="the windows split into this many gpu-batches")
     p.add_argument("--agreement", action="store_true",
@@ -102,7 +105,7 @@ def evaluate(args) -> dict:
         raise UsageError("--num-gpu-batches", f"must divide --windows {args.windows}, got {args.num_gpu_batches}")
     policy = Policy(args.windows // args.num_gpu_batches, args.num_gpu_batches, kv_policy=args.kv_policy,
                     hh_ratio=args.hh_ratio, recent_ratio=args.recent_ratio, compress_weight=args.compress_weight,
-                    compress_cache=args.compress_cache)
+                    compress_cache=args.compress_cache, int8_activations=args.int8_activations)
     spec, weights_dir = resolve_model(args.model, args.path)
     if args.prompt_len + args.eval_len > spec.max_positions:
         raise UsageError("--prompt-len/--eval-len", f"{args.prompt_len} + {args.eval_len} exceeds the "
@@ -151,7 +154,8 @@ def describe(r: dict) -> str:
              f"model sha256: {r['model_sha256'] or 'none (dummy weights)'}\tdtype: {r['dtype']}\t"
              f"flexh2o: {r['flexh2o_version']}",
              f"kv cache: {kv}" + (", weights compressed" if p["compress_weight"] else "")
-             + (", cache compressed" if p["compress_cache"] else ""),
+             + (", cache compressed" if p["compress_cache"] else "")
+             + (", int8 activations" if p.get("int8_activations") else ""),
              f"perplexity: {r['ppl']:.4f} over {r['tokens_scored']} tokens (mean NLL {r['mean_nll']:.4f})"]
     if "agreement" in r:
         lines.append(f"full cache, uncompressed: perplexity {r['full_cache_ppl']:.4f}; greedy tokens agree "

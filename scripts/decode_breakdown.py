@@ -29,6 +29,7 @@ import contextlib
 import io
 import json
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -100,14 +101,15 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def run_flexh2o(batch: int, a, timers: Timers) -> dict:
+def run_flexh2o(batch: int, a, timers: Timers, extra=()) -> dict:
+    """One run's decode step and its parts; `extra`: more flexh2o.run flags (--flexh2o-flags)."""
     from bench_vs_llamacpp import flexh2o_flags
     from flexh2o.run import main
     timers.seconds = dict.fromkeys(PARTS, 0.0)
     with tempfile.TemporaryDirectory() as work:
         out = os.path.join(work, "run.json")
         with contextlib.redirect_stdout(io.StringIO()):  # (the run's own report)
-            code = main(flexh2o_flags(batch, a, out))
+            code = main(flexh2o_flags(batch, a, out) + list(extra))
         if code != 0:
             raise RuntimeError(f"flexh2o.run exited {code}")
         with open(out) as f:
@@ -151,6 +153,8 @@ def main():
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--no-llama", action="store_true", help="flexh2o's breakdown only")
+    p.add_argument("--flexh2o-flags", default="", metavar="FLAGS",
+                   help="more flags for flexh2o's runs, e.g. --flexh2o-flags=--int8-activations")
     p.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "flexh2o_bench_llamacpp"))
     p.add_argument("--out", default=os.path.join(REPO, "results", "decode_breakdown"))
     a = p.parse_args()
@@ -164,7 +168,7 @@ def main():
     best, skipped = {}, None
     for _ in range(a.rounds):  # interleaved; each batch's fastest flexh2o step, with its parts, and llama.cpp's
         for batch in a.batches:
-            row = {"batch": batch, **run_flexh2o(batch, a, timers)}
+            row = {"batch": batch, **run_flexh2o(batch, a, timers, shlex.split(a.flexh2o_flags))}
             row["floor_s"] = row["weight_bytes"] / bandwidth
             print(json.dumps(row), flush=True)
             llama = best.get(batch, {}).get("llama_step_s")
@@ -180,10 +184,12 @@ def main():
                 best[batch]["llama_step_s"] = llama
     rows = [best[b] for b in a.batches]
     r = {"machine": describe_machine(), "model": os.path.basename(a.model), "dtype": a.dtype,
+         "flexh2o_flags": a.flexh2o_flags,
          "prompt_len": a.prompt_len, "gen_len": a.gen_len, "threads": a.threads, "rounds": a.rounds,
          "read_bandwidth_bytes_s": bandwidth, "llama_cpp_skipped": skipped, "rows": rows}
     write_json_atomic(a.out + ".json", r)
-    text = (f"# One decode step, part by part\n\n`python scripts/decode_breakdown.py`: {r['model']}, {a.dtype}, "
+    command = "python scripts/decode_breakdown.py" + (f" --flexh2o-flags={a.flexh2o_flags}" if a.flexh2o_flags else "")
+    text = (f"# One decode step, part by part\n\n`{command}`: {r['model']}, {a.dtype}, "
             f"{a.prompt_len} + {a.gen_len} tokens, {a.threads} threads, best of {a.rounds} interleaved rounds; "
             f"measured read bandwidth "
             f"{bandwidth / 1e9:.1f} GB/s; floor = weight bytes placed / bandwidth.\n\n{table(r)}\n\n"

@@ -100,7 +100,8 @@ def run(args) -> int:
                     w_gpu, w_cpu, c_gpu, c_cpu, a_gpu, a_cpu,
                     overlap=args.overlap, cpu_cache_compute=args.cpu_cache_compute, kv_policy=args.kv_policy,
                     hh_ratio=args.hh_ratio, recent_ratio=args.recent_ratio,
-                    compress_weight=args.compress_weight, compress_cache=args.compress_cache)
+                    compress_weight=args.compress_weight, compress_cache=args.compress_cache,
+                    int8_activations=args.int8_activations)
     caps = {f"{t}_mem": parse_size(getattr(args, f"{t}_mem"), f"--{t}-mem")
             for t in ("gpu", "cpu", "disk") if getattr(args, f"{t}_mem") is not None}
     if args.max_memory is not None:

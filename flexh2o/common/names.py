@@ -72,6 +72,10 @@ def add_engine_flags(parser):
                    help="store weight matrices as 4-bit groups of 64 (4.5 bits per value) on every tier")
     p.add_argument("--compress-cache", action="store_true",
                    help="store the KV cache as 4-bit groups of 64 along head_dim on every tier")
+    p.add_argument("--int8-activations", action="store_true",
+                   help="float32 on the CPU: multiply a GGUF file's Q4_0/Q4_1/Q8_0 matrices at few rows (decode) "
+                        "with each row of activations quantized to int8, as llama.cpp does: faster, but results "
+                        "differ from float32's (results/int8_activations.md)")
     for tier in ("gpu", "cpu", "disk"):
         p.add_argument(f"--{tier}-mem", metavar="SIZE", help=f"cap on the {tier} tier, e.g. 16GB (default: detected)")
     p.add_argument("--max-memory", metavar="SIZE",

@@ -9,7 +9,8 @@ import torch
 from flexh2o.common.arguments import shown, switch, text, whole
 from flexh2o.offload.disk import DiskStore
 from flexh2o.offload.offload_dir import check_offload_dir
-from flexh2o.common.messages import progress_bar
+from flexh2o.common.messages import progress_bar, say
+from flexh2o.compression import int8_activations
 from flexh2o.common.errors import UsageError
 from flexh2o.kv import make_policy
 from flexh2o.host.cpu_limit import fit_threads
@@ -155,6 +156,9 @@ class Engine:
             source = GGUFWeights(weights_dir) if is_gguf(weights_dir) else \
                 CheckpointWeights(weights_dir, "--path" if weights_dir == path else "--model")
         spec = with_stored_formats(spec, source.stored_formats() if hasattr(source, "stored_formats") else ())
+        note = int8_activations.check(device.type, dtype, spec.stored_formats) if policy.int8_activations else None
+        if note is not None:
+            say(f"note: {note}")
         layers, indices, cache_spec = spec.build_layers(), None, spec
         if stage is not None:
             check_stage_count(stage.count, spec)
@@ -181,7 +185,7 @@ class Engine:
         if before_loading is not None:
             before_loading()
         disk = DiskStore(offload_dir, bypass_page_cache, flush_writes=caps["limit"] is not None) if uses_disk else None
-        tiers = Tiers(device, dtype, disk, overlap=policy.overlap)
+        tiers = Tiers(device, dtype, disk, overlap=policy.overlap, int8_activations=policy.int8_activations)
         try:
             prefetch = getattr(source, "prefetch", lambda names: None)
             with progress_bar(layers, desc="load weights", unit="layer", disable=not progress, leave=False) as bar:

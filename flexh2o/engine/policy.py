@@ -30,6 +30,9 @@ class Policy:
     hh_ratio, recent_ratio: an evicting policy's heavy-hitter and recent slots per sequence, as
         shares of its prompt length (recent_ratio None: the same as hh_ratio).
     compress_weight, compress_cache: store the weights / KV cache as 4-bit groups.
+    int8_activations: in a float32 run on the CPU, multiply a GGUF file's Q4_0/Q4_1/Q8_0 matrices
+        with int8 activations at few rows, as llama.cpp does (compression/int8_activations.py):
+        faster, results within about 1e-3 of float32's (results/int8_activations.md).
     """
     gpu_batch_size: int = 4
     num_gpu_batches: int = 1
@@ -51,6 +54,7 @@ class Policy:
     # stored compressed on every tier and dequantized right before use.
     compress_weight: bool = False
     compress_cache: bool = False
+    int8_activations: bool = False
 
     def __post_init__(self):
         for name in ("gpu_batch_size", "num_gpu_batches"):

@@ -73,12 +73,14 @@ def check_job_names(args):
 def job_settings(args, spec, dtype: str, model_digest: str | None) -> dict:
     """What the output's records depend on: a resumed job must match them (placement and batch do
     not). dtype: the one the run computes in, as resolved (a default is recorded as what it chose);
-    model_digest: its files' SHA-256 (fingerprint.py)."""
+    model_digest: its files' SHA-256 (fingerprint.py). int8_activations is recorded only where on,
+    so the settings of a job begun before the option existed still match a run without it."""
     return {"model": spec.name, "path": args.path, "model_sha256": model_digest, "dtype": dtype, "input": args.input,
             "kv_policy": args.kv_policy, "hh_ratio": args.hh_ratio, "recent_ratio": args.recent_ratio,
             "compress_weight": args.compress_weight, "compress_cache": args.compress_cache, "chat": args.chat,
             "max_tokens": args.gen_len, "do_sample": args.do_sample, "temperature": args.temperature,
-            "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "stop_at_eos": args.stop_at_eos}
+            "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "stop_at_eos": args.stop_at_eos,
+            **({"int8_activations": True} if args.int8_activations else {})}
 
 
 def run_job(args, policy, spec, weights_dir, device, dtype, caps, planning: bool, replica=None) -> int:

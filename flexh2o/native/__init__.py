@@ -27,7 +27,7 @@ from flexh2o.common.cache_dir import cache_dir as flexh2o_cache_dir
 from flexh2o.common.json_data import BadJson, parse_json
 from flexh2o.common.output_files import write_json_atomic
 
-SOURCES = ("quant4.c", "blocks.c", "attention.c", "layer_ops.c")
+SOURCES = ("quant4.c", "blocks.c", "attention.c", "layer_ops.c", "int8_dots.c")
 HEADERS = ("common.h", "pairs.h")  # hashed with the sources: a change to them is a new build
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
 OPENMP = "-fopenmp"  # the products' threads (a compiler without it builds them single-threaded)
@@ -241,6 +241,20 @@ def _declare(lib):
     lib.decode_attention.restype = ctypes.c_int
     lib.quantize_rows.restype = i64
     lib.dequantize_rows.restype = lib.dequantize_blocks.restype = lib.matmul_all.restype = None
+    _declare_int8(lib)
+
+
+def _declare_int8(lib):
+    """int8_dots.c's functions (a build of that file alone takes them too)."""
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.int8_row_bytes.argtypes = [i64]
+    lib.int8_row_bytes.restype = i64
+    lib.quantize_int8.argtypes = [ptr, i64, i64, i64, ptr]
+    lib.quantize_int8.restype = None
+    lib.matmul_int8_rows.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, ptr, i64, i64, i64]
+    lib.matmul_int8_rows.restype = None
+    lib.matmul_int8.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, ptr, i64, i64, ctypes.c_int]
+    lib.matmul_int8.restype = ctypes.c_int
 
 
 PARALLEL_VALUES = 1 << 18  # below this many values a kernel runs on the calling thread alone

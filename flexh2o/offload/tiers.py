@@ -36,9 +36,11 @@ def copy_in_memory(dst: torch.Tensor, src: torch.Tensor):
 
 
 class Tiers(WeightIO, Buffers):
-    def __init__(self, device, dtype: torch.dtype, disk=None, overlap: bool = True, io_threads: int = 2):
+    def __init__(self, device, dtype: torch.dtype, disk=None, overlap: bool = True, io_threads: int = 2,
+                 int8_activations: bool = False):
         super().__init__(device, dtype)
         self.disk = disk
+        self.int8_activations = int8_activations  # GGUF blocks multiplied with int8 activations (weight_io.py)
         self.io = IOThreads(io_threads) if overlap else None
         self.io_threads = io_threads
         self.io_tasks = 0  # I/O tasks queued (with overlap off: run inline)

@@ -22,6 +22,7 @@ from flexh2o import native
 from flexh2o.compression import gpu_dequant, int4_tiles
 from flexh2o.offload.buffers import TIERS
 from flexh2o.compression.grouped_weight import GroupedWeight
+from flexh2o.compression.int8_activations import FORMATS as INT8_FORMATS
 from flexh2o.offload.io_tasks import IOTaskError, Pending
 from flexh2o.offload.placed import Placed, Segment
 from flexh2o.compression.quant import Packed, dequantize_as, quantize
@@ -269,7 +270,7 @@ class WeightIO:
             def as_stored(data):
                 if placed.tiled:
                     return int4_tiles.TiledWeight(data, k, take and take())
-                return GroupedWeight(data, k, take, placed.fmt)
+                return GroupedWeight(data, k, take, placed.fmt, self.int8_activations and placed.fmt in INT8_FORMATS)
             if whole is not None:
                 return Pending(as_stored(whole))
             packed = self.buffer(placed.shape, placed.dtype)

@@ -32,7 +32,8 @@ def run_flags(policy) -> list[str]:
         flags += [f"--kv-policy {policy.kv_policy}", f"--hh-ratio {policy.hh_ratio:g}",
                   f"--recent-ratio {policy.effective_recent_ratio:g}"]
     switches = (("--no-overlap", not policy.overlap), ("--cpu-cache-compute", policy.cpu_cache_compute),
-                ("--compress-weight", policy.compress_weight), ("--compress-cache", policy.compress_cache))
+                ("--compress-weight", policy.compress_weight), ("--compress-cache", policy.compress_cache),
+                ("--int8-activations", policy.int8_activations))
     flags += [flag for flag, on in switches if on]
     return flags
 

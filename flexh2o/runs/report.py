@@ -151,7 +151,8 @@ def format_report(r: dict) -> str:
     p = r["policy"]
     device = tier_label("gpu", r["device"])
     lines = [
-        f"model: {r['model']}\tweights: {r['weights']}\tdevice: {r['device']}\tdtype: {r['dtype']}",
+        f"model: {r['model']}\tweights: {r['weights']}\tdevice: {r['device']}\tdtype: {r['dtype']}"
+        + (" (the blocks' products of few rows with int8 activations)" if p.get("int8_activations") else ""),
         f"model sha256: {r['model_sha256'] or 'none (dummy weights)'}\tflexh2o: {r['flexh2o_version']}",
         f"batch: {r['batch_size']} ({p['gpu_batch_size']} x {p['num_gpu_batches']} gpu-batches)\t"
         f"prompt_len: {r['prompt_len']}\tgen_len: {r['gen_len']}"

@@ -48,6 +48,7 @@ FLAGS = [
     (["--model", "gpt-17"], "--model", "unknown model 'gpt-17'"),
     (["--path", "/nonexistent/weights"], "--path", "does not exist"),
     (["--dtype", "int3"], "--dtype", "accepted: float16, bfloat16, float32"),
+    (["--int8-activations", "--dtype", "bfloat16"], "--int8-activations", "applies to float32 runs"),
     (["--device", "tpu"], "--device", "accepted: cpu, cuda"),
     (["--gen-len", "0"], "--gen-len", "positive integer"),
     (["--top-p", "1.5", "--do-sample"], "--top-p", "within (0, 1]"),

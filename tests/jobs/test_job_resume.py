@@ -242,6 +242,19 @@ def test_resuming_with_other_settings_is_refused_unless_overwrite(model_with_tok
     assert all(r["completion_tokens"] <= 3 for r in records(out).values())
 
 
+def test_resuming_with_int8_activations_switched_is_refused(model_with_tokenizer, mixed_prompts, tmp_path, capsys):
+    """The option changes records; a job begun without it records nothing of it (as jobs begun
+    before it existed), so only a switch is refused."""
+    path, _ = mixed_prompts
+    out = tmp_path / "out.jsonl"
+    assert run(model_with_tokenizer, path, out, "--gpu-batch-size", "5", "--gen-len", "2") == 0
+    assert "int8_activations" not in open(str(out) + ".job.json").read()
+    capsys.readouterr()
+    assert run(model_with_tokenizer, path, out, "--gpu-batch-size", "5", "--gen-len", "2", "--int8-activations") == 2
+    err = capsys.readouterr().err
+    assert "int8_activations=None, this run has True" in err and "another --output" in err
+
+
 def test_resuming_with_another_version_of_the_model_files_is_refused(model_with_tokenizer, mixed_prompts, tmp_path,
                                                                      capsys):
     path, _ = mixed_prompts

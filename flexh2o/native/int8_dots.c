@@ -1,0 +1,395 @@
+/* GGUF's Q4_0, Q4_1 and Q8_0 blocks multiplied by int8 activations, as llama.cpp multiplies them:
+each row of x is quantized alone, per block of 32 values, to signed bytes q with a float scale
+dx = max|x| / 127 (x * 127 / max|x| rounded to nearest) and the block's sum sx = dx * (sum of q),
+and a weight block against it is one integer dot product.
+
+A weight value is q * dw + mw with Q4_1's minimum mw, Q4_0's (q - 8) * dw taken as mw = -8 dw, and
+Q8_0's signed q * dw with no mw. So block b adds dw * dx * <q, qx> + mw * sx. Its integer dot is
+kept as eight partial sums of four neighbouring products (the int32 lanes vpdpbusd, or maddubs
+then madd, leave in a 256-bit vector); each lane is made a float, multiplied by dw, and added times
+dx (a fused multiply-add) into one of sixteen float sums A: the even blocks' eight lanes, then the
+odd blocks'. The mw * sx terms go by fused multiply-adds into two sums L, the even blocks' and the
+odd ones'. Each sum takes its blocks in order; at the end y = sum8(A[l] + A[8 + l]) + (L[0] + L[1])
+with common.h's sum8 order. Every path (AVX512-VNNI, AVX-VNNI or AVX2, plain C) does exactly these
+operations, so all give the same bits, and a (row of x, weight row) result does not depend on the
+other rows or the threads.
+
+A block of x whose values are not all finite gets a NaN scale, so its rows' results are NaN.
+A quantized row: its k bytes q, then its k / 32 scales dx, then its k / 32 sums sx (floats).
+*/
+
+#include <float.h>
+#include <math.h>
+#include <stdlib.h>
+
+#include "common.h"
+
+#define BLOCK 32
+enum int8_format { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 }; /* blocks.c's numbers */
+
+static int64_t weight_block_bytes(int format) {
+    return format == Q4_0 ? 18 : format == Q4_1 ? 20 : 34;
+}
+
+int64_t int8_row_bytes(int64_t k) {
+    return k + 8 * (k / BLOCK);
+}
+
+static float half_value(const uint8_t *p) {
+    uint16_t bits;
+    memcpy(&bits, p, 2);
+    return (float)f16_from_bits(bits);
+}
+
+/* q, dx and sx of a block whose largest magnitude is amax; `bad`: a value not finite. */
+static void finish_block(const float *v, float amax, int bad, int8_t *q, float *dx, float *sx) {
+    if (bad) {
+        memset(q, 0, BLOCK);
+        *dx = *sx = NAN;
+        return;
+    }
+    float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int sum = 0;
+    for (int i = 0; i < BLOCK; i++) {
+        q[i] = (int8_t)nearbyintf(v[i] * inverse);
+        sum += q[i];
+    }
+    *dx = amax / 127.0f;
+    *sx = *dx * (float)sum;
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+static void quantize_block(const float *v, int8_t *q, float *dx, float *sx) {
+    __m256 sign = _mm256_set1_ps(-0.0f), largest = _mm256_setzero_ps(), beyond = _mm256_setzero_ps();
+    __m256 x[4];
+    for (int j = 0; j < 4; j++) {
+        x[j] = _mm256_loadu_ps(v + 8 * j);
+        __m256 a = _mm256_andnot_ps(sign, x[j]);
+        largest = _mm256_max_ps(a, largest);
+        beyond = _mm256_or_ps(beyond, _mm256_cmp_ps(a, _mm256_set1_ps(FLT_MAX), _CMP_NLE_UQ));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(largest), _mm256_extractf128_ps(largest, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    float amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+    if (_mm256_movemask_ps(beyond)) {
+        finish_block(v, amax, 1, q, dx, sx);
+        return;
+    }
+    __m256 inverse = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    __m256i c[4], sum = _mm256_setzero_si256();
+    for (int j = 0; j < 4; j++) {
+        c[j] = _mm256_cvtps_epi32(_mm256_mul_ps(x[j], inverse)); /* to nearest, ties to even: nearbyintf's */
+        sum = _mm256_add_epi32(sum, c[j]);
+    }
+    __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+    bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)q, bytes);
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    *dx = amax / 127.0f;
+    *sx = *dx * (float)_mm_cvtsi128_si32(s);
+}
+#else
+static void quantize_block(const float *v, int8_t *q, float *dx, float *sx) {
+    float amax = 0.0f;
+    int bad = 0;
+    for (int i = 0; i < BLOCK; i++) {
+        float a = fabsf(v[i]);
+        amax = a > amax ? a : amax;
+        bad |= !(a <= FLT_MAX);
+    }
+    finish_block(v, amax, bad, q, dx, sx);
+}
+#endif
+
+static void quantize_row(const float *x, int64_t k, uint8_t *out) {
+    int64_t blocks = k / BLOCK;
+    float *dx = (float *)(out + k);
+    for (int64_t b = 0; b < blocks; b++)
+        quantize_block(x + b * BLOCK, (int8_t *)out + b * BLOCK, dx + b, dx + blocks + b);
+}
+
+/* rows of x [m, k] (row stride ldx) into m quantized rows of int8_row_bytes(k) bytes each. */
+void quantize_int8(const float *x, int64_t m, int64_t ldx, int64_t k, uint8_t *out) {
+    for (int64_t i = 0; i < m; i++)
+        quantize_row(x + i * ldx, k, out + i * int8_row_bytes(k));
+}
+
+/* The plain C step of a (row of x, weight row) pair: block `block` against the row's block at x
+   (scale dx, sum sx), into the float sums A[8] and L of its parity. */
+static void block_step(int format, const uint8_t *block, const int8_t *x, float dx, float sx, float *A, float *L) {
+    float d = half_value(block);
+    int lanes[8] = {0};
+    for (int v = 0; v < BLOCK; v++) {
+        int q = format == Q8_0 ? ((const int8_t *)block)[2 + v]
+                               : (block[(format == Q4_1 ? 4 : 2) + v % 16] >> (v < 16 ? 0 : 4)) & 15;
+        lanes[v / 4] += q * x[v];
+    }
+    for (int l = 0; l < 8; l++)
+        A[l] = fmaf((float)lanes[l] * d, dx, A[l]);
+    if (format != Q8_0)
+        *L = fmaf(format == Q4_1 ? half_value(block + 2) : -8.0f * d, sx, *L);
+}
+
+/* A pair's result from its sums: A[16] (the even blocks' eight lanes, then the odd ones'), L[2]. */
+static float pair_result(int format, const float *A, const float *L) {
+    float S[8];
+    for (int l = 0; l < 8; l++)
+        S[l] = A[l] + A[8 + l];
+    float sum = ((S[0] + S[4]) + (S[2] + S[6])) + ((S[1] + S[5]) + (S[3] + S[7])); /* common.h's sum8 */
+    return format == Q8_0 ? sum : sum + (L[0] + L[1]);
+}
+
+#define COLS 4 /* weight rows a tile multiplies side by side */
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define ROWS 4
+/* rows (<= ROWS) quantized rows of x against cols (<= COLS) weight rows, two blocks at a time: a
+   512-bit vector holds an even block's eight lanes, then the next odd one's. Inlined with constant
+   arguments, so its arrays are registers. */
+static inline __attribute__((always_inline)) void tile(int format, const uint8_t *qx, int64_t qrow, int rows,
+                                                       const uint8_t *w, int64_t wrow, int cols, int64_t k,
+                                                       float *y, int64_t ldy) {
+    int64_t blocks = k / BLOCK, bytes = weight_block_bytes(format), pairs = blocks / 2 * 2;
+    __m512 acc[ROWS][COLS];
+    __m256 low[ROWS]; /* the mw * sx sums: weight row c's even blocks in lane 2c, its odd ones in 2c + 1 */
+    for (int r = 0; r < rows; r++) {
+        low[r] = _mm256_setzero_ps();
+        for (int c = 0; c < cols; c++)
+            acc[r][c] = _mm512_setzero_ps();
+    }
+    __m512i mask = _mm512_set1_epi8(15), shifts = _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4);
+    __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    __m512i scale_pick = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+    for (int64_t b = 0; b < pairs; b += 2) {
+        __m512i codes[COLS];
+        __m512 dw[COLS];
+        __m128 heads[COLS]; /* the first two words of blocks b and b + 1 as floats: dw, (Q4_1) mw */
+        __mmask64 negative[COLS];
+        for (int c = 0; c < cols; c++) {
+            const uint8_t *even = w + c * wrow + b * bytes, *odd = even + bytes;
+            uint32_t h0, h1;
+            memcpy(&h0, even, 4);
+            memcpy(&h1, odd, 4);
+            heads[c] = _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128((int)h0), (int)h1, 1));
+            dw[c] = _mm512_permutexvar_ps(scale_pick, _mm512_castps128_ps512(heads[c]));
+            if (format == Q8_0) {
+                __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(even + 2))),
+                                               _mm256_loadu_si256((const __m256i *)(odd + 2)), 1);
+                negative[c] = _mm512_movepi8_mask(q);
+                codes[c] = _mm512_abs_epi8(q);
+            } else {
+                int at = format == Q4_1 ? 4 : 2;
+                __m256i two = _mm256_setr_m128i(_mm_loadu_si128((const __m128i *)(even + at)),
+                                                _mm_loadu_si128((const __m128i *)(odd + at)));
+                __m512i z = _mm512_castsi256_si512(two);
+                codes[c] = _mm512_and_si512(_mm512_srlv_epi64(_mm512_shuffle_i64x2(z, z, 0x50), shifts), mask);
+            }
+        }
+        for (int c = cols; c < COLS; c++)
+            heads[c] = _mm_setzero_ps();
+        /* mw of blocks b and b + 1 for each weight row in turn: Q4_1's words 1 and 3, Q4_0's -8 x 0 and 2 */
+        __m256 mws = format == Q4_1 ? _mm256_setr_m128(_mm_shuffle_ps(heads[0], heads[1], 0xdd),
+                                                       _mm_shuffle_ps(heads[2], heads[3], 0xdd))
+                                    : _mm256_mul_ps(_mm256_setr_m128(_mm_shuffle_ps(heads[0], heads[1], 0x88),
+                                                                     _mm_shuffle_ps(heads[2], heads[3], 0x88)),
+                                                    _mm256_set1_ps(-8.0f));
+        for (int r = 0; r < rows; r++) {
+            const uint8_t *row = qx + r * qrow;
+            const float *dx = (const float *)(row + k);
+            __m512i x = _mm512_loadu_si512(row + b * BLOCK);
+            __m512 d = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_castpd_ps(
+                _mm_load_sd((const double *)(dx + b)))));
+            for (int c = 0; c < cols; c++) {
+                __m512i s = format == Q8_0 ? _mm512_mask_sub_epi8(x, negative[c], _mm512_setzero_si512(), x) : x;
+                __m512i lanes = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[c], s);
+                acc[r][c] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(lanes), dw[c]), d, acc[r][c]);
+            }
+            if (format != Q8_0)
+                low[r] = _mm256_fmadd_ps(mws, _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(dx + blocks + b))),
+                                         low[r]);
+        }
+    }
+    if (pairs == blocks) { /* pair_result's sums, in registers */
+        for (int r = 0; r < rows; r++) {
+            float lows[2 * COLS];
+            _mm256_storeu_ps(lows, _mm256_hadd_ps(low[r], low[r])); /* L[0] + L[1] of weight rows 0, 1, -, -, 2, 3 */
+            for (int c = 0; c < cols; c++) {
+                __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][c]), 1));
+                float sum = sum8(_mm256_add_ps(_mm512_castps512_ps256(acc[r][c]), high));
+                y[r * ldy + c] = format == Q8_0 ? sum : sum + lows[c + (c & 2)];
+            }
+        }
+        return;
+    }
+    float A[ROWS][COLS][16], lows[ROWS][2 * COLS];
+    for (int r = 0; r < rows; r++) {
+        _mm256_storeu_ps(lows[r], low[r]);
+        for (int c = 0; c < cols; c++)
+            _mm512_storeu_ps(A[r][c], acc[r][c]);
+    }
+    for (int r = 0; r < rows; r++) { /* an odd count: the last block, even, in plain C */
+        const uint8_t *row = qx + r * qrow;
+        const float *dx = (const float *)(row + k);
+        for (int c = 0; c < cols; c++) {
+            block_step(format, w + c * wrow + pairs * bytes, (const int8_t *)row + pairs * BLOCK, dx[pairs],
+                       dx[blocks + pairs], A[r][c], lows[r] + 2 * c);
+            y[r * ldy + c] = pair_result(format, A[r][c], lows[r] + 2 * c);
+        }
+    }
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define ROWS 1
+/* The eight lane sums of u[i] * s[i], u unsigned, s signed (no product pair reaches the int16 limit
+   of maddubs: a nibble or |Q8_0 code| <= 128 times |x code| <= 127). */
+static inline __m256i lane_dots(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+/* Block b of one quantized row against cols (<= COLS) weight rows, into the sums of b's parity. */
+static inline __attribute__((always_inline)) void step(int format, const uint8_t *row, int64_t k, int64_t b,
+                                                       const uint8_t *w, int64_t wrow, int cols, __m256 *acc,
+                                                       __m128 *low) {
+    int64_t blocks = k / BLOCK, bytes = weight_block_bytes(format);
+    const float *dx = (const float *)(row + k);
+    __m256i x = _mm256_loadu_si256((const __m256i *)(row + b * BLOCK));
+    __m256 d = _mm256_set1_ps(dx[b]);
+    float mw[COLS] = {0};
+    for (int c = 0; c < cols; c++) {
+        const uint8_t *block = w + c * wrow + b * bytes;
+        float h = half_value(block);
+        __m256i codes, s = x;
+        if (format == Q8_0) {
+            __m256i q = _mm256_loadu_si256((const __m256i *)(block + 2));
+            codes = _mm256_abs_epi8(q);
+            s = _mm256_sign_epi8(x, q);
+        } else {
+            __m128i raw = _mm_loadu_si128((const __m128i *)(block + (format == Q4_1 ? 4 : 2)));
+            codes = _mm256_and_si256(_mm256_setr_m128i(raw, _mm_srli_epi16(raw, 4)), _mm256_set1_epi8(15));
+            mw[c] = format == Q4_1 ? half_value(block + 2) : -8.0f * h;
+        }
+        __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(lane_dots(codes, s)), _mm256_set1_ps(h));
+        acc[c] = _mm256_fmadd_ps(scaled, d, acc[c]);
+    }
+    if (format != Q8_0)
+        *low = _mm_fmadd_ps(_mm_setr_ps(mw[0], mw[1], mw[2], mw[3]), _mm_set1_ps(dx[blocks + b]), *low);
+}
+
+/* One quantized row against cols (<= COLS) weight rows: each pair's even and odd blocks in two
+   256-bit sums. Inlined with constant arguments, so its arrays are registers. */
+static inline __attribute__((always_inline)) void tile(int format, const uint8_t *qx, int64_t qrow, int rows,
+                                                       const uint8_t *w, int64_t wrow, int cols, int64_t k,
+                                                       float *y, int64_t ldy) {
+    (void)qrow, (void)rows, (void)ldy;
+    int64_t blocks = k / BLOCK;
+    __m256 acc[2][COLS];
+    __m128 low[2] = {_mm_setzero_ps(), _mm_setzero_ps()};
+    for (int c = 0; c < cols; c++)
+        acc[0][c] = acc[1][c] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 1 < blocks; b += 2) {
+        step(format, qx, k, b, w, wrow, cols, acc[0], &low[0]);
+        step(format, qx, k, b + 1, w, wrow, cols, acc[1], &low[1]);
+    }
+    if (b < blocks)
+        step(format, qx, k, b, w, wrow, cols, acc[0], &low[0]);
+    float lows[2][4];
+    _mm_storeu_ps(lows[0], low[0]);
+    _mm_storeu_ps(lows[1], low[1]);
+    for (int c = 0; c < cols; c++) {
+        float A[16], L[2] = {lows[0][c], lows[1][c]};
+        _mm256_storeu_ps(A, acc[0][c]);
+        _mm256_storeu_ps(A + 8, acc[1][c]);
+        y[c] = pair_result(format, A, L);
+    }
+}
+#endif
+
+#ifdef ROWS
+#define TILE_OF(format, rows, cols) tile(format, qx, qrow, rows, w, wrow, cols, k, y, ldy)
+#define TILE_FOR_EACH_FORMAT(rows, cols) \
+    if (format == Q4_0) TILE_OF(Q4_0, rows, cols); \
+    else if (format == Q4_1) TILE_OF(Q4_1, rows, cols); \
+    else TILE_OF(Q8_0, rows, cols)
+
+static void full_tile(int format, const uint8_t *qx, int64_t qrow, const uint8_t *w, int64_t wrow, int64_t k,
+                      float *y, int64_t ldy) {
+    TILE_FOR_EACH_FORMAT(ROWS, COLS);
+}
+
+static void row_tile(int format, const uint8_t *qx, int64_t qrow, const uint8_t *w, int64_t wrow, int64_t k,
+                     float *y, int64_t ldy) {
+    TILE_FOR_EACH_FORMAT(1, COLS);
+}
+
+static void one_pair(int format, const uint8_t *qx, int64_t qrow, const uint8_t *w, int64_t wrow, int64_t k,
+                     float *y, int64_t ldy) {
+    TILE_FOR_EACH_FORMAT(1, 1);
+}
+
+/* y[i, j] for the quantized rows i < m and the weight rows first <= j < last. */
+void matmul_int8_rows(int format, const uint8_t *qx, int64_t m, int64_t k, const uint8_t *w, float *y, int64_t ldy,
+                      int64_t first, int64_t last) {
+    int64_t qrow = int8_row_bytes(k), wrow = k / BLOCK * weight_block_bytes(format);
+    for (int64_t j = first; j < last; j += COLS) {
+        const uint8_t *wj = w + j * wrow;
+        for (int64_t i = 0; i < m;) {
+            const uint8_t *xi = qx + i * qrow;
+            float *yij = y + i * ldy + j;
+            if (last - j < COLS) {
+                for (int64_t c = 0; c < last - j; c++)
+                    one_pair(format, xi, qrow, wj + c * wrow, wrow, k, yij + c, ldy);
+                i++;
+            } else if (m - i >= ROWS) {
+                full_tile(format, xi, qrow, wj, wrow, k, yij, ldy);
+                i += ROWS;
+            } else {
+                row_tile(format, xi, qrow, wj, wrow, k, yij, ldy);
+                i++;
+            }
+        }
+    }
+}
+#else
+void matmul_int8_rows(int format, const uint8_t *qx, int64_t m, int64_t k, const uint8_t *w, float *y, int64_t ldy,
+                      int64_t first, int64_t last) {
+    int64_t blocks = k / BLOCK, bytes = weight_block_bytes(format), qrow = int8_row_bytes(k);
+    for (int64_t i = 0; i < m; i++) {
+        const int8_t *x = (const int8_t *)(qx + i * qrow);
+        const float *dx = (const float *)(qx + i * qrow + k);
+        for (int64_t j = first; j < last; j++) {
+            float A[16] = {0}, L[2] = {0};
+            for (int64_t b = 0; b < blocks; b++)
+                block_step(format, w + (j * blocks + b) * bytes, x + b * BLOCK, dx[b], dx[blocks + b], A + 8 * (b % 2),
+                           L + b % 2);
+            y[i * ldy + j] = pair_result(format, A, L);
+        }
+    }
+}
+#endif
+
+/* y[i, j] = the product of row i of x (float32 [m, k], row stride ldx) with weight row j (blocks of
+   `format`), j < n, y's row stride ldy: x quantized on the calling thread (a few microseconds at 32
+   rows; handing it to the threads would cost a second wait for all of them), then the weight rows
+   split over `threads` in chunks of 16. Returns 0, or -1 where no memory was left for the quantized
+   rows. */
+#define CHUNK 16
+int matmul_int8(int format, const float *x, int64_t m, int64_t ldx, int64_t k, const uint8_t *w, float *y,
+                int64_t ldy, int64_t n, int threads) {
+    uint8_t *qx = malloc((size_t)(m * int8_row_bytes(k)));
+    if (qx == NULL)
+        return -1;
+    quantize_int8(x, m, ldx, k, qx);
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t j = 0; j < n; j += CHUNK)
+        matmul_int8_rows(format, qx, m, k, w, y, ldy, j, j + CHUNK < n ? j + CHUNK : n);
+    free(qx);
+    return 0;
+}
