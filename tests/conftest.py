@@ -4,6 +4,7 @@ and the sub-directories' helpers on the path."""
 import json
 import os
 import re
+import shutil
 import sys
 import threading
 
@@ -213,10 +214,21 @@ TEST_CPU_PROFILE = {
 }
 
 
+def with_the_kernels(home):
+    """home, an XDG_CACHE_HOME, given the C kernels this process built (library() and its record):
+    a subprocess that uses it loads them instead of building them again (seconds a build)."""
+    lib = native.library()
+    if lib is not None:
+        (home / "flexh2o" / "native").mkdir(parents=True, exist_ok=True)
+        for path in (lib._name, native.record_path(lib._name)):
+            shutil.copy2(path, home / "flexh2o" / "native")
+    return home
+
+
 @pytest.fixture(scope="session", autouse=True)
 def test_cache_home(tmp_path_factory):
-    """XDG_CACHE_HOME of the whole session (subprocesses inherit it), holding TEST_CPU_PROFILE."""
-    home = tmp_path_factory.mktemp("cache_home")
+    """XDG_CACHE_HOME of the whole session (subprocesses inherit it), holding TEST_CPU_PROFILE and the kernels."""
+    home = with_the_kernels(tmp_path_factory.mktemp("cache_home"))
     (home / "flexh2o" / "hardware").mkdir(parents=True)
     (home / "flexh2o" / "hardware" / "local.json").write_text(json.dumps(TEST_CPU_PROFILE))
     before = os.environ.get("XDG_CACHE_HOME")

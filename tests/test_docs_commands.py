@@ -8,6 +8,8 @@ non-blank line before its fence:
     <!-- run: OLD => NEW; OLD2 => NEW2 -->  run with each OLD (which must occur) replaced by NEW,
                                             for shorter settings
     <!-- run slow: ... -->                  the same, only in the slow run (pytest -m slow)
+
+A page other than the README runs all its blocks in the slow run (make test-all).
     <!-- not run: REASON -->                not run; REASON says why (a GPU, the network, minutes)
 
 The blocks of one page run in order in one directory, so a block may use a file an earlier one
@@ -182,9 +184,19 @@ def run_block(block: Block, cwd: str, bin_dir: str, pythonpath: str) -> subproce
     return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
 
 
+# make test runs the README's commands, what a new user pastes first; the other pages' commands
+# (their flags and paths still checked above) run in make test-all, which keeps make test in its
+# 10 minutes: each block starts Python and torch again.
+DEFAULT_PAGES = ("README.md",)
+
+
 def page_cases():
     for page in PAGES:
         runnable = [b for b in page_blocks(page) if b.kind in ("run", "run slow")]
+        if page not in DEFAULT_PAGES:
+            if runnable:
+                yield pytest.param(page, True, id=page, marks=pytest.mark.slow)
+            continue
         if any(b.kind == "run" for b in runnable):
             yield pytest.param(page, False, id=page)
         if any(b.kind == "run slow" for b in runnable):

@@ -14,6 +14,7 @@ has it): a decode step's products are small, and handing them to Python threads 
 the element-wise kernels keep) cost more than splitting saved.
 """
 
+import concurrent.futures
 import ctypes
 import hashlib
 import os
@@ -73,11 +74,11 @@ def _build(cc: str, target: str, flags: tuple = FLAGS, here: str = os.path.dirna
     os.close(fd)
     sources = [os.path.join(here, s) for s in SOURCES]
     try:
-        try:
-            subprocess.run([cc, *flags, OPENMP, "-o", partial, *sources, "-lm"], check=True, capture_output=True,
-                           timeout=300)
-        except subprocess.CalledProcessError:
-            subprocess.run([cc, *flags, "-o", partial, *sources, "-lm"], check=True, capture_output=True, timeout=300)
+        with tempfile.TemporaryDirectory(prefix="flexh2o-build-") as objects:
+            try:
+                _compile_and_link(cc, (*flags, OPENMP), sources, objects, partial)
+            except subprocess.CalledProcessError:
+                _compile_and_link(cc, flags, sources, objects, partial)
         with open(partial, "rb") as f:
             data = f.read()
         os.replace(partial, target)
@@ -86,6 +87,20 @@ def _build(cc: str, target: str, flags: tuple = FLAGS, here: str = os.path.dirna
             os.remove(partial)
     write_json_atomic(record_path(target), {"library": os.path.basename(target), "size": len(data),
                                             "sha256": hashlib.sha256(data).hexdigest()})
+
+
+def _compile_and_link(cc: str, flags: tuple, sources: list, objects: str, target: str):
+    """Each source compiled on its own, as many at once as there are CPUs (a first build takes the
+    time of the longest, blocks.c, not of them all), then linked into `target`."""
+    made = [os.path.join(objects, os.path.basename(s)[:-len(".c")] + ".o") for s in sources]
+    compile_flags = [f for f in flags if f != "-shared"]
+
+    def run(argv):
+        subprocess.run(argv, check=True, capture_output=True, timeout=300)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(len(sources), os.cpu_count() or 1))) as pool:
+        for done in [pool.submit(run, [cc, *compile_flags, "-c", source, "-o", obj]) for source, obj in zip(sources, made)]:
+            done.result()
+    run([cc, *flags, "-o", target, *made, "-lm"])
 
 
 def _recorded(target: str) -> dict | str:

@@ -206,8 +206,13 @@ def left_over(folder) -> list:
     return [f for f in os.listdir(folder) if ".tmp-" in f]
 
 
-@pytest.mark.parametrize("at", ["created", "writing"])
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT", "SIGKILL"])
+# Each signal and each moment in make test; the other three pairs in make test-all.
+STOPS = [(sig, at) if (sig, at) in {("SIGTERM", "writing"), ("SIGINT", "created"), ("SIGKILL", "writing")}
+         else pytest.param(sig, at, marks=pytest.mark.slow)
+         for sig in ("SIGTERM", "SIGINT", "SIGKILL") for at in ("created", "writing")]
+
+
+@pytest.mark.parametrize("sig,at", STOPS)
 def test_a_stop_during_the_ordered_rewrite_leaves_no_temporary_file_for_good(model_with_tokenizer, job, capsys, sig,
                                                                              at):
     out = job / "out.jsonl"

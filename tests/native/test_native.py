@@ -125,11 +125,11 @@ def test_a_bad_group_comes_back_non_finite_in_every_width(out_dtype):
 
 def fake_compiler(tmp_path, library: str | None) -> str:
     """A compiler that answers --version and builds by copying `library` to its -o path (None: every
-    build fails), noting each build in tmp_path/builds."""
+    build fails), noting each build (its link, the call without -c) in tmp_path/builds."""
     cc = tmp_path / "cc"
     build = f'cp "{library}" "$2"' if library else "exit 1"
     cc.write_text('#!/bin/sh\n[ "$1" = --version ] && echo fake-cc 1.0 && exit 0\n'
-                  f'echo build >> "{tmp_path / "builds"}"\n'
+                  f'case " $* " in *" -c "*) ;; *) echo build >> "{tmp_path / "builds"}" ;; esac\n'
                   f'while [ "$#" -gt 0 ]; do [ "$1" = -o ] && {build} && exit 0; shift; done\nexit 1\n')
     cc.chmod(0o755)
     return str(cc)

@@ -18,7 +18,7 @@ from flexh2o.profiling.measure import LINK_ROOM, link_within, process_growth
 from flexh2o.profiling.memory_growth import (PROBE_BATCH, PROBE_CONFIG, PROBE_PROMPT, PROBE_SHARE, probe_result,
                                              probe_size)
 from flexh2o.profiling.timing import CPU_SIZES, ROOM_SHARE, within
-from conftest import REPO
+from conftest import REPO, with_the_kernels
 
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 from memory_budget import CgroupUnavailable, check_available, run_in_budget  # noqa: E402
@@ -98,7 +98,7 @@ def check_first_run(tmp_path, output: str, cache: str):
 
 
 def test_a_first_run_under_max_memory_measures_plans_and_finishes_inside_it(tiny_models, tmp_path):
-    cache = str(tmp_path / "cache")
+    cache = str(with_the_kernels(tmp_path / "cache"))
     r = subprocess.run([sys.executable, "-c", QUICK_RUN, *first_run_argv(tiny_models["tiny"][0], tmp_path),
                         "--max-memory", str(LIMIT)], cwd=REPO, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "XDG_CACHE_HOME": cache})
@@ -113,7 +113,7 @@ def test_a_first_run_in_a_memory_cgroup_measures_plans_and_finishes_inside_it(ti
         check_available()
     except CgroupUnavailable as e:
         pytest.skip(str(e))
-    cache = str(tmp_path / "cache")
+    cache = str(with_the_kernels(tmp_path / "cache"))
     monkeypatch.setenv("XDG_CACHE_HOME", cache)
     argv = ["sh", "-c", 'exec "$@" 2>&1', "sh", sys.executable, "-c", QUICK_RUN,
             *first_run_argv(tiny_models["tiny"][0], tmp_path)]
