@@ -13,6 +13,7 @@ import torch
 from flexh2o.models.cached_attention import CachedAttention
 from flexh2o.models.layer import Layer
 from flexh2o.models.layer_ops import rms_norm, rotate_heads, silu_times_up
+from flexh2o.models.llama_decode import attention_step, mlp_step
 from flexh2o.models.linear import linear
 from flexh2o.models.lm_head import logits
 from flexh2o.models.real_tokens import real_tokens
@@ -114,10 +115,13 @@ class SelfAttention(CachedAttention):
         return norm, qkv_w, qkv_b, o_w, w.pop(0) if self.spec.o_bias else None
 
     def forward(self, hidden, step):
+        lib = self.cpu_kernels
+        if attention_step(self, hidden, step, lib):
+            return hidden
         norm, qkv_w, qkv_b, o_w, o_b = self.split_weights()
         s = self.spec
         b, n, _ = hidden.shape
-        tokens, lib = real_tokens(step), self.cpu_kernels
+        tokens = real_tokens(step)
         qkv = tokens.scatter(linear(rms_norm(tokens.gather(hidden), norm, s.rms_norm_eps, lib), qkv_w, qkv_b), b, n)
         qk_heads = s.num_heads + s.num_kv_heads
         cos, sin = self.rotary.phases(step, qkv.dtype)
@@ -143,8 +147,11 @@ class MLP(Layer):
         return [norm, cat([gate, up]), down]  # one matrix product for gate and up
 
     def forward(self, hidden, step):
+        lib = self.cpu_kernels
+        if mlp_step(self, hidden, step, lib):
+            return hidden
         norm, gate_up_w, down_w = self.weights
-        tokens, lib = real_tokens(step), self.cpu_kernels
+        tokens = real_tokens(step)
         gate_up = linear(rms_norm(tokens.gather(hidden), norm, self.spec.rms_norm_eps, lib), gate_up_w)
         return tokens.add_into(hidden, linear(silu_times_up(gate_up, lib), down_w))
 

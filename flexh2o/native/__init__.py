@@ -28,7 +28,7 @@ from flexh2o.common.cache_dir import cache_dir as flexh2o_cache_dir
 from flexh2o.common.json_data import BadJson, parse_json
 from flexh2o.common.output_files import write_json_atomic
 
-SOURCES = ("quant4.c", "blocks.c", "attention.c", "layer_ops.c", "int8_dots.c")
+SOURCES = ("quant4.c", "blocks.c", "attention.c", "layer_ops.c", "int8_dots.c", "decode_layers.c")
 HEADERS = ("common.h", "pairs.h")  # hashed with the sources: a change to them is a new build
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
 OPENMP = "-fopenmp"  # the products' threads (a compiler without it builds them single-threaded)
@@ -256,6 +256,11 @@ def _declare(lib):
     lib.decode_attention.restype = ctypes.c_int
     lib.quantize_rows.restype = i64
     lib.dequantize_rows.restype = lib.dequantize_blocks.restype = lib.matmul_all.restype = None
+    f32, i32 = ctypes.c_float, ctypes.c_int
+    lib.llama_attention_decode.argtypes = [ptr, i64, i64, ptr, f32, i32, i32, ptr, i32, i32, ptr, i64, i64, i64, ptr,
+                                           ptr, ptr, ptr, ptr, i64, i64, ptr, i64, ptr, i64, f32, ptr, i32]
+    lib.llama_mlp_decode.argtypes = [ptr, i64, i64, ptr, f32, i32, i32, ptr, i32, i32, ptr, i64, ptr, i32]
+    lib.llama_attention_decode.restype = lib.llama_mlp_decode.restype = i32
     _declare_int8(lib)
 
 
