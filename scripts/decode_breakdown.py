@@ -7,6 +7,9 @@ multiplied as stored; weights and cache in memory; the whole batch one gpu-batch
 EOS), in this process, with timers around the parts of a step. A part's time is its outermost
 timer's, so the LM head's product counts as the LM head, not as the block product:
 
+- one C call: a Llama layer's whole decode step where it runs in one C call (models/llama_decode.py:
+  its norm, products, rotary turn, cache append, attention and residual; --one-by-one turns it off,
+  so that those parts are timed apart);
 - block product: the layers' weight products (compression/grouped_weight.py's matmul);
 - attention: CachedAttention.attend (the cache's append, the scores, the weighted sum);
 - LM head: the logits over the vocabulary;
@@ -38,7 +41,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-PARTS = ("block product", "attention", "LM head", "sampling")
+PARTS = ("one C call", "block product", "attention", "LM head", "sampling")
 
 
 class Timers:
@@ -64,7 +67,7 @@ class Timers:
         return timed
 
 
-def install(timers: Timers):
+def install(timers: Timers, one_by_one: bool = False):
     """Wraps the parts where the engine calls them; the schedule's begin_token says when decoding starts."""
     from flexh2o.compression import grouped_weight
     from flexh2o.engine.schedule import Schedule
@@ -72,6 +75,9 @@ def install(timers: Timers):
     from flexh2o.models import llama_layers, opt_layers
     from flexh2o.models.cached_attention import CachedAttention
 
+    for name in ("attention_step", "mlp_step"):
+        setattr(llama_layers, name, (lambda *args: False) if one_by_one else
+                timers.wrap("one C call", getattr(llama_layers, name)))
     grouped_weight.matmul = timers.wrap("block product", grouped_weight.matmul)
     CachedAttention.attend = timers.wrap("attention", CachedAttention.attend)
     llama_layers.logits = timers.wrap("LM head", llama_layers.logits)
@@ -153,6 +159,8 @@ def main():
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--no-llama", action="store_true", help="flexh2o's breakdown only")
+    p.add_argument("--one-by-one", action="store_true",
+                   help="Llama layers call their kernels one by one (no one-call decode step): every part timed apart")
     p.add_argument("--flexh2o-flags", default="", metavar="FLAGS",
                    help="more flags for flexh2o's runs, e.g. --flexh2o-flags=--int8-activations")
     p.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "flexh2o_bench_llamacpp"))
@@ -163,7 +171,7 @@ def main():
     from flexh2o.common.output_files import write_json_atomic, write_text_atomic
 
     timers = Timers()
-    install(timers)
+    install(timers, a.one_by_one)
     bandwidth = read_bandwidth(a.threads)
     best, skipped = {}, None
     for _ in range(a.rounds):  # interleaved; each batch's fastest flexh2o step, with its parts, and llama.cpp's
@@ -184,11 +192,12 @@ def main():
                 best[batch]["llama_step_s"] = llama
     rows = [best[b] for b in a.batches]
     r = {"machine": describe_machine(), "model": os.path.basename(a.model), "dtype": a.dtype,
-         "flexh2o_flags": a.flexh2o_flags,
+         "flexh2o_flags": a.flexh2o_flags, "one_by_one": a.one_by_one,
          "prompt_len": a.prompt_len, "gen_len": a.gen_len, "threads": a.threads, "rounds": a.rounds,
          "read_bandwidth_bytes_s": bandwidth, "llama_cpp_skipped": skipped, "rows": rows}
     write_json_atomic(a.out + ".json", r)
-    command = "python scripts/decode_breakdown.py" + (f" --flexh2o-flags={a.flexh2o_flags}" if a.flexh2o_flags else "")
+    command = "python scripts/decode_breakdown.py" + (f" --flexh2o-flags={a.flexh2o_flags}" if a.flexh2o_flags else "") \
+        + (" --one-by-one" if a.one_by_one else "")
     text = (f"# One decode step, part by part\n\n`{command}`: {r['model']}, {a.dtype}, "
             f"{a.prompt_len} + {a.gen_len} tokens, {a.threads} threads, best of {a.rounds} interleaved rounds; "
             f"measured read bandwidth "

@@ -34,17 +34,23 @@ def test_the_prompt_step_is_not_counted():
     assert timers.seconds["attention"] == 0
 
 
-@pytest.mark.slow  # (a real model three times: make test-all)
+@pytest.mark.slow  # (a real model four times: make test-all)
 @pytest.mark.skipif(not os.path.isfile(SMOL_GGUF), reason="make setup downloads the SmolLM2 file")
-def test_a_real_runs_parts_add_up_to_its_step(tmp_path):
-    done = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "decode_breakdown.py"), "--batches", "1", "4",
-                           "--prompt-len", "16", "--gen-len", "6", "--no-llama", "--rounds", "1", "--out", str(tmp_path / "b")],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+@pytest.mark.parametrize("flags,batches,timed", [([], ["1", "4"], "one C call"),
+                                                 (["--one-by-one"], ["1"], "block product")])
+def test_a_real_runs_parts_add_up_to_its_step(tmp_path, flags, batches, timed):
+    done = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "decode_breakdown.py"), "--batches", *batches,
+                           "--prompt-len", "16", "--gen-len", "6", "--no-llama", "--rounds", "1", "--out", str(tmp_path / "b"),
+                           *flags], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     r = json.load(open(tmp_path / "b.json"))
     for row in r["rows"]:
         parts = row["parts_s"]
-        assert parts["block product"] > 0 and parts["attention"] > 0 and parts["LM head"] > 0
+        assert parts[timed] > 0 and parts["LM head"] > 0
+        if flags:  # layer by layer: every part timed apart, nothing in one call
+            assert parts["attention"] > 0 and parts["one C call"] == 0
+        else:  # the layers' products and attention inside their one call
+            assert parts["block product"] == 0 and parts["attention"] == 0
         assert min(parts.values()) >= 0 and abs(sum(parts.values()) - row["step_s"]) < 1e-9
         assert row["floor_s"] == row["weight_bytes"] / r["read_bandwidth_bytes_s"]
-    assert "| 4 |" in open(tmp_path / "b.md").read()
+    assert f"| {batches[-1]} |" in open(tmp_path / "b.md").read()
