@@ -110,9 +110,13 @@ def run_llama(binary: str, batch: int, a) -> dict:
 
 def flexh2o_flags(batch: int, a, json_out: str) -> list[str]:
     """`python -m flexh2o.run`'s flags for flexh2o's side (scripts/decode_breakdown.py runs it so too)."""
+    # A file of 16-bit matrices keeps them 16-bit in CPU memory, multiplied as stored as llama.cpp
+    # does (--compress-weight would make them 4-bit groups; on the compute tier they are widened).
+    weights = ["--weights", "gpu=0,cpu=100,disk=0"] if getattr(a, "sixteen_bit", False) else \
+        ["--weights", "gpu=100,cpu=0,disk=0", "--compress-weight"]
     return ["--model", a.model, "--prompt-len", str(a.prompt_len), "--gen-len", str(a.gen_len),
-            "--gpu-batch-size", str(batch), "--num-gpu-batches", "1", "--weights", "gpu=100,cpu=0,disk=0",
-            "--cache", "gpu=100,cpu=0,disk=0", "--compress-weight", "--no-stop-at-eos", "--quiet",
+            "--gpu-batch-size", str(batch), "--num-gpu-batches", "1", *weights,
+            "--cache", "gpu=100,cpu=0,disk=0", "--no-stop-at-eos", "--quiet",
             "--json-out", json_out] + (["--dtype", a.dtype] if a.dtype else [])
 
 
@@ -163,6 +167,9 @@ def main():
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="flexh2o's compute dtype (default: what "
                    "this CPU computes fastest in)")
+    p.add_argument("--sixteen-bit", action="store_true", help="the file's matrices are F16/BF16: flexh2o keeps "
+                   "them 16-bit in CPU memory and multiplies them as stored (the 1.26B model of "
+                   "bench_bigger_than_memory.py), not quantized by --compress-weight")
     p.add_argument("--timeout", type=int, default=1800, help="seconds after which one run is stopped")
     p.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "flexh2o_bench_llamacpp"))
     p.add_argument("--out", default=os.path.join(REPO, "results", "vs_llamacpp"))
