@@ -209,7 +209,8 @@ def decode(model: str, rounds: int, threads: int) -> list:
 
 DECODE_NOTE = ("64 tokens after 128, weights and cache in memory, one gpu-batch, {rounds} interleaved rounds; "
                "milliseconds a decode step: the median of the quiet steps (the fastest quarter of all the rounds' "
-               "steps), and scripts/decode_breakdown.py's parts in them. On 1 thread the clock is the process's CPU "
+               "steps), and scripts/decode_breakdown.py's parts in them (a Llama layer's decode step runs in one C "
+               "call, its products inside it: the block product column is then 0). On 1 thread the clock is the process's CPU "
                "time, which other processes' turns on the cores do not lengthen; on 2, wall time. Other work on the "
                "machine changed from round to round, so the absolute figures move between runs; the speed-up, "
                "float32 and int8 interleaved, is the figure to read.")
@@ -219,8 +220,8 @@ def markdown(r: dict) -> str:
     m, q = r["machine"], r["quality"]
     lines = ["# int8 activations (`--int8-activations`) on SmolLM2-135M Q4_1", "",
              f"`python scripts/int8_quality.py`: {m['cpu']}, {m['logical_cores']} cores, {r['threads']} threads "
-             f"(CPU flags: {r['cpu_flags']}), torch {m['torch']}. The machine was shared with other work while "
-             "measuring: each time is the best of interleaved repeats.", "",
+             f"(CPU flags: {r['cpu_flags']}), torch {m['torch']}. Each time is the best of interleaved repeats; the "
+             "parts may come from separate runs (`--parts`), each keeping the others' last figures.", "",
              "## The product alone", "",
              f"The first layer's matrices and the LM head, as the file stores them; nanoseconds per block (a row "
              f"of activations against one block of 32 weights), best of {r['repeats']} interleaved timings; the "
