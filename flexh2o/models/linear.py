@@ -15,9 +15,14 @@ from flexh2o.compression.int4_tiles import TiledWeight
 from flexh2o.compression.kernel_choice import MAX_ROWS
 
 
+def as_stored(weight, rows: int) -> bool:
+    """Whether a 4-bit or GGUF weight (TiledWeight, GroupedWeight) is multiplied as stored at this row count."""
+    return not weight.widens or rows <= MAX_ROWS[weight.kernel_name]
+
+
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     if isinstance(weight, (TiledWeight, GroupedWeight)):
-        if not weight.widens or x.numel() // x.shape[-1] <= MAX_ROWS[weight.kernel_name]:
+        if as_stored(weight, x.numel() // x.shape[-1]):
             out = weight.matmul(x)
             return out if bias is None else out.add_(bias)
         weight = weight.widened()

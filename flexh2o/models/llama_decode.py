@@ -13,15 +13,14 @@ import torch
 
 from flexh2o.compression.formats import NATIVE_FORMATS
 from flexh2o.compression.grouped_weight import GroupedWeight
-from flexh2o.compression.kernel_choice import MAX_ROWS
 from flexh2o.kv.cache import KVCache
 from flexh2o.kv.eviction import FullCache
+from flexh2o.models.linear import as_stored
 
 
 def _stored(weight, rows: int) -> bool:
-    """Whether `weight` is multiplied as stored by the block kernels at this row count (as linear() would)."""
-    return type(weight) is GroupedWeight and (not weight.widens or rows <= MAX_ROWS[weight.kernel_name]) \
-        and weight.data.is_contiguous()
+    """Whether `weight` is multiplied as stored by the block kernels at this row count, as linear() would."""
+    return type(weight) is GroupedWeight and as_stored(weight, rows) and weight.data.is_contiguous()
 
 
 def _plain(x: torch.Tensor) -> bool:
