@@ -22,24 +22,21 @@ import os
 import torch
 
 from flexh2o.common.messages import say
+from flexh2o.engine import in_place
 
 
 def why_not(schedule) -> str | None:
     """Why the schedule's decode steps cannot be captured (None: they can)."""
-    tiers, layers = schedule.tiers, schedule.layers
-    if not tiers.on_cuda:
+    if not schedule.tiers.on_cuda:
         return "not on CUDA"
     if os.environ.get("FLEXH2O_CUDA_GRAPHS", "1") == "0":
         return "FLEXH2O_CUDA_GRAPHS=0"
-    if schedule.act_tier != "gpu":
-        return "activations leave the GPU"
-    for layer in layers:
-        tables = layer.home[:layer.gathered]
-        if not all(tiers.used_in_place(h) for h in tables) or not layer.weights_in_place:
-            return "weights are loaded anew each step (streamed, or compressed)"
-        for home in getattr(layer, "homes", ()):
-            if any(not part.in_place(prefill=False) or part.cpu_attends for part in home.parts):
-                return "the KV cache is streamed"
+    reason = in_place.why_not(schedule)
+    if reason is not None:
+        return reason
+    for layer in schedule.layers:
+        if not all(schedule.tiers.used_in_place(h) for h in layer.home[:layer.gathered]):
+            return "weights are loaded anew each step (streamed, or compressed)"  # rows looked up on the host
         kv = getattr(layer, "kv", None)
         if kv is not None and kv.name == "keyformer":
             return "Keyformer's temperature and noise keys are set per step from host numbers"
@@ -63,7 +60,7 @@ class DecodeGraphs:
         self.broken = False
 
     def takes(self, i: int) -> bool:
-        """Whether token step i runs as graphs (schedule.graph_token)."""
+        """Whether token step i runs as graphs (schedule.whole_token)."""
         return not self.broken and i >= self.first
 
     def run(self, i: int, k: int, step, hidden):

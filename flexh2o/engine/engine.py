@@ -249,7 +249,7 @@ class Engine:
                                  refills=seqs.refills)
             if self.stage is None:
                 schedule = Schedule(self.layers, seqs, policy.num_gpu_batches, self.tiers, act_tier(policy))
-                schedule.use_graphs()
+                schedule.use_whole_steps()
             else:
                 kind = RefillStageSchedule if seqs.refills else StageSchedule
                 schedule = kind(self.layers, seqs, policy.num_gpu_batches, self.tiers, act_tier(policy),

@@ -10,7 +10,7 @@ computes (load_weight). The layers and tiers do the work; this only orders it.
 import time
 
 from flexh2o.common.messages import progress_bar
-from flexh2o.engine.decode_graphs import DecodeGraphs, why_not
+from flexh2o.engine import cpu_decode, decode_graphs
 from flexh2o.offload.held_weights import loaded_with
 
 # Token steps whose own figures (seconds, I/O tasks, allocations...) are kept; the seconds of every
@@ -51,17 +51,20 @@ class Schedule:
         self.step_h2d_bytes = []  # bytes copied to the compute device during each token step
         self.per_step = (self.step_io_tasks, self.step_handoffs, self.step_allocations, self.step_dequant_seconds,
                          self.step_h2d_bytes)
-        self.graphs = None  # the decode steps' CUDA graphs, where they can be (use_graphs)
+        self.whole_steps = None  # runs decode steps whole, where they can be (use_whole_steps)
         self.finish_seconds = 0.0  # after the last token step, until its cache stores are done
         self.compute_seconds = 0.0  # forward passes only, without waiting for their inputs
         self.prefill_seconds = self.decode_seconds = 0.0  # the first token step's, and the others' summed
 
-    def use_graphs(self):
-        """Decode steps as CUDA graphs from the second on, where every weight and cache slot stays on
-        the GPU (decode_graphs.why_not)."""
-        if why_not(self) is None:
-            self.graphs = DecodeGraphs(self.layers, self.seqs)
+    def use_whole_steps(self):
+        """Decode steps whole (whole_token), where every weight and cache slot stays in place: on CUDA
+        as CUDA graphs from the second on (decode_graphs.why_not), on the CPU each run of Llama layers
+        in one C call (cpu_decode.why_not)."""
+        if decode_graphs.why_not(self) is None:
+            self.whole_steps = decode_graphs.DecodeGraphs(self.layers, self.seqs)
             self.seqs.fixed_shape = True  # a graph replays one shape: every row of the gpu-batch
+        elif cpu_decode.why_not(self) is None:
+            self.whole_steps = cpu_decode.CPUDecode(self)
 
     def run(self, gen_len: int, progress: bool = False) -> int:
         """Generates up to gen_len tokens; returns how many token steps ran (fewer when all hit EOS)."""
@@ -76,8 +79,8 @@ class Schedule:
             for i in range(gen_len):
                 start, counts = time.perf_counter(), self.counts()
                 self.begin_token(i)
-                if self.graphs is not None and self.graphs.takes(i):
-                    self.graph_token(i)
+                if self.whole_steps is not None and self.whole_steps.takes(i):
+                    self.whole_token(i)
                 else:
                     self.token(i, bar)
                 if i == 0:
@@ -140,9 +143,9 @@ class Schedule:
             if j == num_layers - 1 and k == group[-1]:
                 self.leave_group(i, self.group_of[k])
 
-    def graph_token(self, i: int):
-        """Token step i as one CUDA graph per gpu-batch (decode_graphs.py), every layer at once; the
-        prompts of sequences joining the gpu-batch then run layer by layer as usual.
+    def whole_token(self, i: int):
+        """Token step i with every layer at once per gpu-batch (a CUDA graph, decode_graphs.py, or
+        cpu_decode.py); the prompts of sequences joining the gpu-batch then run layer by layer as usual.
         Weights and cache are all in place: the loads and stores around the graphs only hand the
         same tensors over, in the order `token` leaves them (the next token's first weights and
         cache loaded, this token's last cache not yet stored)."""
@@ -158,7 +161,7 @@ class Schedule:
                 layer.wait_inputs(k)
             start = time.perf_counter()
             if self.steps[k] is not None:
-                self.hidden[k] = self.graphs.run(i, k, self.steps[k], self.hidden[k])
+                self.hidden[k] = self.whole_steps.run(i, k, self.steps[k], self.hidden[k])
             for step in self.refills[k]:  # joining prompts, after the decode's writes to their rows
                 hidden = None
                 for layer in self.layers:

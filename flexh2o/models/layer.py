@@ -142,6 +142,11 @@ class Layer:
         """Whether every weight but the gathered tables is used where it lives: no step loads any."""
         return len(self.home) == self.gathered or self._in_place is not None
 
+    @property
+    def weights_kept(self) -> list:
+        """The weights every step uses as they are, where weights_in_place (loaded once for the run)."""
+        return [p.wait() for p in self._in_place or ()]
+
     def load_weight(self, k: int):
         """Starts bringing the weights to the compute device; once per token, at gpu-batch 0."""
         if k == 0:

@@ -20,6 +20,12 @@ def as_stored(weight, rows: int) -> bool:
     return not weight.widens or rows <= MAX_ROWS[weight.kernel_name]
 
 
+def never_widened(weight, rows: int) -> bool:
+    """Whether linear() multiplies `weight` (any loaded weight) at this row count without widening it
+    into a buffer of the pool."""
+    return not isinstance(weight, (TiledWeight, GroupedWeight)) or as_stored(weight, rows)
+
+
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     if isinstance(weight, (TiledWeight, GroupedWeight)):
         if as_stored(weight, x.numel() // x.shape[-1]):

@@ -97,6 +97,8 @@ class SelfAttention(CachedAttention):
             specs.append((p + "self_attn.o_proj.bias", (h,)))
         return specs
 
+    decode_half = "attention"  # of a layer whose decode step can run in C (llama_decode.py)
+
     def prepare(self, t, cat=torch.cat):
         """[norm, q, k, v and o weights, biases where the model has them] -> [norm, qkv weight,
         (qkv bias), o weight, (o bias)]: one matrix product for q, k and v instead of three."""
@@ -133,6 +135,8 @@ class SelfAttention(CachedAttention):
 
 
 class MLP(Layer):
+    decode_half = "mlp"
+
     def __init__(self, spec, index: int):
         self.spec = spec
         self.prefix = f"layers.{index}."

@@ -260,7 +260,10 @@ def _declare(lib):
     lib.llama_attention_decode.argtypes = [ptr, i64, i64, ptr, f32, i32, i32, ptr, i32, i32, ptr, i64, i64, i64, ptr,
                                            ptr, ptr, ptr, ptr, i64, i64, ptr, i64, ptr, i64, f32, ptr, i32]
     lib.llama_mlp_decode.argtypes = [ptr, i64, i64, ptr, f32, i32, i32, ptr, i32, i32, ptr, i64, ptr, i32]
-    lib.llama_attention_decode.restype = lib.llama_mlp_decode.restype = i32
+    lib.llama_layers_decode.argtypes = [ptr, i64, i64, i64, ptr, f32, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, f32,
+                                        ptr, i32]
+    lib.llama_attention_decode.restype = lib.llama_mlp_decode.restype = lib.llama_layers_decode.restype = i32
+    lib.llama_layer_fields.argtypes, lib.llama_layer_fields.restype = [], i64
     _declare_int8(lib)
 
 

@@ -98,3 +98,35 @@ int llama_mlp_decode(float *hidden, int64_t b, int64_t h, const float *norm, flo
     add_rows(hidden, out, b * h);
     return 0;
 }
+
+/* What llama_layers_decode reads of each layer: a row of LAYER_FIELDS int64 values (pointers as
+   integers), in this order. */
+enum { ATTN_NORM, QKV_FORMAT, QKV_INT8, QKV_W, O_FORMAT, O_INT8, O_W, CACHE_K, CACHE_V, CACHE_POS, CAPACITY, SLOT,
+       ATTENDED, MLP_NORM, GATE_UP_FORMAT, GATE_UP_INT8, GATE_UP_W, DOWN_FORMAT, DOWN_INT8, DOWN_W, LAYER_FIELDS };
+
+int64_t llama_layer_fields(void) { return LAYER_FIELDS; }
+
+/* `layers` whole Llama layers (attention half, then MLP half) of a decode step, one after another,
+   each as the two calls above would run it: table [layers, LAYER_FIELDS] (SLOT: the t of
+   llama_attention_decode, ATTENDED: its n). scratch: as the larger of the two halves needs.
+   Returns 0; 1 where nothing was done (built without AVX2); -1 where it ran out of memory part way. */
+int llama_layers_decode(float *hidden, int64_t b, int64_t h, int64_t layers, const int64_t *table, float eps,
+                        int64_t heads, int64_t kv_heads, int64_t d, int64_t f, const float *cos_, const float *sin_,
+                        const int64_t *slots, const int64_t *new_pos, int64_t ld_pos, float scale, float *scratch,
+                        int threads) {
+    for (int64_t j = 0; j < layers; j++) {
+        const int64_t *l = table + j * LAYER_FIELDS;
+        int done = llama_attention_decode(
+            hidden, b, h, (const float *)l[ATTN_NORM], eps, (int)l[QKV_FORMAT], (int)l[QKV_INT8],
+            (const uint8_t *)l[QKV_W], (int)l[O_FORMAT], (int)l[O_INT8], (const uint8_t *)l[O_W], heads, kv_heads, d,
+            cos_, sin_, (float *)l[CACHE_K], (float *)l[CACHE_V], (int32_t *)l[CACHE_POS], l[CAPACITY], l[SLOT],
+            slots, l[ATTENDED], new_pos, ld_pos, scale, scratch, threads);
+        if (done)
+            return done == 1 && j == 0 ? 1 : -1;
+        if (llama_mlp_decode(hidden, b, h, (const float *)l[MLP_NORM], eps, (int)l[GATE_UP_FORMAT],
+                             (int)l[GATE_UP_INT8], (const uint8_t *)l[GATE_UP_W], (int)l[DOWN_FORMAT],
+                             (int)l[DOWN_INT8], (const uint8_t *)l[DOWN_W], f, scratch, threads))
+            return -1;
+    }
+    return 0;
+}
