@@ -7,9 +7,10 @@ multiplied as stored; weights and cache in memory; the whole batch one gpu-batch
 EOS), in this process, with timers around the parts of a step. A part's time is its outermost
 timer's, so the LM head's product counts as the LM head, not as the block product:
 
-- one C call: a Llama layer's whole decode step where it runs in one C call (models/llama_decode.py:
-  its norm, products, rotary turn, cache append, attention and residual; --one-by-one turns it off,
-  so that those parts are timed apart);
+- layers in C: the Llama layers' decode steps where they run in C (models/llama_decode.py: a run of
+  whole layers in one call, or each half of a layer in one; their norms, products, rotary turns,
+  cache appends, attention and residuals; --one-by-one turns both off, so that those parts are
+  timed apart);
 - block product: the layers' weight products (compression/grouped_weight.py's matmul);
 - attention: CachedAttention.attend (the cache's append, the scores, the weighted sum);
 - LM head: the logits over the vocabulary;
@@ -41,7 +42,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-PARTS = ("one C call", "block product", "attention", "LM head", "sampling")
+PARTS = ("layers in C", "block product", "attention", "LM head", "sampling")
 
 
 class Timers:
@@ -74,10 +75,10 @@ def install(timers: Timers, one_by_one: bool = False):
     from flexh2o.engine.sequences import Sequences
     from flexh2o.models import llama_layers, opt_layers
     from flexh2o.models.cached_attention import CachedAttention
+    from flexh2o.models.llama_decode import LayersInOneCall
 
-    for name in ("attention_step", "mlp_step"):
-        setattr(llama_layers, name, (lambda *args: False) if one_by_one else
-                timers.wrap("one C call", getattr(llama_layers, name)))
+    for owner, name in ((llama_layers, "attention_step"), (llama_layers, "mlp_step"), (LayersInOneCall, "step")):
+        setattr(owner, name, (lambda *args: False) if one_by_one else timers.wrap("layers in C", getattr(owner, name)))
     grouped_weight.matmul = timers.wrap("block product", grouped_weight.matmul)
     CachedAttention.attend = timers.wrap("attention", CachedAttention.attend)
     llama_layers.logits = timers.wrap("LM head", llama_layers.logits)
@@ -160,7 +161,7 @@ def main():
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--no-llama", action="store_true", help="flexh2o's breakdown only")
     p.add_argument("--one-by-one", action="store_true",
-                   help="Llama layers call their kernels one by one (no one-call decode step): every part timed apart")
+                   help="Llama layers call their kernels one by one (no decode step in one C call): every part timed apart")
     p.add_argument("--flexh2o-flags", default="", metavar="FLAGS",
                    help="more flags for flexh2o's runs, e.g. --flexh2o-flags=--int8-activations")
     p.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "flexh2o_bench_llamacpp"))

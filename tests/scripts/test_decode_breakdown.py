@@ -36,7 +36,7 @@ def test_the_prompt_step_is_not_counted():
 
 @pytest.mark.slow  # (a real model four times: make test-all)
 @pytest.mark.skipif(not os.path.isfile(SMOL_GGUF), reason="make setup downloads the SmolLM2 file")
-@pytest.mark.parametrize("flags,batches,timed", [([], ["1", "4"], "one C call"),
+@pytest.mark.parametrize("flags,batches,timed", [([], ["1", "4"], "layers in C"),
                                                  (["--one-by-one"], ["1"], "block product")])
 def test_a_real_runs_parts_add_up_to_its_step(tmp_path, flags, batches, timed):
     done = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "decode_breakdown.py"), "--batches", *batches,
@@ -48,7 +48,7 @@ def test_a_real_runs_parts_add_up_to_its_step(tmp_path, flags, batches, timed):
         parts = row["parts_s"]
         assert parts[timed] > 0 and parts["LM head"] > 0
         if flags:  # layer by layer: every part timed apart, nothing in one call
-            assert parts["attention"] > 0 and parts["one C call"] == 0
+            assert parts["attention"] > 0 and parts["layers in C"] == 0
         else:  # the layers' products and attention inside their one call
             assert parts["block product"] == 0 and parts["attention"] == 0
         assert min(parts.values()) >= 0 and abs(sum(parts.values()) - row["step_s"]) < 1e-9
