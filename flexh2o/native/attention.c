@@ -15,85 +15,91 @@ in one fixed order, so a sequence's result does not depend on the others in its 
 #include "common.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
-/* One (sequence, KV head): q [group, d] (scaled), k and v [n, d], pos [n] (< 0: empty),
-   out [group, d]; e: room for group * n floats. */
-static void attend_one(const float *q, const float *k, const float *v, const int32_t *pos, int64_t n, int64_t group,
-                       int64_t d, float *e, float *out) {
+/* One query head: q [d] (scaled) over k and v [n, d] of its KV head, pos [n] (< 0: empty), into
+   out [d]; e: room for n floats (rounded up to eight). The weighted sum of V is kept in registers,
+   CHUNK values of d at a time (in memory, each slot's multiply-add waited on the store of the one
+   before); each value of out is summed over the slots in slot order, one multiply-add each. */
+#define CHUNK 32
+static void attend_one(const float *q, const float *k, const float *v, const int32_t *pos, int64_t n, int64_t d,
+                       float *e, float *out) {
     int64_t last = n;
     while (last > 0 && pos[last - 1] < 0)
         last--;
     int64_t width = (last + 7) / 8 * 8;
     if (last == 0) { /* no token at all (never the case: the new one is stored first) */
-        memset(out, 0, (size_t)(group * d) * sizeof(float));
+        memset(out, 0, (size_t)d * sizeof(float));
         return;
     }
     for (int64_t s = 0; s < width; s++) {
         if (s >= last || pos[s] < 0) {
-            for (int64_t j = 0; j < group; j++)
-                e[j * width + s] = -INFINITY;
+            e[s] = -INFINITY;
             continue;
         }
         const float *ks = k + s * d;
-        for (int64_t j = 0; j < group; j++) {
-            __m256 acc = _mm256_setzero_ps();
-            for (int64_t c = 0; c < d; c += 8)
-                acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * d + c), _mm256_loadu_ps(ks + c), acc);
-            e[j * width + s] = sum8(acc);
-        }
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t c = 0; c < d; c += 8)
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(ks + c), acc);
+        e[s] = sum8(acc);
     }
-    for (int64_t j = 0; j < group; j++) {
-        float *ej = e + j * width, top = -INFINITY, total = 0.0f;
-        for (int64_t s = 0; s < last; s++)
-            top = ej[s] > top ? ej[s] : top;
-        __m256 sum = _mm256_setzero_ps(), m = _mm256_set1_ps(top);
-        for (int64_t s = 0; s < width; s += 8) {
-            __m256 x = exp8(_mm256_sub_ps(_mm256_loadu_ps(ej + s), m));
-            _mm256_storeu_ps(ej + s, x);
-            sum = _mm256_add_ps(sum, x);
-        }
-        total = sum8(sum);
-        float *oj = out + j * d;
-        for (int64_t c = 0; c < d; c++)
-            oj[c] = 0.0f;
+    float top = -INFINITY;
+    for (int64_t s = 0; s < last; s++)
+        top = e[s] > top ? e[s] : top;
+    __m256 sum = _mm256_setzero_ps(), m = _mm256_set1_ps(top);
+    for (int64_t s = 0; s < width; s += 8) {
+        __m256 x = exp8(_mm256_sub_ps(_mm256_loadu_ps(e + s), m));
+        _mm256_storeu_ps(e + s, x);
+        sum = _mm256_add_ps(sum, x);
+    }
+    __m256 inv = _mm256_set1_ps(1.0f / sum8(sum));
+    for (int64_t c0 = 0; c0 < d; c0 += CHUNK) {
+        int64_t parts = (d - c0 < CHUNK ? d - c0 : CHUNK) / 8;
+        __m256 acc[CHUNK / 8];
+        for (int p = 0; p < CHUNK / 8; p++)
+            acc[p] = _mm256_setzero_ps();
         for (int64_t s = 0; s < last; s++) {
             if (pos[s] < 0)
                 continue;
-            __m256 w = _mm256_set1_ps(ej[s]);
-            const float *vs = v + s * d;
-            for (int64_t c = 0; c < d; c += 8)
-                _mm256_storeu_ps(oj + c, _mm256_fmadd_ps(w, _mm256_loadu_ps(vs + c), _mm256_loadu_ps(oj + c)));
+            __m256 w = _mm256_set1_ps(e[s]);
+            const float *vs = v + s * d + c0;
+            if (parts == CHUNK / 8)
+                for (int p = 0; p < CHUNK / 8; p++)
+                    acc[p] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vs + 8 * p), acc[p]);
+            else
+                for (int p = 0; p < parts; p++)
+                    acc[p] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vs + 8 * p), acc[p]);
         }
-        __m256 inv = _mm256_set1_ps(1.0f / total);
-        for (int64_t c = 0; c < d; c += 8)
-            _mm256_storeu_ps(oj + c, _mm256_mul_ps(_mm256_loadu_ps(oj + c), inv));
+        for (int p = 0; p < parts; p++)
+            _mm256_storeu_ps(out + c0 + 8 * p, _mm256_mul_ps(acc[p], inv));
     }
 }
 
 /* q [b, kv_heads, group, d], sequence i's at q + i * ldq, multiplied by `scale` here (as torch's q * scale
    would); k and v [b, kv_heads, capacity, d], pos [b, kv_heads, capacity]: slots [0, n) of each; out
-   [b, kv_heads, group, d]. d a multiple of 8. Returns 0, or -1 where a thread could not have its
-   buffers (out is then not written whole). */
+   [b, kv_heads, group, d]. d a multiple of 8. Each query head is a task of its own, so that a
+   sequence's few heads still share the threads evenly. Returns 0, or -1 where a thread could not
+   have its buffers (out is then not written whole). */
 int decode_attention(const float *q, int64_t ldq, float scale, const float *k, const float *v, const int32_t *pos,
                      int64_t b, int64_t kv_heads, int64_t group, int64_t capacity, int64_t n, int64_t d, float *out,
                      int threads) {
     int failed = 0;
     #pragma omp parallel num_threads(threads)
     {
-        float *e = malloc((size_t)(group * ((n + 7) / 8 * 8) + group * d + 1) * sizeof(float));
+        float *e = malloc((size_t)((n + 7) / 8 * 8 + d + 1) * sizeof(float));
         if (e == NULL) {
             #pragma omp atomic write
             failed = 1;
         }
         #pragma omp for schedule(static)
-        for (int64_t t = 0; t < b * kv_heads; t++) {
+        for (int64_t task = 0; task < b * kv_heads * group; task++) {
             if (e == NULL)
                 continue;
-            float *scaled = e + group * ((n + 7) / 8 * 8);
-            const float *qt = q + t / kv_heads * ldq + t % kv_heads * group * d;
-            for (int64_t c = 0; c < group * d; c++)
-                scaled[c] = qt[c] * scale;
-            attend_one(scaled, k + t * capacity * d, v + t * capacity * d, pos + t * capacity, n, group, d, e,
-                       out + t * group * d);
+            int64_t t = task / group, j = task % group; /* (sequence, KV head), query head */
+            float *scaled = e + (n + 7) / 8 * 8;
+            const float *qj = q + t / kv_heads * ldq + (t % kv_heads * group + j) * d;
+            for (int64_t c = 0; c < d; c++)
+                scaled[c] = qj[c] * scale;
+            attend_one(scaled, k + t * capacity * d, v + t * capacity * d, pos + t * capacity, n, d, e,
+                       out + task * d);
         }
         free(e);
     }
