@@ -59,9 +59,10 @@ class Layer:
     # Placed.any_rows): a float32 copy of it would cost as much memory as it saves.
     one_of_a_kind = False
 
-    @property
+    @functools.cached_property
     def looks_up_only(self) -> bool:
-        """Whether every weight is a gathered table: a step reads a few rows, nothing whole."""
+        """Whether every weight is a gathered table: a step reads a few rows, nothing whole (asked
+        for every layer at every token step: kept)."""
         return self.gathered == len(self.weight_specs())
 
     @property
@@ -136,6 +137,7 @@ class Layer:
         # every token's "load" is this same list, nothing moves.
         loaded = self.home[self.gathered:]
         self._in_place = [tiers.load(h) for h in loaded] if all(tiers.loads_once(h) for h in loaded) else None
+        self._may_widen = None  # (home, load) of each weight in place that a step of many rows widens
 
     @property
     def weights_in_place(self) -> bool:
@@ -172,7 +174,12 @@ class Layer:
         (of weights kept loaded, the buffers that a step of many rows widened them into)."""
         if self._loading is None:
             return
-        for home, pending in zip(self.home[self.gathered:], self._loading):
+        loaded = zip(self.home[self.gathered:], self._loading)
+        if self._loading is self._in_place:  # only a weight that widens can hold a buffer (every step asks)
+            if self._may_widen is None:
+                self._may_widen = [(home, p) for home, p in loaded if getattr(p.wait(), "widens", False)]
+            loaded = self._may_widen
+        for home, pending in loaded:
             self.tiers.release_loaded(pending.wait(), home)
         self._loading = None
 
