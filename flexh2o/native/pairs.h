@@ -120,14 +120,16 @@ static ALWAYS_INLINE void pair_tile(pair_values values, scale_at scales, int for
         float s[16];
         if (scales(format, u) >= 0)
             unit_scales(scales(format, u), pairs, w, row_bytes, s);
-        for (int p = 0; p < pairs; p++) {
-            __m512 v[8];
-            values(format, w + 2 * p * row_bytes, w + (2 * p + 1) * row_bytes, u, s + 4 * p, v);
-            for (int r = 0; r < rows; r++)
-                for (int q = 0; q < size / 8; q++)
-                    acc[p * rows + r] = _mm512_fmadd_ps(v[q], twice(x + r * ldx + size * u + 8 * q),
-                                                        acc[p * rows + r]);
-        }
+        __m512 v[4][8];
+        for (int p = 0; p < pairs; p++)
+            values(format, w + 2 * p * row_bytes, w + (2 * p + 1) * row_bytes, u, s + 4 * p, v[p]);
+        /* each x read once for every pair (read pair by pair, the compiler kept them all and spilled) */
+        for (int q = 0; q < size / 8; q++)
+            for (int r = 0; r < rows; r++) {
+                __m512 xr = twice(x + r * ldx + size * u + 8 * q);
+                for (int p = 0; p < pairs; p++)
+                    acc[p * rows + r] = _mm512_fmadd_ps(v[p][q], xr, acc[p * rows + r]);
+            }
     }
     for (int p = 0; p < pairs; p++)
         for (int r = 0; r < rows; r++)
