@@ -1,7 +1,7 @@
 """Whether a schedule's decode steps keep every weight and cache slot where it is computed on (a
 table whose rows are looked up, an embedding, aside: no load moves it), so that a step can run
-every layer back to back (schedule.whole_token): as CUDA graphs
-(decode_graphs.py) or, on the CPU, with runs of layers in one C call (cpu_decode.py).
+every layer back to back (schedule.whole_token): as CUDA graphs (decode_graphs.py) or, on the
+CPU, with runs of layers in one C call (cpu_decode.py).
 """
 
 

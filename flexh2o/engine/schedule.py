@@ -146,7 +146,7 @@ class Schedule:
     def whole_token(self, i: int):
         """Token step i with every layer at once per gpu-batch (a CUDA graph, decode_graphs.py, or
         cpu_decode.py); the prompts of sequences joining the gpu-batch then run layer by layer as usual.
-        Weights and cache are all in place: the loads and stores around the graphs only hand the
+        Weights and cache are all in place: the loads and stores around the step only hand the
         same tensors over, in the order `token` leaves them (the next token's first weights and
         cache loaded, this token's last cache not yet stored)."""
         per_token, n = len(self.units), self.num_gpu_batches

@@ -165,12 +165,12 @@ class LayersInOneCall:
         self.attention, self.mlp = layers[0::2], layers[1::2]
         if lib.llama_layer_fields() != len(FIELDS):
             raise RuntimeError("the kernels' layer table is not llama_decode.FIELDS")
-        self.weights = {}  # rows -> the table's weight columns, or None where a weight is widened at that count
+        self.weight_columns = {}  # rows -> the table's weight columns, or None where a weight is widened then
         self.tables = {}  # (gpu-batch, rows) -> (table [layers, fields] int64, the caches it points at)
         self.scratch = None
 
     def _weight_columns(self, b: int):
-        if b not in self.weights:
+        if b not in self.weight_columns:
             columns = []
             for attention, mlp in zip(self.attention, self.mlp):
                 a = _attention_weights(attention, b)
@@ -180,8 +180,8 @@ class LayersInOneCall:
                     break
                 columns.append(([a[0].data_ptr(), *_formats(a[1]), *_formats(a[2])],
                                 [norm.data_ptr(), *_formats(gate_up), *_formats(down)]))
-            self.weights[b] = columns
-        return self.weights[b]
+            self.weight_columns[b] = columns
+        return self.weight_columns[b]
 
     def _table(self, step, b: int):
         """The table for gpu-batch step.k at b rows with each layer's cache columns checked; None
@@ -223,7 +223,7 @@ class LayersInOneCall:
         table[:, SLOT] = [cache.length for cache in caches]
         table[:, ATTENDED] = [_attended(cache, step) for cache in caches]
         s = first.spec
-        f = self.mlp[0].weights[2].shape[1]
+        f = self.mlp[0].spec.ffn_dim
         floats = max(_attention_floats(b, h, s.num_heads, s.num_kv_heads, s.head_dim), _mlp_floats(b, h, f))
         if self.scratch is None or self.scratch.numel() < floats:
             self.scratch = torch.empty(floats)

@@ -79,6 +79,8 @@ class InputEmbed(Layer):
 
 
 class SelfAttention(CachedAttention):
+    decode_half = "attention"  # a layer whose decode step can run in C, with the MLP after it (llama_decode.py)
+
     def __init__(self, spec, index: int, rotary: Rotary):
         super().__init__(spec)
         self.prefix = f"layers.{index}."
@@ -96,8 +98,6 @@ class SelfAttention(CachedAttention):
         if s.o_bias:
             specs.append((p + "self_attn.o_proj.bias", (h,)))
         return specs
-
-    decode_half = "attention"  # of a layer whose decode step can run in C (llama_decode.py)
 
     def prepare(self, t, cat=torch.cat):
         """[norm, q, k, v and o weights, biases where the model has them] -> [norm, qkv weight,

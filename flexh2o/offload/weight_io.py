@@ -200,7 +200,8 @@ class WeightIO:
         whole = placed.resident()
         if whole is not None and not self.on_cuda and placed.decoded_shape is not None:
             # compressed in CPU memory, where the CPU computes: each row's bytes looked up and widened,
-            # without the sorting and sharing-out below (a decode step's lookup took 0.5 ms of them)
+            # without the sorting and sharing-out below (a score of torch operations for a decode
+            # step's few rows)
             flat = ids.flatten()
             picked = whole[flat]
             self.count_h2d(picked[:len(set(flat.tolist()))])  # each row once, as below
