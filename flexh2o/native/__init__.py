@@ -191,7 +191,7 @@ def build_at(directory: str, flags: tuple = FLAGS, sources: str = os.path.dirnam
     target = os.path.join(directory, "kernels.so")
     _build(compiler[0], target, flags, sources)
     lib = ctypes.CDLL(target)
-    _declare(lib)
+    _declare(lib, missing_ok=True)
     return lib
 
 
@@ -240,44 +240,48 @@ def _failure(error: Exception) -> str:
     return str(error)
 
 
-def _declare(lib):
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.quantize_rows.argtypes = [ptr, ctypes.c_int, i64, i64, ptr, i64, i64]
-    lib.dequantize_rows.argtypes = [ptr, i64, ptr, ctypes.c_int, i64, i64, i64]
-    lib.dequantize_blocks.argtypes = [ctypes.c_int, ptr, i64, ptr, ctypes.c_int, i64, i64, i64]
-    lib.matmul_all.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, ptr, i64, i64, ctypes.c_int]
-    lib.decode_attention.argtypes = [ptr, i64, ctypes.c_float, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr,
-                                     ctypes.c_int]
-    lib.rms_norm_rows.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_float, ptr, i64, ctypes.c_int]
-    lib.rotate_rows.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ctypes.c_int]
-    lib.silu_mul_rows.argtypes = [ptr, i64, i64, i64, ptr, i64, ctypes.c_int]
-    lib.append_token.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64]
-    lib.rms_norm_rows.restype = lib.rotate_rows.restype = lib.silu_mul_rows.restype = lib.append_token.restype = None
-    lib.decode_attention.restype = ctypes.c_int
-    lib.quantize_rows.restype = i64
-    lib.dequantize_rows.restype = lib.dequantize_blocks.restype = lib.matmul_all.restype = None
-    f32, i32 = ctypes.c_float, ctypes.c_int
-    lib.llama_attention_decode.argtypes = [ptr, i64, i64, ptr, f32, i32, i32, ptr, i32, i32, ptr, i64, i64, i64, ptr,
-                                           ptr, ptr, ptr, ptr, i64, i64, ptr, i64, ptr, i64, f32, ptr, i32]
-    lib.llama_mlp_decode.argtypes = [ptr, i64, i64, ptr, f32, i32, i32, ptr, i32, i32, ptr, i64, ptr, i32]
-    lib.llama_layers_decode.argtypes = [ptr, i64, i64, i64, ptr, f32, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, f32,
-                                        ptr, i32]
-    lib.llama_attention_decode.restype = lib.llama_mlp_decode.restype = lib.llama_layers_decode.restype = i32
-    lib.llama_layer_fields.argtypes, lib.llama_layer_fields.restype = [], i64
-    _declare_int8(lib)
+_i64, _ptr, _f32, _i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+
+# Each kernel's (argument types, result type), as ctypes takes them.
+SIGNATURES = {
+    "quantize_rows": ([_ptr, _i32, _i64, _i64, _ptr, _i64, _i64], _i64),
+    "dequantize_rows": ([_ptr, _i64, _ptr, _i32, _i64, _i64, _i64], None),
+    "dequantize_blocks": ([_i32, _ptr, _i64, _ptr, _i32, _i64, _i64, _i64], None),
+    "matmul_all": ([_i32, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _i32], None),
+    "decode_attention": ([_ptr, _i64, _f32, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _ptr, _i32], _i32),
+    "rms_norm_rows": ([_ptr, _i64, _i64, _i64, _ptr, _f32, _ptr, _i64, _i32], None),
+    "rotate_rows": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _i32], None),
+    "silu_mul_rows": ([_ptr, _i64, _i64, _i64, _ptr, _i64, _i32], None),
+    "append_token": ([_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64],
+                     None),
+    "llama_attention_decode": ([_ptr, _i64, _i64, _ptr, _f32, _i32, _i32, _ptr, _i32, _i32, _ptr, _i64, _i64, _i64,
+                                _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _f32, _ptr, _i32], _i32),
+    "llama_mlp_decode": ([_ptr, _i64, _i64, _ptr, _f32, _i32, _i32, _ptr, _i32, _i32, _ptr, _i64, _ptr, _i32], _i32),
+    "llama_layers_decode": ([_ptr, _i64, _i64, _i64, _ptr, _f32, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64,
+                             _f32, _ptr, _i32], _i32),
+    "llama_layer_fields": ([], _i64),
+}
+# int8_dots.c's (a build of that file alone takes them too).
+INT8_SIGNATURES = {
+    "int8_row_bytes": ([_i64], _i64),
+    "quantize_int8": ([_ptr, _i64, _i64, _i64, _ptr], None),
+    "matmul_int8_rows": ([_i32, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64], None),
+    "matmul_int8": ([_i32, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _i32], _i32),
+}
+
+
+def _declare(lib, signatures: dict = SIGNATURES | INT8_SIGNATURES, missing_ok: bool = False):
+    """Sets each kernel's types; missing_ok: one these sources do not have (an older checkout's
+    build, build_at) is left out instead of failing."""
+    for name, (args, result) in signatures.items():
+        if missing_ok and not hasattr(lib, name):
+            continue
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, result
 
 
 def _declare_int8(lib):
-    """int8_dots.c's functions (a build of that file alone takes them too)."""
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.int8_row_bytes.argtypes = [i64]
-    lib.int8_row_bytes.restype = i64
-    lib.quantize_int8.argtypes = [ptr, i64, i64, i64, ptr]
-    lib.quantize_int8.restype = None
-    lib.matmul_int8_rows.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, ptr, i64, i64, i64]
-    lib.matmul_int8_rows.restype = None
-    lib.matmul_int8.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, ptr, i64, i64, ctypes.c_int]
-    lib.matmul_int8.restype = ctypes.c_int
+    _declare(lib, INT8_SIGNATURES)
 
 
 PARALLEL_VALUES = 1 << 18  # below this many values a kernel runs on the calling thread alone

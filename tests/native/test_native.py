@@ -1,6 +1,7 @@
 """The C kernels (flexh2o/native): the same bytes and values as quant.py's torch path, whatever the
 shape, dtype, strides and thread split; a machine that cannot build them keeps the torch path."""
 
+import ctypes
 import hashlib
 import json
 import os
@@ -240,3 +241,14 @@ def test_a_library_unlike_its_build_that_cannot_be_built_again_is_refused_in_one
     assert len(err) == 1 and err[0].startswith(f"note: {target} "), err
     assert "building it again failed (the compiler exited with 1)" in err[0]
     assert err[0].endswith("flexh2o's C kernels are off for this run (torch's operations instead)")
+
+
+def test_a_build_of_other_sources_declares_what_they_have():
+    """build_at's library may come from an older checkout (kernel_speed.py --against): a kernel its
+    sources lack is left out there, and is an error for the package's own library."""
+    libc = ctypes.CDLL(None)
+    signatures = {"strlen": ([ctypes.c_char_p], ctypes.c_size_t), "no_such_kernel": ([], None)}
+    native._declare(libc, signatures, missing_ok=True)
+    assert libc.strlen(b"four") == 4
+    with pytest.raises(AttributeError):
+        native._declare(libc, signatures)
