@@ -31,25 +31,38 @@ def _plain(x: torch.Tensor) -> bool:
 
 
 def _scratch(layer, floats: int) -> torch.Tensor:
-    """The layer's room for a step's intermediate rows, made once per size."""
+    """The layer's (or LayersInOneCall's) room for a step's intermediate rows, made once per size."""
     room = getattr(layer, "_decode_scratch", None)
     if room is None or room.numel() < floats:
         room = layer._decode_scratch = torch.empty(floats)
     return room
 
 
+def _mlp_weights(layer, b: int):
+    """(norm, gate_up weight, down weight) of an MLP layer whose decode step at b rows can run in C
+    (weights multiplied as stored); None where it cannot."""
+    norm, gate_up, down = layer.weights
+    if not _plain(norm) or not (_stored(gate_up, b) and _stored(down, b)):
+        return None
+    return norm, gate_up, down
+
+
+def _formats(weight) -> list:
+    """A weight multiplied as stored, as the C steps take it: its format, int8 or not, its data."""
+    return [NATIVE_FORMATS[weight.fmt], int(weight.int8), weight.data.data_ptr()]
+
+
 def mlp_step(layer, hidden: torch.Tensor, step, lib) -> bool:
     """layer (llama_layers.MLP)'s decode step on hidden [b, 1, h] in place; False where it does not apply."""
     b, n, h = hidden.shape
-    norm, gate_up, down = layer.weights
-    if lib is None or step.prefill or n != 1 or not (_plain(hidden) and _plain(norm)) or \
-            not (_stored(gate_up, b) and _stored(down, b)):
+    weights = None if lib is None or step.prefill or n != 1 or not _plain(hidden) else _mlp_weights(layer, b)
+    if weights is None:
         return False
+    norm, gate_up, down = weights
     f = down.shape[1]
     scratch = _scratch(layer, _mlp_floats(b, h, f))
-    if lib.llama_mlp_decode(hidden.data_ptr(), b, h, norm.data_ptr(), layer.spec.rms_norm_eps,
-                            NATIVE_FORMATS[gate_up.fmt], gate_up.int8, gate_up.data.data_ptr(), NATIVE_FORMATS[down.fmt],
-                            down.int8, down.data.data_ptr(), f, scratch.data_ptr(), torch.get_num_threads()):
+    if lib.llama_mlp_decode(hidden.data_ptr(), b, h, norm.data_ptr(), layer.spec.rms_norm_eps, *_formats(gate_up),
+                            *_formats(down), f, scratch.data_ptr(), torch.get_num_threads()):
         raise MemoryError(f"no memory left for {b} rows quantized to int8")
     return True
 
@@ -119,9 +132,8 @@ def attention_step(layer, hidden: torch.Tensor, step, lib) -> bool:
     scratch = _scratch(layer, _attention_floats(b, h, heads, kv_heads, d))
     t, length = cache.length, _attended(cache, step)
     done = lib.llama_attention_decode(
-        hidden.data_ptr(), b, h, norm.data_ptr(), s.rms_norm_eps, NATIVE_FORMATS[qkv_w.fmt], qkv_w.int8,
-        qkv_w.data.data_ptr(), NATIVE_FORMATS[o_w.fmt], o_w.int8, o_w.data.data_ptr(), heads, kv_heads, d,
-        cos.data_ptr(), sin.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(), cache.pos.data_ptr(),
+        hidden.data_ptr(), b, h, norm.data_ptr(), s.rms_norm_eps, *_formats(qkv_w), *_formats(o_w), heads, kv_heads,
+        d, cos.data_ptr(), sin.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(), cache.pos.data_ptr(),
         cache.k.shape[2], t, None if slots is None else slots.data_ptr(), length, step.positions.data_ptr(),
         step.positions.stride(0), d ** -0.5, scratch.data_ptr(), torch.get_num_threads())
     if done == 1:
@@ -138,10 +150,6 @@ def _attention_floats(b, h, heads, kv_heads, d) -> int:
 
 def _mlp_floats(b, h, f) -> int:
     return b * (2 * h + 3 * f)
-
-
-def _formats(weight) -> list:
-    return [NATIVE_FORMATS[weight.fmt], int(weight.int8), weight.data.data_ptr()]
 
 
 # A row of llama_layers_decode's table, one per layer (native/decode_layers.c's enum): the
@@ -167,19 +175,17 @@ class LayersInOneCall:
             raise RuntimeError("the kernels' layer table is not llama_decode.FIELDS")
         self.weight_columns = {}  # rows -> the table's weight columns, or None where a weight is widened then
         self.tables = {}  # (gpu-batch, rows) -> (table [layers, fields] int64, the caches it points at)
-        self.scratch = None
 
     def _weight_columns(self, b: int):
         if b not in self.weight_columns:
             columns = []
             for attention, mlp in zip(self.attention, self.mlp):
-                a = _attention_weights(attention, b)
-                norm, gate_up, down = mlp.weights
-                if a is None or not _plain(norm) or not (_stored(gate_up, b) and _stored(down, b)):
+                a, m = _attention_weights(attention, b), _mlp_weights(mlp, b)
+                if a is None or m is None:
                     columns = None
                     break
                 columns.append(([a[0].data_ptr(), *_formats(a[1]), *_formats(a[2])],
-                                [norm.data_ptr(), *_formats(gate_up), *_formats(down)]))
+                                [m[0].data_ptr(), *_formats(m[1]), *_formats(m[2])]))
             self.weight_columns[b] = columns
         return self.weight_columns[b]
 
@@ -198,7 +204,9 @@ class LayersInOneCall:
                     break
         if kept is None:
             columns = self._weight_columns(b)
-            caches = [_full_cache(layer, step, slots) for layer in self.attention] if columns else [None]
+            if columns is None:
+                return None
+            caches = [_full_cache(layer, step, slots) for layer in self.attention]
             if any(cache is None for cache in caches):
                 return None
             table = np.array([attention + [cache.k.data_ptr(), cache.v.data_ptr(), cache.pos.data_ptr(),
@@ -225,13 +233,12 @@ class LayersInOneCall:
         s = first.spec
         f = self.mlp[0].spec.ffn_dim
         floats = max(_attention_floats(b, h, s.num_heads, s.num_kv_heads, s.head_dim), _mlp_floats(b, h, f))
-        if self.scratch is None or self.scratch.numel() < floats:
-            self.scratch = torch.empty(floats)
+        scratch = _scratch(self, floats)
         slots, positions = step.row_slots, step.positions
         done = self.lib.llama_layers_decode(
             hidden.data_ptr(), b, h, len(caches), table.ctypes.data, s.rms_norm_eps, s.num_heads, s.num_kv_heads,
             s.head_dim, f, phases[0].data_ptr(), phases[1].data_ptr(), None if slots is None else slots.data_ptr(),
-            positions.data_ptr(), positions.stride(0), s.head_dim ** -0.5, self.scratch.data_ptr(),
+            positions.data_ptr(), positions.stride(0), s.head_dim ** -0.5, scratch.data_ptr(),
             torch.get_num_threads())
         if done == 1:
             return False

@@ -3,21 +3,12 @@ widens, the same bits as the schedule's unit-by-unit steps, and left alone other
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
 from flexh2o import Policy
 from flexh2o.compression.kernel_choice import MAX_ROWS
 from flexh2o.engine.schedule import Schedule
 from conftest import count_calls, generate_leaving_nothing
-from test_llama import make_tiny_llama
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    directory = str(tmp_path_factory.mktemp("llama"))
-    make_tiny_llama(directory, LlamaConfig, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, intermediate_size=128)
-    return directory
+from test_llama_decode import llama  # noqa: F401 (the tiny Llama, a fixture)
 
 
 def run(llama, tmp_path, monkeypatch, policy, batch, whole: bool):
