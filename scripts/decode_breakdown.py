@@ -21,8 +21,8 @@ timer's, so the LM head's product counts as the LM head, not as the block produc
 Only the decode steps (after the prompt's) are counted, averaged per step; each batch's row is its
 fastest of --rounds interleaved runs, beside llama.cpp's fastest. The floor: the bytes of
 the weights placed (what a step reads once, the LM head included) over this machine's read
-bandwidth, measured here as the best of several sums over a 256 MB float32 tensor with the same
-threads. llama.cpp's step: llama-batched-bench on the same file, batch and threads (built as
+bandwidth with the same threads, measured here (read_bandwidth: the fastest of several ways of
+reading 256 MB). llama.cpp's step: llama-batched-bench on the same file, batch and threads (built as
 bench_vs_llamacpp.py builds it; skipped with the reason where it cannot be). The timers cost a few
 microseconds per call, so the step measured here is a little slower than an untimed one.
 Writes results/decode_breakdown.{json,md}.
@@ -92,14 +92,32 @@ def install(timers: Timers, one_by_one: bool = False):
     Schedule.begin_token = begin_token
 
 
-def read_bandwidth(threads: int, repeats: int = 7) -> float:
-    """Bytes per second a sum over a 256 MB float32 tensor reads, best of `repeats`."""
+READ_WAYS = [(streams, ahead) for streams in (1, 4, 8) for ahead in (0, 256, 1024)]
+
+
+def read_bandwidth(threads: int, repeats: int = 5) -> float:
+    """Bytes per second this machine reads with `threads` threads: the fastest of native/read_rate.c's
+    ways of reading 256 MB (READ_WAYS: side-by-side sequences, bytes prefetched ahead) and a torch sum
+    over it, each the best of `repeats`. The sum alone is not a bound: it waits on its arithmetic, and
+    a product prefetching its rows read faster than it did."""
+    import ctypes
+
     import torch
+
+    from flexh2o import native
     torch.set_num_threads(threads)
     x = torch.ones(64 << 20)
     x.sum()
-    best = min(_timed(x.sum) for _ in range(repeats))
-    return x.numel() * 4 / best
+    rates = [x.nbytes / min(_timed(x.sum) for _ in range(repeats))]
+    lib = native.library()
+    if lib is not None:
+        fold = ctypes.c_uint64()
+        for streams, ahead in READ_WAYS:
+            read = lib.read_bytes(x.data_ptr(), x.nbytes, threads, streams, ahead, ctypes.byref(fold))
+            rates.append(read / min(_timed(lambda: lib.read_bytes(x.data_ptr(), x.nbytes, threads, streams, ahead,
+                                                                  ctypes.byref(fold)))
+                                    for _ in range(repeats)))
+    return max(rates)
 
 
 def _timed(fn) -> float:

@@ -1,20 +1,23 @@
 """The float32 block products alone (native/blocks.c and quant4.c through matmul_all), per format
-and rows of x, beside the same sources built without AVX-512 and the machine's read bandwidth.
+and rows of x, beside the same sources built without AVX-512, the GGUF formats' products with int8
+activations (int8_dots.c's matmul_int8), and the machine's read bandwidth.
 
     python scripts/kernel_speed.py                         # SmolLM2-135M's layer, 2 threads
     python scripts/kernel_speed.py --against ../other-checkout   # and that checkout's build too
 
 A layer's matrices (k=576 -> n=960, 576, 3072; k=1536 -> n=576) multiplied one after another.
 Warm: the same weights again and again (they stay in the caches); cold: copies of the layer, --cold-mb
-in all (more than the caches hold), each timing on the next copy, so the weights come from memory.
+in all (more than the caches hold), each timing on the next copy (never the warm one), so the weights
+come from memory.
 The builds are timed in turn, one layer a timing, the best of --rounds kept (on a shared machine the
 best is the kernel's own time; a mean takes in the other programs' too). ns per block: per 32 weight
 values and per thread (wall time times threads); GB/s: the weights' bytes over wall time. The read
-bandwidth is decode_breakdown.py's (a sum over 256 MB, best of 7).
+bandwidth is decode_breakdown.py's read_bandwidth (the fastest of several ways of reading 256 MB).
 Writes results/kernel_speed.{json,md}.
 """
 
 import argparse
+import ctypes
 import os
 import sys
 import tempfile
@@ -32,6 +35,9 @@ from flexh2o.compression.formats import BLOCK, NATIVE_FORMATS, SIXTEEN_BIT  # no
 
 LAYER = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (k, n) of SmolLM2-135M's products
 FORMATS = ["Q4_0", "Q4_1", "Q8_0", "F16", "BF16", "groups"]
+INT8_FORMATS = ["Q4_0", "Q4_1", "Q8_0"]
+INT8 = "int8 activations"
+READ = "read alone"
 
 
 def weights(fmt: str, n: int, k: int) -> torch.Tensor:
@@ -46,11 +52,11 @@ def weights(fmt: str, n: int, k: int) -> torch.Tensor:
 
 
 def layers(fmt: str, megabytes: int) -> list:
-    """Copies of the layer's matrices, at least `megabytes` in all (one at the least), each a list of
+    """Copies of the layer's matrices, at least `megabytes` in all (two at the least), each a list of
     (k, n, records), laid one after another in memory."""
     one = [weights(fmt, n, k) for k, n in LAYER]
     layer_bytes = sum(w.numel() for w in one)
-    copies = max(1, -(-megabytes * 2 ** 20 // layer_bytes))
+    copies = max(2, -(-megabytes * 2 ** 20 // layer_bytes))
     joined, at, out = torch.cat([w.reshape(-1) for w in one]).repeat(copies), 0, []
     for _ in range(copies):
         out.append([])
@@ -68,26 +74,40 @@ class Timer:
         self.x = torch.randn(m, max(k for k, _ in LAYER))
         self.y = torch.empty(m, max(n for _, n in LAYER))
 
-    def seconds(self, lib) -> float:
+    def seconds(self, product) -> float:
         layer, self.next = self.copies[self.next], (self.next + 1) % len(self.copies)
         start = time.perf_counter()
         for k, n, w in layer:
-            lib.matmul_all(self.code, self.x.data_ptr(), self.m, k, k, w.data_ptr(), self.y.data_ptr(), n, n,
-                           self.threads)
+            product(self, k, n, w)
         return time.perf_counter() - start
 
 
-def measure(libs: dict, a) -> list:
+def multiplies(fn):
+    """A timed product: fn takes matmul_all's (and matmul_int8's) arguments."""
+    return lambda t, k, n, w: fn(t.code, t.x.data_ptr(), t.m, k, k, w.data_ptr(), t.y.data_ptr(), n, n, t.threads)
+
+
+def reads(lib):
+    """The weights only read (read_rate.c, as decode_breakdown.read_bandwidth's fastest way read them
+    here): the time a product of those bytes cannot beat, taken beside it."""
+    fold = ctypes.c_uint64()
+    return lambda t, k, n, w: lib.read_bytes(w.data_ptr(), w.nbytes, t.threads, 8, 256, ctypes.byref(fold))
+
+
+def measure(products: dict, a) -> list:
     rows, blocks = [], sum(n * k // BLOCK for k, n in LAYER)
     for fmt in a.formats:
+        libs = {name: p for name, p in products.items() if fmt in INT8_FORMATS or name != INT8}
+        libs_cold = libs | {READ: reads(native.library())}
         copies = layers(fmt, a.cold_mb)
         layer_bytes, cold_at = sum(w.nbytes for _, _, w in copies[0]), 0
         for m in a.rows:
-            for heat, used in (("warm", copies[:1]), ("cold", copies)):
-                timer, best = Timer(fmt, m, used, a.threads, cold_at if heat == "cold" else 0), dict.fromkeys(libs, 1e9)
+            for heat, used in (("warm", copies[:1]), ("cold", copies[1:])):  # (copy 0, just read, is warm)
+                timed = libs_cold if heat == "cold" else libs
+                timer, best = Timer(fmt, m, used, a.threads, cold_at if heat == "cold" else 0), dict.fromkeys(timed, 1e9)
                 for _ in range(a.rounds):
-                    for name, lib in libs.items():
-                        best[name] = min(best[name], timer.seconds(lib))
+                    for name, product in timed.items():
+                        best[name] = min(best[name], timer.seconds(product))
                 cold_at = timer.next if heat == "cold" else cold_at  # (a copy read again only after all others)
                 rows += [{"format": fmt, "rows": m, "heat": heat, "build": name, "layer_s": s,
                           "ns_per_block": s * a.threads / blocks * 1e9, "gb_s": layer_bytes / s / 1e9}
@@ -98,17 +118,24 @@ def measure(libs: dict, a) -> list:
 
 
 def markdown(r: dict, names: list) -> str:
-    head = ["format", "rows", "heat"] + [f"{n}: ns/block, GB/s" for n in names] + [f"{names[0]} vs {names[-1]}"]
+    head = ["format", "rows", "heat"] + [f"{n}: ns/block, GB/s" for n in names] + [
+        f"{names[0]} vs {names[1]}", f"{READ}: GB/s", f"of that: {names[0]}", f"of that: {INT8}"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     keyed = {(row["format"], row["rows"], row["heat"], row["build"]): row for row in r["rows"]}
     for fmt, m, heat in dict.fromkeys((row["format"], row["rows"], row["heat"]) for row in r["rows"]):
-        got = [keyed[fmt, m, heat, n] for n in names]
-        cells = [f"{g['ns_per_block']:.2f}, {g['gb_s']:.1f}" for g in got]
-        lines.append("| " + " | ".join([fmt, str(m), heat, *cells, f"{got[-1]['layer_s'] / got[0]['layer_s']:.2f}x"])
-                     + " |")
+        got = [keyed.get((fmt, m, heat, n)) for n in names]
+        cells = [f"{g['ns_per_block']:.2f}, {g['gb_s']:.1f}" if g else "-" for g in got]
+        read = keyed.get((fmt, m, heat, READ))
+        shares = [f"{keyed[fmt, m, heat, n]['gb_s'] / read['gb_s']:.2f}" if read and (fmt, m, heat, n) in keyed
+                  else "-" for n in (names[0], INT8)]
+        lines.append("| " + " | ".join([fmt, str(m), heat, *cells, f"{got[1]['layer_s'] / got[0]['layer_s']:.2f}x",
+                                        f"{read['gb_s']:.1f}" if read else "-", *shares]) + " |")
     return (f"# The block products alone\n\n`python scripts/kernel_speed.py{r['flags']}`: SmolLM2-135M's layer (k, n) "
             f"{r['layer']}, {r['threads']} threads, best of {r['rounds']}; ns per block of 32 values per thread, GB/s "
-            f"of weights read; measured read bandwidth {r['read_bandwidth_bytes_s'] / 1e9:.1f} GB/s.\n\n"
+            f"of weights read; read bandwidth {r['read_bandwidth_bytes_s'] / 1e9:.1f} GB/s (256 MB). {INT8}: "
+            f"int8_dots.c's products (the opt-in --int8-activations), the x rows' quantizing included. {READ}: the "
+            f"same cold copies only read (read_rate.c), timed in turn with the products: what they cannot beat, "
+            f"measured beside them (this machine's bandwidth moved from 35 to 54 GB/s between runs).\n\n"
             + "\n".join(lines) + f"\n\nMachine: {r['machine']}\n")
 
 
@@ -127,11 +154,14 @@ def main():
 
     torch.set_num_threads(a.threads)
     with tempfile.TemporaryDirectory() as work:
-        libs = {"this build": native.library(),
-                "no AVX-512": native.build_at(os.path.join(work, "256"), native.FLAGS + ("-mno-avx512f",))}
+        lib = native.library()
+        libs = {"this build": lib.matmul_all,
+                "no AVX-512": native.build_at(os.path.join(work, "256"), native.FLAGS + ("-mno-avx512f",)).matmul_all,
+                INT8: lib.matmul_int8}
         if a.against:
             libs["against"] = native.build_at(os.path.join(work, "against"), native.FLAGS,
-                                              os.path.join(a.against, "flexh2o", "native"))
+                                              os.path.join(a.against, "flexh2o", "native")).matmul_all
+        libs = {name: multiplies(fn) for name, fn in libs.items()}
         flags = "".join(f" {f}" for f in sys.argv[1:] if not f.startswith("--out") and f != a.out)
         r = {"machine": describe_machine(), "flags": flags, "threads": a.threads, "rounds": a.rounds, "layer": LAYER,
              "read_bandwidth_bytes_s": read_bandwidth(a.threads), "against": a.against, "rows": measure(libs, a)}

@@ -252,3 +252,15 @@ def test_a_build_of_other_sources_declares_what_they_have():
     assert libc.strlen(b"four") == 4
     with pytest.raises(AttributeError):
         native._declare(libc, signatures)
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads, streams, ahead", [(1, 1, 0), (2, 4, 256), (2, 16, 1024)])
+def test_the_bandwidth_probe_reads_every_byte_it_counts(threads, streams, ahead):
+    import numpy as np
+    data = np.random.default_rng(threads + streams).integers(0, 256, 1 << 20, dtype=np.uint8)
+    fold = ctypes.c_uint64()
+    read = native.library().read_bytes(data.ctypes.data, data.nbytes, threads, streams, ahead, ctypes.byref(fold))
+    assert read == data.nbytes
+    assert fold.value == int(np.bitwise_xor.reduce(data.view(np.uint64)))
+    assert native.library().read_bytes(data.ctypes.data, data.nbytes, threads, 17, ahead, ctypes.byref(fold)) == -1
