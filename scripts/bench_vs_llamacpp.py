@@ -41,7 +41,7 @@ LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 
 
 def build_llama_cpp(workdir: str, log, target: str = "llama-batched-bench") -> str:
-    """The path of llama.cpp's tool `target` (llama-batched-bench, llama-server), built once in
+    """The path of llama.cpp's tool `target` (llama-batched-bench, llama-server, test-backend-ops), built once in
     workdir; RuntimeError saying why it cannot be."""
     binary = os.path.join(workdir, "build", "bin", target)
     if os.path.exists(binary):
@@ -71,7 +71,8 @@ def build_llama_cpp(workdir: str, log, target: str = "llama-batched-bench") -> s
         shutil.rmtree(partial)
     build = os.path.join(workdir, "build")
     step("configuring", ["cmake", "-S", source, "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF",
-                         *isa_options(), "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                         *isa_options(), "-DLLAMA_CURL=OFF",
+                         f"-DLLAMA_BUILD_TESTS={'ON' if target.startswith('test-') else 'OFF'}",
                          f"-DLLAMA_BUILD_SERVER={'ON' if target == 'llama-server' else 'OFF'}"],
          timeout=600)
     step(f"building {target} (several minutes)",
