@@ -154,7 +154,7 @@ static ALWAYS_INLINE int64_t block_scale(int format, int64_t unit) {
 
 /* pair_values for the GGUF blocks: block `unit` of rows a and b. */
 static ALWAYS_INLINE void block_pair(int format, const uint8_t *a, const uint8_t *b, int64_t unit, const float s[4],
-                                     __m512 w[8]) {
+                                     int rows, __m512 w[8]) {
     int64_t at = unit * block_bytes(format);
     a += at, b += at;
     if (format == F16 || format == BF16) {
@@ -178,6 +178,10 @@ static ALWAYS_INLINE void block_pair(int format, const uint8_t *a, const uint8_t
         return;
     }
     int codes_at = format == Q4_1 ? 4 : 2, zero = format == Q4_0 ? 8 : 0;
+    if (rows > 1) {
+        converted(a + codes_at, b + codes_at, BLOCK / 2, s, zero, w);
+        return;
+    }
     __m512 table_a = code_table(s[0], s[1], zero), table_b = code_table(s[2], s[3], zero);
     __m512i raw = _mm512_castsi256_si512(pair_of_16(a + codes_at, b + codes_at));
     __m512i low = nibbles(raw, 16), high = nibbles(_mm512_srli_epi16(raw, 4), 16);

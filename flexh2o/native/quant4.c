@@ -279,9 +279,13 @@ static ALWAYS_INLINE int64_t group_scale(int format, int64_t group) {
 
 /* pair_values for quant.py's groups: group `group` of rows a and b, the low nibbles' values first. */
 static ALWAYS_INLINE void group_pair(int format, const uint8_t *a, const uint8_t *b, int64_t group, const float s[4],
-                                     __m512 w[8]) {
+                                     int rows, __m512 w[8]) {
     (void)format;
     int64_t at = group * GROUP_BYTES;
+    if (rows > 1) {
+        converted(a + at, b + at, HALF, s, 0, w);
+        return;
+    }
     __m512i raw = pair_of_32(a + at, b + at);
     __m512 table_a = code_table(s[0], s[1], 0), table_b = code_table(s[2], s[3], 0);
     __m512i low = nibbles(raw, HALF), high = nibbles(_mm512_srli_epi16(raw, 4), HALF);
