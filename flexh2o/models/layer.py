@@ -137,7 +137,7 @@ class Layer:
         # every token's "load" is this same list, nothing moves.
         loaded = self.home[self.gathered:]
         self._in_place = [tiers.load(h) for h in loaded] if all(tiers.loads_once(h) for h in loaded) else None
-        self._may_widen = None  # (home, load) of each weight in place that a step of many rows widens
+        self._may_widen = None  # (home, weight as loaded) of each weight in place that a step of many rows widens
 
     @property
     def weights_in_place(self) -> bool:
@@ -174,13 +174,15 @@ class Layer:
         (of weights kept loaded, the buffers that a step of many rows widened them into)."""
         if self._loading is None:
             return
-        loaded = zip(self.home[self.gathered:], self._loading)
-        if self._loading is self._in_place:  # only a weight that widens can hold a buffer (every step asks)
-            if self._may_widen is None:
-                self._may_widen = [(home, p) for home, p in loaded if getattr(p.wait(), "widens", False)]
-            loaded = self._may_widen
-        for home, pending in loaded:
-            self.tiers.release_loaded(pending.wait(), home)
+        if self._loading is not self._in_place:
+            loaded = [(home, p.wait()) for home, p in zip(self.home[self.gathered:], self._loading)]
+        else:  # kept loaded: only a weight that widens holds a buffer, and only once a step widened it
+            if self._may_widen is None:  # (a GroupedWeight's `values` is None until then)
+                self._may_widen = [(home, p.wait()) for home, p in zip(self.home[self.gathered:], self._in_place)
+                                   if getattr(p.wait(), "widens", False)]
+            loaded = [(home, value) for home, value in self._may_widen if getattr(value, "values", True) is not None]
+        for home, value in loaded:
+            self.tiers.release_loaded(value, home)
         self._loading = None
 
     def init_cache(self, batch_sizes: list[int], kv, policy, refills: bool = False):
