@@ -165,15 +165,12 @@ static ALWAYS_INLINE void block_pair(int format, const uint8_t *a, const uint8_t
         }
         return;
     }
-    if (format == Q8_0) {
-        /* Each code q in a lane's top byte, its other bytes zero: q * 2^24, converted exactly, times
-           d * 2^-24 (exact: d is a float16's value) is q * d rounded once, as (float)q * d is. */
+    if (format == Q8_0) { /* as the 256-bit code: each code converted, times the scale */
         __m512 d = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(s[0]), _mm512_set1_ps(s[2]));
-        d = _mm512_mul_ps(d, _mm512_set1_ps(0x1p-24f));
-        __m512i q8 = pair_of_32(a + 2, b + 2);
         for (int q = 0; q < 4; q++) {
-            __m512i top = _mm512_maskz_permutexvar_epi8(0x8888888888888888ull, picks(8 * q, 32 + 8 * q, 24), q8);
-            w[q] = _mm512_mul_ps(_mm512_cvtepi32_ps(top), d);
+            __m128i eight = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(a + 2 + 8 * q)),
+                                               _mm_loadl_epi64((const __m128i *)(b + 2 + 8 * q)));
+            w[q] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(eight)), d);
         }
         return;
     }
@@ -186,7 +183,7 @@ static ALWAYS_INLINE void block_pair(int format, const uint8_t *a, const uint8_t
     __m512i raw = _mm512_castsi256_si512(pair_of_16(a + codes_at, b + codes_at));
     __m512i low = nibbles(raw, 16), high = nibbles(_mm512_srli_epi16(raw, 4), 16);
     for (int q = 0; q < 4; q++)
-        w[q] = looked_up(q < 2 ? low : high, picks(8 * (q % 2), 16 + 8 * (q % 2), 0), table_a, table_b);
+        w[q] = looked_up(q < 2 ? low : high, picks(8 * (q % 2), 16 + 8 * (q % 2)), table_a, table_b);
 }
 
 static void block_pairs(int format, const float *x, int64_t m, int64_t ldx, int64_t k, const uint8_t *w,

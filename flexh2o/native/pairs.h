@@ -8,8 +8,7 @@ float operations as before, so the results are bit-equal, with about half the in
 
 A weight row's values come in units (a GGUF block of 32, a quant.py group of 64): `pair_values`
 makes a unit of both rows as vectors of 16 (row a's eight values in lanes 0-7, row b's in 8-15),
-with the same float operations as the 256-bit code (Q8_0: one more, an exact one, so the same
-values; blocks.c says why). The 4-bit formats make them with a table: the 16 values a block's
+with the same float operations as the 256-bit code. The 4-bit formats make them with a table: the 16 values a block's
 codes can stand for, each made as one code's value is made (code * scale + minimum, two roundings),
 looked up by code; one lookup replaces a conversion, a product and a sum. vpermb moves each code to
 its lane, so this needs AVX512-VBMI too (Ice Lake and later). That is for one row of x; a tile of
@@ -48,11 +47,11 @@ static inline void store_sums(__m512 acc, float *a, float *b) {
 
 /* vpermb's selector putting byte `from_a + l` into the low byte of lane l and byte `from_b + l` into
    lane 8 + l's (l < 8), the lane's other bytes taking byte 0 (looked_up reads only a lane's low
-   five bits); `shift` 24 puts it into the top byte instead. */
-static inline __m512i picks(int from_a, int from_b, int shift) {
+   five bits). */
+static inline __m512i picks(int from_a, int from_b) {
     __m512i lane = _mm512_set_epi32(7, 6, 5, 4, 3, 2, 1, 0, 7, 6, 5, 4, 3, 2, 1, 0);
     __m512i from = _mm512_mask_blend_epi32(0xff00, _mm512_set1_epi32(from_a), _mm512_set1_epi32(from_b));
-    return _mm512_sllv_epi32(_mm512_add_epi32(lane, from), _mm512_set1_epi32(shift));
+    return _mm512_add_epi32(lane, from);
 }
 
 /* code * scale + low for the codes 0..15 (codes 0..15 minus `zero` where zero is 8: Q4_0's), made as
@@ -78,7 +77,8 @@ static inline __m512i nibbles(__m512i bytes, int b_from) {
 /* The values of the 4-bit codes in `bytes` (16 or 32) bytes at a and at b (byte i holds code i in its
    low nibble and code i + bytes in its high one), in looked_up's lanes, made as the 256-bit code
    makes them: converted, less `zero`, times the scale, plus the minimum. */
-static ALWAYS_INLINE void converted(const uint8_t *a, const uint8_t *b, int bytes, const float s[4], int zero, __m512 *w) {
+static ALWAYS_INLINE void converted(const uint8_t *a, const uint8_t *b, int bytes, const float s[4], int zero,
+                                    __m512 *w) {
     __m512 scale = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(s[0]), _mm512_set1_ps(s[2]));
     __m512 low = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(s[1]), _mm512_set1_ps(s[3]));
     for (int h = 0; h < bytes / 8; h++) {

@@ -290,7 +290,7 @@ static ALWAYS_INLINE void group_pair(int format, const uint8_t *a, const uint8_t
     __m512 table_a = code_table(s[0], s[1], 0), table_b = code_table(s[2], s[3], 0);
     __m512i low = nibbles(raw, HALF), high = nibbles(_mm512_srli_epi16(raw, 4), HALF);
     for (int q = 0; q < 8; q++)
-        w[q] = looked_up(q < 4 ? low : high, picks(8 * (q % 4), HALF + 8 * (q % 4), 0), table_a, table_b);
+        w[q] = looked_up(q < 4 ? low : high, picks(8 * (q % 4), HALF + 8 * (q % 4)), table_a, table_b);
 }
 #endif
 
