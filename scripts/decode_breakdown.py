@@ -98,8 +98,8 @@ READ_WAYS = [(streams, ahead) for streams in (1, 4, 8) for ahead in (0, 256, 102
 def read_bandwidth(threads: int, repeats: int = 5) -> float:
     """Bytes per second this machine reads with `threads` threads: the fastest of native/read_rate.c's
     ways of reading 256 MB (READ_WAYS: side-by-side sequences, bytes prefetched ahead) and a torch sum
-    over it, each the best of `repeats`. The sum alone is not a bound: it waits on its arithmetic, and
-    a product prefetching its rows read faster than it did."""
+    over it, each the best of `repeats`. The sum alone is not a bound: it waits on its arithmetic (on a
+    2-core EPYC it read 0.5-0.7 of what the plain loads read)."""
     import ctypes
 
     import torch
