@@ -135,7 +135,7 @@ def markdown(r: dict, names: list) -> str:
             f"of weights read; read bandwidth {r['read_bandwidth_bytes_s'] / 1e9:.1f} GB/s (256 MB). {INT8}: "
             f"int8_dots.c's products (the opt-in --int8-activations), the x rows' quantizing included. {READ}: the "
             f"same cold copies only read (read_rate.c), timed in turn with the products: what they cannot beat, "
-            f"measured beside them (this machine's bandwidth moved from 35 to 54 GB/s between runs).\n\n"
+            f"measured beside them (a shared machine's read rate moves from run to run).\n\n"
             + "\n".join(lines) + f"\n\nMachine: {r['machine']}\n")
 
 
