@@ -58,20 +58,6 @@ static void block_values(int format, const uint8_t *b, float *v) {
     }
 }
 
-/* blocks: rows of n / BLOCK blocks; out: rows of n values of dtype (row r at out + r * row_stride). */
-void dequantize_blocks(int format, const uint8_t *blocks, int64_t n, void *out, int dtype, int64_t row_stride,
-                       int64_t first, int64_t last) {
-    int64_t per_row = n / BLOCK, bytes = block_bytes(format);
-    float v[BLOCK];
-    for (int64_t r = first; r < last; r++) {
-        const uint8_t *b = blocks + r * per_row * bytes;
-        for (int64_t i = 0; i < per_row; i++, b += bytes) {
-            block_values(format, b, v);
-            store_values(v, out, dtype, r * row_stride + i * BLOCK, BLOCK);
-        }
-    }
-}
-
 /* y[i, j] = sum over c of x[i, c] * w[j, c] for the rows i < m of x (float32, k values each, row
    stride ldx) and the weight rows first <= j < last (each k / BLOCK blocks); y float32, row stride ldy. */
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -227,6 +213,31 @@ void matmul_blocks(int format, const float *x, int64_t m, int64_t ldx, int64_t k
     }
 }
 #endif
+
+/* blocks: rows of n / BLOCK blocks; out: rows of n values of dtype (row r at out + r * row_stride).
+   A prompt step widens every matrix so, once per step: into float32, eight values at a time where
+   the CPU has AVX2 (the scalar loop took 17% of a SmolLM2 prompt step). */
+void dequantize_blocks(int format, const uint8_t *blocks, int64_t n, void *out, int dtype, int64_t row_stride,
+                       int64_t first, int64_t last) {
+    int64_t per_row = n / BLOCK, bytes = block_bytes(format);
+    float v[BLOCK];
+    for (int64_t r = first; r < last; r++) {
+        const uint8_t *b = blocks + r * per_row * bytes;
+        for (int64_t i = 0; i < per_row; i++, b += bytes) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+            if (dtype == FLOAT32) {
+                __m256 w[4];
+                block_vectors(format, b, w);
+                for (int q = 0; q < 4; q++)
+                    _mm256_storeu_ps((float *)out + r * row_stride + i * BLOCK + 8 * q, w[q]);
+                continue;
+            }
+#endif
+            block_values(format, b, v);
+            store_values(v, out, dtype, r * row_stride + i * BLOCK, BLOCK);
+        }
+    }
+}
 
 /* A product over every weight row, on `threads` OpenMP threads (where built with OpenMP), in chunks
    of CHUNK rows: handed out by OpenMP's own pool, a decode step's small products are split over
