@@ -32,10 +32,10 @@ from decode_breakdown import read_bandwidth  # noqa: E402
 from flexh2o import native  # noqa: E402
 from flexh2o.compression import quant  # noqa: E402
 from flexh2o.compression.formats import BLOCK, NATIVE_FORMATS, SIXTEEN_BIT  # noqa: E402
+from flexh2o.compression.int8_activations import FORMATS as INT8_FORMATS  # noqa: E402
 
 LAYER = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (k, n) of SmolLM2-135M's products
 FORMATS = ["Q4_0", "Q4_1", "Q8_0", "F16", "BF16", "groups"]
-INT8_FORMATS = ["Q4_0", "Q4_1", "Q8_0"]
 INT8 = "int8 activations"
 READ = "read alone"
 

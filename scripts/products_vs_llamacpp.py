@@ -29,10 +29,10 @@ from bench_vs_llamacpp import build_llama_cpp  # noqa: E402
 from kernel_speed import weights  # noqa: E402
 from flexh2o import native  # noqa: E402
 from flexh2o.compression.formats import NATIVE_FORMATS  # noqa: E402
+from flexh2o.compression.int8_activations import FORMATS as INT8_FORMATS  # noqa: E402
 
 N, K = 4096, 14336  # the weight matrix of test-backend-ops' perf cases (out x in)
 FORMATS = ["Q4_0", "Q4_1", "Q8_0", "F16"]
-INT8_FORMATS = ["Q4_0", "Q4_1", "Q8_0"]
 CASE = re.compile(r"MUL_MAT\(type_a=(\w+),type_b=f32,m=(\d+),n=(\d+),k=(\d+),.*?([\d.]+) us/run")
 
 
