@@ -10,6 +10,10 @@ the CPU's threads; flexh2o's products (native matmul_all with float32 activation
 the opt-in --int8-activations) run here on as many, on the same shape, the best of --repeats
 timings each, llama.cpp's and flexh2o's rounds interleaved. The matrix stays in the caches only as
 far as they hold it (Q4_0's 33 MB does not fit in this 32 MB L3, so each call reads it from memory).
+Not llama.cpp's every path: test-backend-ops times the CPU backend's own buffers, not the repacked
+layouts (Q4_0, Q8_0 and others interleaved for AVX2/AVX-512) that llama.cpp's model runs put the
+weights in where the CPU allows, so its products in a real run can be faster than these; the end
+to end comparison is bench_vs_llamacpp.py.
 Writes results/products_vs_llamacpp.{json,md}.
 """
 
@@ -73,7 +77,8 @@ def markdown(r: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     return (f"# The block products beside llama.cpp's\n\n`{r['command']}`: a {N} x {K} weight matrix, {r['threads']} "
             f"thread(s) each (test-backend-ops' own count: half the CPU's), best of {r['repeats']} rounds; "
-            f"microseconds a product, and llama.cpp's time over flexh2o's (above 1: flexh2o faster)."
+            f"microseconds a product, and llama.cpp's time over flexh2o's (above 1: flexh2o faster). llama.cpp's "
+            f"products on its plain CPU buffers: its model runs may repack Q4_0 and Q8_0 weights into faster layouts."
             + (f" {r['llama_cpp_skipped']}" if r["llama_cpp_skipped"] else "") + "\n\n" + "\n".join(lines) + f"\n\nMachine: {r['machine']}\n")
 
 
