@@ -118,7 +118,8 @@ def flexh2o_flags(batch: int, a, json_out: str) -> list[str]:
     return ["--model", a.model, "--prompt-len", str(a.prompt_len), "--gen-len", str(a.gen_len),
             "--gpu-batch-size", str(batch), "--num-gpu-batches", "1", *weights,
             "--cache", "gpu=100,cpu=0,disk=0", "--no-stop-at-eos", "--quiet",
-            "--json-out", json_out] + (["--dtype", a.dtype] if a.dtype else [])
+            "--json-out", json_out] + (["--dtype", a.dtype] if a.dtype else []) + \
+        (["--int8-activations"] if getattr(a, "int8_activations", False) else [])
 
 
 def run_flexh2o(batch: int, a, workdir: str) -> dict:
@@ -139,8 +140,10 @@ def best(runs: list, key: str) -> float:
 
 
 def markdown(r: dict) -> str:
+    int8 = " with int8 activations (--int8-activations, as llama.cpp multiplies its blocks)" \
+        if r.get("int8_activations") else ""
     lines = [f"# flexh2o against llama.cpp: {os.path.basename(r['model'])}", "",
-             f"Machine: {r['machine']}; flexh2o computes in {r['dtype']}. `{r['command']}`: {r['prompt_len']} + "
+             f"Machine: {r['machine']}; flexh2o computes in {r['dtype']}{int8}. `{r['command']}`: {r['prompt_len']} + "
              f"{r['gen_len']} tokens, {r['threads']} threads each, batches interleaved, best of {r['repeats']} "
              "rounds (tokens per second).", ""]
     if r.get("llama_cpp_skipped"):
@@ -171,6 +174,8 @@ def main():
     p.add_argument("--sixteen-bit", action="store_true", help="the file's matrices are F16/BF16: flexh2o keeps "
                    "them 16-bit in CPU memory and multiplies them as stored (the 1.26B model of "
                    "bench_bigger_than_memory.py), not quantized by --compress-weight")
+    p.add_argument("--int8-activations", action="store_true", help="flexh2o multiplies the file's Q4_0/Q4_1/Q8_0 "
+                   "blocks with int8 activations, as llama.cpp does (float32 only; opt-in: not float32's results)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds after which one run is stopped")
     p.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "flexh2o_bench_llamacpp"))
     p.add_argument("--out", default=os.path.join(REPO, "results", "vs_llamacpp"))
@@ -194,7 +199,8 @@ def main():
                 log(f"llama.cpp batch {row['batch']}: {row['llama_cpp'][-1]}")
     result = {"model": a.model, "machine": describe_machine(), "dtype": a.dtype or str(cpu_compute_dtype()).removeprefix("torch."),
               "command": " ".join(["python"] + sys.argv), "prompt_len": a.prompt_len, "gen_len": a.gen_len,
-              "threads": a.threads, "repeats": a.repeats, "llama_cpp_skipped": skipped, "rows": rows}
+              "threads": a.threads, "repeats": a.repeats, "int8_activations": a.int8_activations,
+              "llama_cpp_skipped": skipped, "rows": rows}
     write_json_atomic(a.out + ".json", result)
     write_text_atomic(a.out + ".md", markdown(result))
     print(markdown(result))

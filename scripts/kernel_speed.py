@@ -4,8 +4,11 @@ activations (int8_dots.c's matmul_int8), and the machine's read bandwidth.
 
     python scripts/kernel_speed.py                         # SmolLM2-135M's layer, 2 threads
     python scripts/kernel_speed.py --against ../other-checkout   # and that checkout's build too
+    python scripts/kernel_speed.py --layer llama-7b        # a Llama-7B layer's matrices instead
 
-A layer's matrices (k=576 -> n=960, 576, 3072; k=1536 -> n=576) multiplied one after another.
+A layer's matrices multiplied one after another: SmolLM2-135M's (k=576 -> n=960, 576, 3072; k=1536
+-> n=576: small enough that each product's fixed cost, its threads' start and end, shows), or a
+Llama-7B layer's (k=4096 -> n=12288, 4096, 22016; k=11008 -> n=4096: each product megabytes).
 Warm: the same weights again and again (they stay in the caches); cold: copies of the layer, --cold-mb
 in all (more than the caches hold), each timing on the next copy (never the warm one), so the weights
 come from memory.
@@ -34,7 +37,8 @@ from flexh2o.compression import quant  # noqa: E402
 from flexh2o.compression.formats import BLOCK, NATIVE_FORMATS, SIXTEEN_BIT  # noqa: E402
 from flexh2o.compression.int8_activations import FORMATS as INT8_FORMATS  # noqa: E402
 
-LAYER = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (k, n) of SmolLM2-135M's products
+LAYERS = {"smollm2-135m": [(576, 960), (576, 576), (576, 3072), (1536, 576)],  # (k, n) of each product
+          "llama-7b": [(4096, 12288), (4096, 4096), (4096, 22016), (11008, 4096)]}
 FORMATS = ["Q4_0", "Q4_1", "Q8_0", "F16", "BF16", "groups"]
 INT8 = "int8 activations"
 READ = "read alone"
@@ -51,16 +55,16 @@ def weights(fmt: str, n: int, k: int) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.quantize(values, gguf.GGMLQuantizationType[fmt]).copy())
 
 
-def layers(fmt: str, megabytes: int) -> list:
-    """Copies of the layer's matrices, at least `megabytes` in all (two at the least), each a list of
-    (k, n, records), laid one after another in memory."""
-    one = [weights(fmt, n, k) for k, n in LAYER]
+def layers(fmt: str, megabytes: int, shape: list = LAYERS["smollm2-135m"]) -> list:
+    """Copies of a layer's matrices (`shape`: their (k, n)), at least `megabytes` in all (two at the
+    least), each a list of (k, n, records), laid one after another in memory."""
+    one = [weights(fmt, n, k) for k, n in shape]
     layer_bytes = sum(w.numel() for w in one)
     copies = max(2, -(-megabytes * 2 ** 20 // layer_bytes))
     joined, at, out = torch.cat([w.reshape(-1) for w in one]).repeat(copies), 0, []
     for _ in range(copies):
         out.append([])
-        for (k, n), w in zip(LAYER, one):
+        for (k, n), w in zip(shape, one):
             out[-1].append((k, n, joined[at: at + w.numel()].view(w.shape)))
             at += w.numel()
     return out
@@ -71,8 +75,8 @@ class Timer:
 
     def __init__(self, fmt: str, m: int, copies: list, threads: int, start: int = 0):
         self.code, self.m, self.copies, self.threads, self.next = NATIVE_FORMATS[fmt], m, copies, threads, start
-        self.x = torch.randn(m, max(k for k, _ in LAYER))
-        self.y = torch.empty(m, max(n for _, n in LAYER))
+        self.x = torch.randn(m, max(k for layer in copies[:1] for k, _, _ in layer))
+        self.y = torch.empty(m, max(n for layer in copies[:1] for _, n, _ in layer))
 
     def seconds(self, product) -> float:
         layer, self.next = self.copies[self.next], (self.next + 1) % len(self.copies)
@@ -95,11 +99,12 @@ def reads(lib):
 
 
 def measure(products: dict, a) -> list:
-    rows, blocks = [], sum(n * k // BLOCK for k, n in LAYER)
+    rows, shape = [], LAYERS[a.layer]
+    blocks = sum(n * k // BLOCK for k, n in shape)
     for fmt in a.formats:
         libs = {name: p for name, p in products.items() if fmt in INT8_FORMATS or name != INT8}
         libs_cold = libs | {READ: reads(native.library())}
-        copies = layers(fmt, a.cold_mb)
+        copies = layers(fmt, a.cold_mb, shape)
         layer_bytes, cold_at = sum(w.nbytes for _, _, w in copies[0]), 0
         for m in a.rows:
             for heat, used in (("warm", copies[:1]), ("cold", copies[1:])):  # (copy 0, just read, is warm)
@@ -130,7 +135,7 @@ def markdown(r: dict, names: list) -> str:
                   else "-" for n in (names[0], INT8)]
         lines.append("| " + " | ".join([fmt, str(m), heat, *cells, f"{got[1]['layer_s'] / got[0]['layer_s']:.2f}x",
                                         f"{read['gb_s']:.1f}" if read else "-", *shares]) + " |")
-    return (f"# The block products alone\n\n`python scripts/kernel_speed.py{r['flags']}`: SmolLM2-135M's layer (k, n) "
+    return (f"# The block products alone\n\n`python scripts/kernel_speed.py{r['flags']}`: a {r['layer_name']} layer's products (k, n) "
             f"{r['layer']}, {r['threads']} threads, best of {r['rounds']}; ns per block of 32 values per thread, GB/s "
             f"of weights read; read bandwidth {r['read_bandwidth_bytes_s'] / 1e9:.1f} GB/s (256 MB). {INT8}: "
             f"int8_dots.c's products (the opt-in --int8-activations), the x rows' quantizing included. {READ}: the "
@@ -142,6 +147,7 @@ def markdown(r: dict, names: list) -> str:
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--layer", choices=list(LAYERS), default="smollm2-135m", help="whose layer's matrices")
     p.add_argument("--formats", nargs="+", default=FORMATS, choices=FORMATS)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 8, 32])
     p.add_argument("--rounds", type=int, default=40, help="timings of one layer for each build")
@@ -163,7 +169,8 @@ def main():
                                               os.path.join(a.against, "flexh2o", "native")).matmul_all
         libs = {name: multiplies(fn) for name, fn in libs.items()}
         flags = "".join(f" {f}" for f in sys.argv[1:] if not f.startswith("--out") and f != a.out)
-        r = {"machine": describe_machine(), "flags": flags, "threads": a.threads, "rounds": a.rounds, "layer": LAYER,
+        r = {"machine": describe_machine(), "flags": flags, "threads": a.threads, "rounds": a.rounds,
+             "layer_name": a.layer, "layer": LAYERS[a.layer],
              "read_bandwidth_bytes_s": read_bandwidth(a.threads), "against": a.against, "rows": measure(libs, a)}
     write_json_atomic(a.out + ".json", r)
     write_text_atomic(a.out + ".md", markdown(r, list(libs)))

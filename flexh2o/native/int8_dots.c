@@ -5,14 +5,19 @@ and a weight block against it is one integer dot product.
 
 A weight value is q * dw + mw with Q4_1's minimum mw, Q4_0's (q - 8) * dw taken as mw = -8 dw, and
 Q8_0's signed q * dw with no mw. So block b adds dw * dx * <q, qx> + mw * sx. Its integer dot is
-kept as eight partial sums of four neighbouring products (the int32 lanes vpdpbusd, or maddubs
-then madd, leave in a 256-bit vector); each lane is made a float, multiplied by dw, and added times
-dx (a fused multiply-add) into one of sixteen float sums A: the even blocks' eight lanes, then the
-odd blocks'. The mw * sx terms go by fused multiply-adds into two sums L, the even blocks' and the
-odd ones'. Each sum takes its blocks in order; at the end y = sum8(A[l] + A[8 + l]) + (L[0] + L[1])
-with common.h's sum8 order. Every path (AVX512-VNNI, AVX-VNNI or AVX2, plain C) does exactly these
-operations, so all give the same bits, and a (row of x, weight row) result does not depend on the
-other rows or the threads.
+kept as a few exact partial sums (lanes), each made a float, multiplied by dw, and added times dx
+(a fused multiply-add) into one of sixteen float sums A:
+- Q8_0: eight lanes of four neighbouring products (the int32 lanes vpdpbusd, or maddubs then madd,
+  leave in a 256-bit vector), the even blocks' into A[0..7], the odd ones' into A[8..15].
+- Q4_0 and Q4_1: four lanes, lane l the products of values 4l..4l+3 and 16+4l..16+4l+3 (the codes
+  of the same four bytes, low nibbles then high), block b's into A[4 (b % 4) + l]. With 512-bit
+  vectors, one vpdpbusd pair then takes four blocks, a lane each from the low and the high nibbles:
+  half the float work a block of eight lanes had (results/kernel_speed.md).
+The mw * sx terms go by fused multiply-adds into the sums L: Q4_1's and Q4_0's L[b % 4]. Each sum
+takes its blocks in order; at the end y = sum8(A[l] + A[8 + l]) (common.h's sum8 order), plus
+(L[0] + L[1]) + (L[2] + L[3]) for Q4_0 and Q4_1. Every path (AVX512-VNNI, AVX-VNNI or AVX2, plain C)
+does exactly these operations, so all give the same bits, and a (row of x, weight row) result does
+not depend on the other rows or the threads.
 
 A block of x whose values are not all finite gets a NaN scale, so its rows' results are NaN.
 A quantized row: its k bytes q, then its k / 32 scales dx, then its k / 32 sums sx (floats).
@@ -33,6 +38,12 @@ static int64_t weight_block_bytes(int format) {
 
 int64_t int8_row_bytes(int64_t k) {
     return k + 8 * (k / BLOCK);
+}
+
+static inline uint32_t bits32(const uint8_t *p) {
+    uint32_t b;
+    memcpy(&b, p, 4);
+    return b;
 }
 
 static float half_value(const uint8_t *p) {
@@ -116,29 +127,46 @@ void quantize_int8(const float *x, int64_t m, int64_t ldx, int64_t k, uint8_t *o
         quantize_row(x + i * ldx, k, out + i * int8_row_bytes(k));
 }
 
-/* The plain C step of a (row of x, weight row) pair: block `block` against the row's block at x
-   (scale dx, sum sx), into the float sums A[8] and L of its parity. */
-static void block_step(int format, const uint8_t *block, const int8_t *x, float dx, float sx, float *A, float *L) {
+/* The plain C step of a (row of x, weight row) pair: Q8_0 block `block` against the row's block at x
+   (scale dx), into the float sums A[8] of its parity. */
+static void block_step(const uint8_t *block, const int8_t *x, float dx, float *A) {
     float d = half_value(block);
     int lanes[8] = {0};
-    for (int v = 0; v < BLOCK; v++) {
-        int q = format == Q8_0 ? ((const int8_t *)block)[2 + v]
-                               : (block[(format == Q4_1 ? 4 : 2) + v % 16] >> (v < 16 ? 0 : 4)) & 15;
-        lanes[v / 4] += q * x[v];
-    }
+    for (int v = 0; v < BLOCK; v++)
+        lanes[v / 4] += ((const int8_t *)block)[2 + v] * x[v];
     for (int l = 0; l < 8; l++)
         A[l] = fmaf((float)lanes[l] * d, dx, A[l]);
-    if (format != Q8_0)
-        *L = fmaf(format == Q4_1 ? half_value(block + 2) : -8.0f * d, sx, *L);
 }
 
-/* A pair's result from its sums: A[16] (the even blocks' eight lanes, then the odd ones'), L[2]. */
+/* The same for a Q4_0 or Q4_1 block (the row's block sum sx): its four lanes into A[4] and its
+   mw * sx into L, the sums of its place among four. */
+static void quad_step(int format, const uint8_t *block, const int8_t *x, float dx, float sx, float *A, float *L) {
+    float d = half_value(block);
+    const uint8_t *codes = block + (format == Q4_1 ? 4 : 2);
+    int lanes[4] = {0};
+    for (int v = 0; v < BLOCK; v++)
+        lanes[v % 16 / 4] += ((codes[v % 16] >> (v < 16 ? 0 : 4)) & 15) * x[v];
+    for (int l = 0; l < 4; l++)
+        A[l] = fmaf((float)lanes[l] * d, dx, A[l]);
+    *L = fmaf(format == Q4_1 ? half_value(block + 2) : -8.0f * d, sx, *L);
+}
+
+/* Block b of the row at x (its scales dx, sums sx) into the sums A[16] and L[4] of its format. */
+static void any_step(int format, const uint8_t *block, const int8_t *x, const float *dx, const float *sx, int64_t b,
+                     float *A, float *L) {
+    if (format == Q8_0)
+        block_step(block, x, dx[b], A + 8 * (b % 2));
+    else
+        quad_step(format, block, x, dx[b], sx[b], A + 4 * (b % 4), L + b % 4);
+}
+
+/* A pair's result from its sums: A[16] and (Q4_0, Q4_1) L[4]. */
 static float pair_result(int format, const float *A, const float *L) {
     float S[8];
     for (int l = 0; l < 8; l++)
         S[l] = A[l] + A[8 + l];
     float sum = ((S[0] + S[4]) + (S[2] + S[6])) + ((S[1] + S[5]) + (S[3] + S[7])); /* common.h's sum8 */
-    return format == Q8_0 ? sum : sum + (L[0] + L[1]);
+    return format == Q8_0 ? sum : sum + ((L[0] + L[1]) + (L[2] + L[3]));
 }
 
 #define COLS 4 /* weight rows a tile multiplies side by side */
@@ -158,100 +186,171 @@ static inline void prefetch_ahead(const uint8_t *w, int64_t wrow, int cols, int6
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define ROWS 4
-/* rows (<= ROWS) quantized rows of x against cols (<= COLS) weight rows, two blocks at a time: a
-   512-bit vector holds an even block's eight lanes, then the next odd one's. Inlined with constant
-   arguments, so its arrays are registers. */
-static inline __attribute__((always_inline)) void tile(int format, const uint8_t *qx, int64_t qrow, int rows,
-                                                       const uint8_t *w, int64_t wrow, int cols, int64_t k,
-                                                       float *y, int64_t ldy) {
-    int64_t blocks = k / BLOCK, bytes = weight_block_bytes(format), pairs = blocks / 2 * 2;
-    __m512 acc[ROWS][COLS];
-    __m256 low[ROWS]; /* the mw * sx sums: weight row c's even blocks in lane 2c, its odd ones in 2c + 1 */
+#define INLINED static inline __attribute__((always_inline))
+
+/* y's sums of rows (<= ROWS) rows and cols (<= COLS) weight rows from their sums, in registers
+   (acc: A, lows: L, weight row c's at 4c), and the blocks from `from` on done in plain C. */
+INLINED void finish(int format, const uint8_t *qx, int64_t qrow, int rows, const uint8_t *w, int64_t wrow, int cols,
+                    int64_t k, int64_t from, __m512 acc[ROWS][COLS], __m512 *lows, float *y, int64_t ldy) {
+    int64_t blocks = k / BLOCK, bytes = weight_block_bytes(format);
     for (int r = 0; r < rows; r++) {
-        low[r] = _mm256_setzero_ps();
+        const uint8_t *row = qx + r * qrow;
+        const float *dx = (const float *)(row + k);
+        float L[4 * COLS] = {0};
+        if (format != Q8_0)
+            _mm512_storeu_ps(L, lows[r]);
+        if (from == blocks) { /* pair_result's sums, in registers */
+            for (int c = 0; c < cols; c++) {
+                __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][c]), 1));
+                float sum = sum8(_mm256_add_ps(_mm512_castps512_ps256(acc[r][c]), high));
+                y[r * ldy + c] = format == Q8_0 ? sum : sum + ((L[4 * c] + L[4 * c + 1]) + (L[4 * c + 2] + L[4 * c + 3]));
+            }
+            continue;
+        }
+        for (int c = 0; c < cols; c++) {
+            float A[16];
+            _mm512_storeu_ps(A, acc[r][c]);
+            for (int64_t b = from; b < blocks; b++)
+                any_step(format, w + c * wrow + b * bytes, (const int8_t *)row + b * BLOCK, dx, dx + blocks, b, A,
+                         L + 4 * c);
+            y[r * ldy + c] = pair_result(format, A, L + 4 * c);
+        }
+    }
+}
+
+/* rows (<= ROWS) quantized rows of x against cols (<= COLS) weight rows of Q8_0 blocks, two at a
+   time: a 512-bit vector holds an even block's eight lanes, then the next odd one's. Inlined with
+   constant arguments, so its arrays are registers. */
+INLINED void pair_tile(const uint8_t *qx, int64_t qrow, int rows, const uint8_t *w, int64_t wrow, int cols,
+                       int64_t k, float *y, int64_t ldy) {
+    int64_t blocks = k / BLOCK, bytes = weight_block_bytes(Q8_0), pairs = blocks / 2 * 2;
+    __m512 acc[ROWS][COLS];
+    for (int r = 0; r < rows; r++)
         for (int c = 0; c < cols; c++)
             acc[r][c] = _mm512_setzero_ps();
-    }
-    __m512i mask = _mm512_set1_epi8(15), shifts = _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4);
     __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     __m512i scale_pick = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
     for (int64_t b = 0; b < pairs; b += 2) {
         prefetch_ahead(w, wrow, cols, b * bytes, 2 * bytes);
         __m512i codes[COLS];
         __m512 dw[COLS];
-        __m128 heads[COLS]; /* the first two words of blocks b and b + 1 as floats: dw, (Q4_1) mw */
         __mmask64 negative[COLS];
         for (int c = 0; c < cols; c++) {
             const uint8_t *even = w + c * wrow + b * bytes, *odd = even + bytes;
-            uint32_t h0, h1;
+            uint32_t h0, h1; /* dw of blocks b and b + 1 */
             memcpy(&h0, even, 4);
             memcpy(&h1, odd, 4);
-            heads[c] = _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128((int)h0), (int)h1, 1));
-            dw[c] = _mm512_permutexvar_ps(scale_pick, _mm512_castps128_ps512(heads[c]));
-            if (format == Q8_0) {
-                __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(even + 2))),
-                                               _mm256_loadu_si256((const __m256i *)(odd + 2)), 1);
-                negative[c] = _mm512_movepi8_mask(q);
-                codes[c] = _mm512_abs_epi8(q);
-            } else {
-                int at = format == Q4_1 ? 4 : 2;
-                __m256i two = _mm256_setr_m128i(_mm_loadu_si128((const __m128i *)(even + at)),
-                                                _mm_loadu_si128((const __m128i *)(odd + at)));
-                __m512i z = _mm512_castsi256_si512(two);
-                codes[c] = _mm512_and_si512(_mm512_srlv_epi64(_mm512_shuffle_i64x2(z, z, 0x50), shifts), mask);
-            }
+            __m128 heads = _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128((int)h0), (int)h1, 1));
+            dw[c] = _mm512_permutexvar_ps(scale_pick, _mm512_castps128_ps512(heads));
+            __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(even + 2))),
+                                           _mm256_loadu_si256((const __m256i *)(odd + 2)), 1);
+            negative[c] = _mm512_movepi8_mask(q);
+            codes[c] = _mm512_abs_epi8(q);
         }
-        for (int c = cols; c < COLS; c++)
-            heads[c] = _mm_setzero_ps();
-        /* mw of blocks b and b + 1 for each weight row in turn: Q4_1's words 1 and 3, Q4_0's -8 x 0 and 2 */
-        __m256 mws = format == Q4_1 ? _mm256_setr_m128(_mm_shuffle_ps(heads[0], heads[1], 0xdd),
-                                                       _mm_shuffle_ps(heads[2], heads[3], 0xdd))
-                                    : _mm256_mul_ps(_mm256_setr_m128(_mm_shuffle_ps(heads[0], heads[1], 0x88),
-                                                                     _mm_shuffle_ps(heads[2], heads[3], 0x88)),
-                                                    _mm256_set1_ps(-8.0f));
         for (int r = 0; r < rows; r++) {
             const uint8_t *row = qx + r * qrow;
-            const float *dx = (const float *)(row + k);
             __m512i x = _mm512_loadu_si512(row + b * BLOCK);
             __m512 d = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_castpd_ps(
-                _mm_load_sd((const double *)(dx + b)))));
+                _mm_load_sd((const double *)((const float *)(row + k) + b)))));
             for (int c = 0; c < cols; c++) {
-                __m512i s = format == Q8_0 ? _mm512_mask_sub_epi8(x, negative[c], _mm512_setzero_si512(), x) : x;
+                __m512i s = _mm512_mask_sub_epi8(x, negative[c], _mm512_setzero_si512(), x);
                 __m512i lanes = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[c], s);
                 acc[r][c] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(lanes), dw[c]), d, acc[r][c]);
             }
-            if (format != Q8_0)
-                low[r] = _mm256_fmadd_ps(mws, _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(dx + blocks + b))),
-                                         low[r]);
         }
     }
-    if (pairs == blocks) { /* pair_result's sums, in registers */
-        for (int r = 0; r < rows; r++) {
-            float lows[2 * COLS];
-            _mm256_storeu_ps(lows, _mm256_hadd_ps(low[r], low[r])); /* L[0] + L[1] of weight rows 0, 1, -, -, 2, 3 */
-            for (int c = 0; c < cols; c++) {
-                __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][c]), 1));
-                float sum = sum8(_mm256_add_ps(_mm512_castps512_ps256(acc[r][c]), high));
-                y[r * ldy + c] = format == Q8_0 ? sum : sum + lows[c + (c & 2)];
-            }
+    finish(Q8_0, qx, qrow, rows, w, wrow, cols, k, pairs, acc, NULL, y, ldy);
+}
+
+/* Blocks b .. b + t - 1 (t <= 4) of quad_tile: a last one of fewer than four taken as four with the
+   missing blocks' codes, scales and x zero (adding zeros leaves a sum as it is: the sums start at +0,
+   never -0). */
+INLINED void quad_blocks(int format, const uint8_t *qx, int64_t qrow, int rows, const uint8_t *w, int64_t wrow,
+                         int cols, int64_t k, int64_t b, int t, __m512 acc[ROWS][COLS], __m512 *lows) {
+    int64_t blocks = k / BLOCK, bytes = weight_block_bytes(format);
+    int at = format == Q4_1 ? 4 : 2; /* where a block's codes start */
+    __m512i nibble = _mm512_set1_epi8(15);
+    __m512i by_block = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    __m512i dw_at = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
+    __m256i dw_at4 = _mm256_setr_epi32(0, 2, 4, 6, 0, 0, 0, 0), mw_at = _mm256_setr_epi32(1, 3, 5, 7, 0, 0, 0, 0);
+    if (t == 4)
+        prefetch_ahead(w, wrow, cols, b * bytes, 4 * bytes);
+    __m512i low_codes[COLS], high_codes[COLS];
+    __m512 dw[COLS];
+    __m128 mw[COLS]; /* of blocks b .. b + 3 */
+    for (int c = 0; c < cols; c++) {
+        const uint8_t *first = w + c * wrow + b * bytes;
+        __m512i raw = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(first + at)));
+        int heads[4] = {(int)bits32(first)}; /* each block's first two words: dw, then (Q4_1) mw */
+        for (int q = 1; q < t && q < 4; q++) {
+            __m128i codes = _mm_loadu_si128((const __m128i *)(first + q * bytes + at));
+            raw = q == 1 ? _mm512_inserti32x4(raw, codes, 1) : q == 2 ? _mm512_inserti32x4(raw, codes, 2)
+                                                                      : _mm512_inserti32x4(raw, codes, 3);
+            heads[q] = (int)bits32(first + q * bytes);
         }
-        return;
+        low_codes[c] = _mm512_and_si512(raw, nibble);
+        high_codes[c] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+        __m256 words = _mm256_cvtph_ps(_mm_setr_epi32(heads[0], heads[1], heads[2], heads[3]));
+        dw[c] = _mm512_permutexvar_ps(dw_at, _mm512_castps256_ps512(words));
+        mw[c] = _mm256_castps256_ps128(_mm256_permutevar8x32_ps(words, format == Q4_1 ? mw_at : dw_at4));
+        if (format == Q4_0)
+            mw[c] = _mm_mul_ps(mw[c], _mm_set1_ps(-8.0f));
     }
-    float A[ROWS][COLS][16], lows[ROWS][2 * COLS];
+    for (int c = cols; c < COLS; c++)
+        mw[c] = _mm_setzero_ps();
+    __m512 mws = _mm512_insertf32x4(_mm512_castps128_ps512(mw[0]), mw[1], 1);
+    mws = _mm512_insertf32x4(_mm512_insertf32x4(mws, mw[2], 2), mw[3], 3);
+    __mmask16 some = (__mmask16)((1u << t) - 1);
     for (int r = 0; r < rows; r++) {
-        _mm256_storeu_ps(lows[r], low[r]);
-        for (int c = 0; c < cols; c++)
-            _mm512_storeu_ps(A[r][c], acc[r][c]);
-    }
-    for (int r = 0; r < rows; r++) { /* an odd count: the last block, even, in plain C */
-        const uint8_t *row = qx + r * qrow;
-        const float *dx = (const float *)(row + k);
-        for (int c = 0; c < cols; c++) {
-            block_step(format, w + c * wrow + pairs * bytes, (const int8_t *)row + pairs * BLOCK, dx[pairs],
-                       dx[blocks + pairs], A[r][c], lows[r] + 2 * c);
-            y[r * ldy + c] = pair_result(format, A[r][c], lows[r] + 2 * c);
+        const uint8_t *row = qx + r * qrow + b * BLOCK;
+        const float *dx = (const float *)(qx + r * qrow + k);
+        __m512i x0, x1;
+        __m128 d4, s4;
+        if (t == 4) {
+            x0 = _mm512_loadu_si512(row), x1 = _mm512_loadu_si512(row + 64);
+            d4 = _mm_loadu_ps(dx + b), s4 = _mm_loadu_ps(dx + blocks + b);
+        } else {
+            x0 = _mm512_maskz_loadu_epi8(t >= 2 ? ~0ull : 0xffffffffull, row);
+            x1 = _mm512_maskz_loadu_epi8(t == 3 ? 0xffffffffull : 0, row + 64);
+            d4 = _mm_maskz_loadu_ps(some, dx + b), s4 = _mm_maskz_loadu_ps(some, dx + blocks + b);
         }
+        __m512i x_low = _mm512_shuffle_i64x2(x0, x1, 0x88); /* each block's first 16 bytes */
+        __m512i x_high = _mm512_shuffle_i64x2(x0, x1, 0xdd);
+        __m512 d = _mm512_permutexvar_ps(by_block, _mm512_castps128_ps512(d4));
+        for (int c = 0; c < cols; c++) {
+            __m512i lanes = _mm512_dpbusd_epi32(_mm512_setzero_si512(), low_codes[c], x_low);
+            lanes = _mm512_dpbusd_epi32(lanes, high_codes[c], x_high);
+            acc[r][c] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(lanes), dw[c]), d, acc[r][c]);
+        }
+        lows[r] = _mm512_fmadd_ps(mws, _mm512_broadcast_f32x4(s4), lows[r]);
     }
+}
+
+/* The same for Q4_0 or Q4_1 blocks, four at a time: a 512-bit vector holds the 16 bytes of codes of
+   each of four blocks, and against their low nibbles x's values 0..15 of the same four blocks, against
+   their high nibbles values 16..31: two vpdpbusd leave the four blocks' four lanes each. */
+INLINED void quad_tile(int format, const uint8_t *qx, int64_t qrow, int rows, const uint8_t *w, int64_t wrow,
+                       int cols, int64_t k, float *y, int64_t ldy) {
+    int64_t blocks = k / BLOCK, quads = blocks / 4 * 4;
+    __m512 acc[ROWS][COLS], lows[ROWS]; /* lows: weight row c's L in lanes 4c .. 4c + 3 */
+    for (int r = 0; r < rows; r++) {
+        lows[r] = _mm512_setzero_ps();
+        for (int c = 0; c < cols; c++)
+            acc[r][c] = _mm512_setzero_ps();
+    }
+    for (int64_t b = 0; b < quads; b += 4)
+        quad_blocks(format, qx, qrow, rows, w, wrow, cols, k, b, 4, acc, lows);
+    if (quads < blocks)
+        quad_blocks(format, qx, qrow, rows, w, wrow, cols, k, quads, (int)(blocks - quads), acc, lows);
+    finish(format, qx, qrow, rows, w, wrow, cols, k, blocks, acc, lows, y, ldy);
+}
+
+INLINED void tile(int format, const uint8_t *qx, int64_t qrow, int rows, const uint8_t *w, int64_t wrow, int cols,
+                  int64_t k, float *y, int64_t ldy) {
+    if (format == Q8_0)
+        pair_tile(qx, qrow, rows, w, wrow, cols, k, y, ldy);
+    else
+        quad_tile(format, qx, qrow, rows, w, wrow, cols, k, y, ldy);
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define ROWS 1
@@ -267,61 +366,83 @@ static inline __m256i lane_dots(__m256i u, __m256i s) {
 #endif
 }
 
-/* Block b of one quantized row against cols (<= COLS) weight rows, into the sums of b's parity. */
-static inline __attribute__((always_inline)) void step(int format, const uint8_t *row, int64_t k, int64_t b,
-                                                       const uint8_t *w, int64_t wrow, int cols, __m256 *acc,
-                                                       __m128 *low) {
-    int64_t blocks = k / BLOCK, bytes = weight_block_bytes(format);
-    const float *dx = (const float *)(row + k);
+/* Q8_0 block b of one quantized row against cols (<= COLS) weight rows, into the sums of b's parity. */
+static inline __attribute__((always_inline)) void step(const uint8_t *row, int64_t k, int64_t b, const uint8_t *w,
+                                                       int64_t wrow, int cols, __m256 *acc) {
+    int64_t bytes = weight_block_bytes(Q8_0);
     __m256i x = _mm256_loadu_si256((const __m256i *)(row + b * BLOCK));
-    __m256 d = _mm256_set1_ps(dx[b]);
-    float mw[COLS] = {0};
+    __m256 d = _mm256_set1_ps(((const float *)(row + k))[b]);
     for (int c = 0; c < cols; c++) {
         const uint8_t *block = w + c * wrow + b * bytes;
-        float h = half_value(block);
-        __m256i codes, s = x;
-        if (format == Q8_0) {
-            __m256i q = _mm256_loadu_si256((const __m256i *)(block + 2));
-            codes = _mm256_abs_epi8(q);
-            s = _mm256_sign_epi8(x, q);
-        } else {
-            __m128i raw = _mm_loadu_si128((const __m128i *)(block + (format == Q4_1 ? 4 : 2)));
-            codes = _mm256_and_si256(_mm256_setr_m128i(raw, _mm_srli_epi16(raw, 4)), _mm256_set1_epi8(15));
-            mw[c] = format == Q4_1 ? half_value(block + 2) : -8.0f * h;
-        }
-        __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(lane_dots(codes, s)), _mm256_set1_ps(h));
+        __m256i q = _mm256_loadu_si256((const __m256i *)(block + 2));
+        __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(lane_dots(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q))),
+                                      _mm256_set1_ps(half_value(block)));
         acc[c] = _mm256_fmadd_ps(scaled, d, acc[c]);
     }
-    if (format != Q8_0)
-        *low = _mm_fmadd_ps(_mm_setr_ps(mw[0], mw[1], mw[2], mw[3]), _mm_set1_ps(dx[blocks + b]), *low);
 }
 
-/* One quantized row against cols (<= COLS) weight rows: each pair's even and odd blocks in two
-   256-bit sums. Inlined with constant arguments, so its arrays are registers. */
+/* Q4_0 or Q4_1 blocks b and b + 1 (b even) of one quantized row against cols (<= COLS) weight rows:
+   each block's four lanes (its eight lanes' halves added), block b's in the low half of acc, b + 1's
+   in the high half; their mw * sx into low[0] and low[1], weight row c's in lane c. */
+static inline __attribute__((always_inline)) void two_q4_blocks(int format, const uint8_t *row, int64_t k,
+                                                                int64_t b, const uint8_t *w, int64_t wrow, int cols,
+                                                                __m256 *acc, __m128 *low) {
+    int64_t blocks = k / BLOCK, bytes = weight_block_bytes(format);
+    const float *dx = (const float *)(row + k);
+    __m256i x0 = _mm256_loadu_si256((const __m256i *)(row + b * BLOCK));
+    __m256i x1 = _mm256_loadu_si256((const __m256i *)(row + (b + 1) * BLOCK));
+    __m256 d = _mm256_setr_m128(_mm_set1_ps(dx[b]), _mm_set1_ps(dx[b + 1]));
+    float mw[2][COLS] = {{0}};
+    for (int c = 0; c < cols; c++) {
+        __m256i eight[2];
+        float h[2];
+        for (int e = 0; e < 2; e++) {
+            const uint8_t *block = w + c * wrow + (b + e) * bytes;
+            __m128i raw = _mm_loadu_si128((const __m128i *)(block + (format == Q4_1 ? 4 : 2)));
+            __m256i codes = _mm256_and_si256(_mm256_setr_m128i(raw, _mm_srli_epi16(raw, 4)), _mm256_set1_epi8(15));
+            eight[e] = lane_dots(codes, e ? x1 : x0);
+            h[e] = half_value(block);
+            mw[e][c] = format == Q4_1 ? half_value(block + 2) : -8.0f * h[e];
+        }
+        __m256i lanes = _mm256_add_epi32(_mm256_permute2x128_si256(eight[0], eight[1], 0x20),
+                                         _mm256_permute2x128_si256(eight[0], eight[1], 0x31));
+        __m256 scale = _mm256_setr_m128(_mm_set1_ps(h[0]), _mm_set1_ps(h[1]));
+        acc[c] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(lanes), scale), d, acc[c]);
+    }
+    for (int e = 0; e < 2; e++)
+        low[e] = _mm_fmadd_ps(_mm_loadu_ps(mw[e]), _mm_set1_ps(dx[blocks + b + e]), low[e]);
+}
+
+/* One quantized row against cols (<= COLS) weight rows. Inlined with constant arguments, so its
+   arrays are registers. */
 static inline __attribute__((always_inline)) void tile(int format, const uint8_t *qx, int64_t qrow, int rows,
                                                        const uint8_t *w, int64_t wrow, int cols, int64_t k,
                                                        float *y, int64_t ldy) {
     (void)qrow, (void)rows, (void)ldy;
-    int64_t blocks = k / BLOCK;
-    __m256 acc[2][COLS];
-    __m128 low[2] = {_mm_setzero_ps(), _mm_setzero_ps()};
+    int64_t blocks = k / BLOCK, bytes = weight_block_bytes(format), b = 0;
+    __m256 acc[2][COLS]; /* A[0..7] and A[8..15] of each weight row */
+    __m128 low[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
     for (int c = 0; c < cols; c++)
         acc[0][c] = acc[1][c] = _mm256_setzero_ps();
-    int64_t b = 0, bytes = weight_block_bytes(format);
     for (; b + 1 < blocks; b += 2) {
         prefetch_ahead(w, wrow, cols, b * bytes, 2 * bytes);
-        step(format, qx, k, b, w, wrow, cols, acc[0], &low[0]);
-        step(format, qx, k, b + 1, w, wrow, cols, acc[1], &low[1]);
+        if (format == Q8_0) {
+            step(qx, k, b, w, wrow, cols, acc[0]);
+            step(qx, k, b + 1, w, wrow, cols, acc[1]);
+        } else {
+            two_q4_blocks(format, qx, k, b, w, wrow, cols, acc[b % 4 / 2], low + b % 4);
+        }
     }
-    if (b < blocks)
-        step(format, qx, k, b, w, wrow, cols, acc[0], &low[0]);
-    float lows[2][4];
-    _mm_storeu_ps(lows[0], low[0]);
-    _mm_storeu_ps(lows[1], low[1]);
+    float lows[4][4];
+    for (int s = 0; s < 4; s++)
+        _mm_storeu_ps(lows[s], low[s]);
+    const float *dx = (const float *)(qx + k);
     for (int c = 0; c < cols; c++) {
-        float A[16], L[2] = {lows[0][c], lows[1][c]};
+        float A[16], L[4] = {lows[0][c], lows[1][c], lows[2][c], lows[3][c]};
         _mm256_storeu_ps(A, acc[0][c]);
         _mm256_storeu_ps(A + 8, acc[1][c]);
+        if (b < blocks) /* an odd count: the last block in plain C */
+            any_step(format, w + c * wrow + b * bytes, (const int8_t *)qx + b * BLOCK, dx, dx + blocks, b, A, L);
         y[c] = pair_result(format, A, L);
     }
 }
@@ -380,10 +501,9 @@ void matmul_int8_rows(int format, const uint8_t *qx, int64_t m, int64_t k, const
         const int8_t *x = (const int8_t *)(qx + i * qrow);
         const float *dx = (const float *)(qx + i * qrow + k);
         for (int64_t j = first; j < last; j++) {
-            float A[16] = {0}, L[2] = {0};
+            float A[16] = {0}, L[4] = {0};
             for (int64_t b = 0; b < blocks; b++)
-                block_step(format, w + (j * blocks + b) * bytes, x + b * BLOCK, dx[b], dx[blocks + b], A + 8 * (b % 2),
-                           L + b % 2);
+                any_step(format, w + (j * blocks + b) * bytes, x + b * BLOCK, dx, dx + blocks, b, A, L);
             y[i * ldy + j] = pair_result(format, A, L);
         }
     }

@@ -137,7 +137,7 @@ def test_every_path_gives_the_same_bits(tmp_path, path):
     lib = built_alone(tmp_path, PATHS[path])
     if lib is None:
         pytest.skip(f"the compiler cannot build the {path} path here")
-    for k in (160, 192):  # an odd and an even count of blocks
+    for k in (160, 192, 224, 256):  # 5 to 8 blocks: every count of blocks left over from fours and twos
         x = activations(6, k, seed=2)
         assert torch.equal(quantized_by_c(lib, x), quantized_by_c(native.library(), x))
         for fmt in FORMATS:
