@@ -4,7 +4,7 @@
   (int4_tiles.py): rows a multiple of 32, columns of 64, where torch lays its codes out so;
 - "groups": flexh2o's own C kernel on quant.py's groups as they are (grouped_weight.py), float32
   activations: columns a multiple of 64, where the kernels are built (native/); also a GGUF
-  file's Q4_0/Q4_1/Q8_0 blocks (gguf_blocks.py).
+  file's Q4_0/Q4_1/Q8_0 blocks and F16/BF16 matrices (gguf_blocks.py).
 A step of more rows than its kernel's limit widens the matrix once per load and multiplies in full
 width, which is faster there (models/linear.py). On CUDA every compressed matrix is widened.
 """
@@ -12,10 +12,19 @@ width, which is faster there (models/linear.py). On CUDA every compressed matrix
 import torch
 
 from flexh2o import native
+from flexh2o.compression.formats import SIXTEEN_BIT
 from flexh2o.compression.int4_tiles import tileable, torch_lays_codes_so
 from flexh2o.compression.quant import GROUP
 
 MAX_ROWS = {"tiles": 256, "groups": 32}  # results/int4_kernels.md
+# A 16-bit matrix multiplied as stored (native/blocks.c, each value widened in registers) against
+# widened into a buffer then F.linear, on a 2-core Zen 4: 1.2-2.5x at 32-256 rows, even at 512.
+SIXTEEN_BIT_MAX_ROWS = 256
+
+
+def max_rows(kernel: str, fmt: str = "groups") -> int:
+    """The most rows at which `kernel` multiplies a matrix in format `fmt` as stored."""
+    return SIXTEEN_BIT_MAX_ROWS if kernel == "groups" and fmt in SIXTEEN_BIT else MAX_ROWS[kernel]
 
 
 def kernel_for(shape, dtype: torch.dtype, on_cpu: bool, groups_built: bool, fmt: str = "groups") -> str | None:

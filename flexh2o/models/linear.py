@@ -12,12 +12,12 @@ import torch.nn.functional as F
 
 from flexh2o.compression.grouped_weight import GroupedWeight
 from flexh2o.compression.int4_tiles import TiledWeight
-from flexh2o.compression.kernel_choice import MAX_ROWS
+from flexh2o.compression.kernel_choice import max_rows
 
 
 def as_stored(weight, rows: int) -> bool:
     """Whether a 4-bit or GGUF weight (TiledWeight, GroupedWeight) is multiplied as stored at this row count."""
-    return not weight.widens or rows <= MAX_ROWS[weight.kernel_name]
+    return not weight.widens or rows <= max_rows(weight.kernel_name, getattr(weight, "fmt", "groups"))
 
 
 def never_widened(weight, rows: int) -> bool:

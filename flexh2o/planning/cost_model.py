@@ -37,7 +37,7 @@ from flexh2o.kv import POLICIES, budget, slot_bytes
 from flexh2o.kv.home import batch_split, cpu_attention_dtype
 from flexh2o.compression.gguf_blocks import SIXTEEN_BIT, is_low_bit, keeps_16_bit, keeps_low_bit
 from flexh2o.engine.preflight import DTYPE_OF, split_as_placed, stored_formats
-from flexh2o.compression.kernel_choice import MAX_ROWS, kernel_for
+from flexh2o.compression.kernel_choice import MAX_ROWS, kernel_for, max_rows
 from flexh2o.planning.attention_costs import decode_units, prompt_units
 from flexh2o.planning.attention_costs import seconds as attention_seconds
 from flexh2o.host.hardware import HardwareProfile
@@ -335,7 +335,7 @@ class CostModel:
             if self.on_cuda:  # widened on the load stream instead: see _layer_weight_io
                 continue
             widened += shape[0] * shape[1] if as_stored else 0
-            if stored_16_bit and rows > MAX_ROWS["groups"] and not any_rows:
+            if stored_16_bit and rows > max_rows("groups", fmt) and not any_rows:
                 widened_16_bit += shape[0] * shape[1]
         seconds += full_width / hw.matmul_rate(rows, self.dtype) if full_width else 0.0
         ch = Channels().add("compute", "compute", policy.num_gpu_batches * seconds)
