@@ -17,9 +17,10 @@ from flexh2o.compression.int4_tiles import tileable, torch_lays_codes_so
 from flexh2o.compression.quant import GROUP
 
 MAX_ROWS = {"tiles": 256, "groups": 32}  # results/int4_kernels.md
-# A 16-bit matrix multiplied as stored (native/blocks.c, each value widened in registers) against
-# widened into a buffer then F.linear, on a 2-core Zen 4: 1.2-2.5x at 32-256 rows, even at 512.
-SIXTEEN_BIT_MAX_ROWS = 256
+# A 16-bit matrix multiplied as stored (native/sixteen_bit.c, each value widened in registers)
+# against widened into a buffer then F.linear, on a 2-core Zen 4: 190-217 GFLOPS against 91-172 at
+# 128-512 rows; past that, 0.9-1.2x.
+SIXTEEN_BIT_MAX_ROWS = 512
 
 
 def max_rows(kernel: str, fmt: str = "groups") -> int:

@@ -1,6 +1,6 @@
 /* GGUF's blocks of 32 values (Q4_0, Q4_1, Q8_0), as llama.cpp's files store them, and 16-bit
 values (F16, BF16: 32 of them taken as a block with no scale), dequantized and multiplied without a
-widened copy (gguf_blocks.py).
+widened copy (gguf_blocks.py); the 16-bit ones' product is sixteen_bit.c's.
 
 A block: its float16 scale d, for Q4_1 a float16 minimum m, then its quants. Q4_0: 16 bytes of
 nibbles, value (q - 8) * d; Q4_1: value q * d + m; the low nibbles are values 0..15, the high ones
@@ -135,7 +135,7 @@ static void wide_block(int format, const float *x, int64_t k, const uint8_t *b, 
 #ifdef PAIRS_512
 /* scale_at for the GGUF blocks. */
 static ALWAYS_INLINE int64_t block_scale(int format, int64_t unit) {
-    return format == F16 || format == BF16 ? -1 : unit * block_bytes(format);
+    return unit * block_bytes(format);
 }
 
 /* pair_values for the GGUF blocks: block `unit` of rows a and b. */
@@ -143,14 +143,6 @@ static ALWAYS_INLINE void block_pair(int format, const uint8_t *a, const uint8_t
                                      int rows, __m512 w[8]) {
     int64_t at = unit * block_bytes(format);
     a += at, b += at;
-    if (format == F16 || format == BF16) {
-        for (int q = 0; q < 4; q++) {
-            __m256i bits = pair_of_16(a + 16 * q, b + 16 * q);
-            w[q] = format == F16 ? _mm512_cvtph_ps(bits)
-                                 : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-        }
-        return;
-    }
     if (format == Q8_0) { /* as the 256-bit code: each code converted, times the scale */
         __m512 d = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(s[0]), _mm512_set1_ps(s[2]));
         for (int q = 0; q < 4; q++) {
@@ -177,7 +169,7 @@ static void block_pairs(int format, const float *x, int64_t m, int64_t ldx, int6
 #define FORMAT(f) case f: pair_products(block_pair, block_scale, f, BLOCK, x, m, ldx, k, w, row_bytes, y, ldy, first, \
                                         last); return;
     switch (format) { /* a copy for each format, its tests on `format` gone */
-    FORMAT(Q4_0) FORMAT(Q4_1) FORMAT(Q8_0) FORMAT(F16) FORMAT(BF16)
+    FORMAT(Q4_0) FORMAT(Q4_1) FORMAT(Q8_0)
     }
 #undef FORMAT
 }
@@ -185,6 +177,10 @@ static void block_pairs(int format, const float *x, int64_t m, int64_t ldx, int6
 
 void matmul_blocks(int format, const float *x, int64_t m, int64_t ldx, int64_t k, const uint8_t *w, float *y,
                    int64_t ldy, int64_t first, int64_t last) {
+    if (format == F16 || format == BF16) {
+        matmul_sixteen(format == BF16, x, m, ldx, k, (const uint16_t *)w, y, ldy, first, last);
+        return;
+    }
     int64_t row_bytes = k / BLOCK * block_bytes(format), j = first;
 #ifdef PAIRS_512
     block_pairs(format, x, m, ldx, k, w, row_bytes, y, ldy, &j, last); /* all but a few rows, two at a time */
@@ -200,6 +196,10 @@ void matmul_blocks(int format, const float *x, int64_t m, int64_t ldx, int64_t k
 #else
 void matmul_blocks(int format, const float *x, int64_t m, int64_t ldx, int64_t k, const uint8_t *w, float *y,
                    int64_t ldy, int64_t first, int64_t last) {
+    if (format == F16 || format == BF16) {
+        matmul_sixteen(format == BF16, x, m, ldx, k, (const uint16_t *)w, y, ldy, first, last);
+        return;
+    }
     int64_t per_row = k / BLOCK, bytes = block_bytes(format);
     float v[BLOCK];
     for (int64_t j = first; j < last; j++) {
@@ -242,13 +242,15 @@ void dequantize_blocks(int format, const uint8_t *blocks, int64_t n, void *out, 
 /* A product over every weight row, on `threads` OpenMP threads (where built with OpenMP), in chunks
    of CHUNK rows: handed out by OpenMP's own pool, a decode step's small products are split over
    the cores (Python's thread hand-off cost more than they took). format: a GGUF block format, or
-   GROUPS for quant.py's groups (quant4.c's matmul_groups). */
+   GROUPS for quant.py's groups (quant4.c's matmul_groups). A 16-bit matrix goes in chunks of 24
+   rows, whole tiles of sixteen_bit.c's six. */
 #define CHUNK 16
 void matmul_all(int format, const float *x, int64_t m, int64_t ldx, int64_t k, const uint8_t *w, float *y,
                 int64_t ldy, int64_t n, int threads) {
+    int64_t chunk = format == F16 || format == BF16 ? 24 : CHUNK;
     #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t j = 0; j < n; j += CHUNK) {
-        int64_t last = j + CHUNK < n ? j + CHUNK : n;
+    for (int64_t j = 0; j < n; j += chunk) {
+        int64_t last = j + chunk < n ? j + chunk : n;
         if (format == GROUPS)
             matmul_groups(x, m, ldx, k, w, y, ldy, j, last);
         else

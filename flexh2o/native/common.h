@@ -84,6 +84,11 @@ static inline void store_values(const float *v, void *out, int dtype, int64_t at
 void matmul_groups(const float *x, int64_t m, int64_t ldx, int64_t k, const uint8_t *w, float *y, int64_t ldy,
                    int64_t first, int64_t last);
 
+/* sixteen_bit.c's product of F16 (bf16 0) or BF16 weight rows [first, last) of k values each
+   (blocks.c's matmul_blocks hands them over). */
+void matmul_sixteen(int bf16, const float *x, int64_t m, int64_t ldx, int64_t k, const uint16_t *w, float *y,
+                    int64_t ldy, int64_t first, int64_t last);
+
 /* y[i * ldy] += the dot product of row i of x (row stride ldx) with v's count values, for i < m:
    the portable products' inner step. */
 static inline void add_dots(const float *x, int64_t m, int64_t ldx, const float *v, int count, float *y, int64_t ldy) {

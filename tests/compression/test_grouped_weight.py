@@ -68,10 +68,10 @@ def test_which_matrices_each_kernel_takes(monkeypatch):
 
 def test_16_bit_matrices_are_multiplied_as_stored_at_more_rows_than_4_bit_ones():
     """A 4-bit product of float32 activations pays for each value it makes and loses to widening
-    past 32 rows; a 16-bit one makes each value in one conversion and keeps ahead up to 256."""
+    past 32 rows; a 16-bit one makes each value in one conversion and keeps ahead up to 512."""
     from flexh2o.models.linear import as_stored
     data = torch.zeros(8, 64 * 2, dtype=torch.uint8)
-    for fmt, most in (("groups", 32), ("Q4_1", 32), ("Q8_0", 32), ("F16", 256), ("BF16", 256)):
+    for fmt, most in (("groups", 32), ("Q4_1", 32), ("Q8_0", 32), ("F16", 512), ("BF16", 512)):
         assert kernel_choice.max_rows("groups", fmt) == most
         weight = grouped_weight.GroupedWeight(data, 64, lambda: None, fmt)
         assert as_stored(weight, most) and not as_stored(weight, most + 1), fmt

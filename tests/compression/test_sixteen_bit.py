@@ -193,12 +193,12 @@ def test_every_plan_for_a_16_bit_checkpoint_passes_the_pre_flight():
 
 @needs_kernels
 def test_the_lm_head_is_multiplied_as_stored_past_the_kernels_rows_and_never_widened(tmp_path):
-    """The head multiplies a row per sequence: a gpu-batch of 40 with prompts of 10 tokens makes a
-    prompt step of 400 rows, past the 256 at which the other matrices are widened, and still no
+    """The head multiplies a row per sequence: a gpu-batch of 40 with prompts of 16 tokens makes a
+    prompt step of 640 rows, past the 512 at which the other matrices are widened, and still no
     float32 copy of the head is made."""
     model = sixteen_bit_opt(tmp_path, torch.float16)
     policy = Policy(40, 1, 0, 100)
-    ids = torch.randint(3, 60, (40, 10), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, 60, (40, 16), generator=torch.Generator().manual_seed(0))
     with Engine.from_pretrained(model, policy, device="cpu", dtype=torch.float32) as engine:
         head, made, new_buffer = engine.layers[-1].home[-1], [], engine.tiers._new_buffer
         assert head.fmt == "F16" and head.decoded_shape[0] > 32
