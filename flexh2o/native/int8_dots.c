@@ -381,9 +381,24 @@ static inline __attribute__((always_inline)) void step(const uint8_t *row, int64
     }
 }
 
-/* Q4_0 or Q4_1 blocks b and b + 1 (b even) of one quantized row against cols (<= COLS) weight rows:
-   each block's four lanes (its eight lanes' halves added), block b's in the low half of acc, b + 1's
-   in the high half; their mw * sx into low[0] and low[1], weight row c's in lane c. */
+/* The eight lane sums of u0[i] * s0[i] + u1[i] * s1[i] (u nibbles: two maddubs pairs add up to at
+   most 4 * 15 * 127, within int16). */
+static inline __m256i nibble_dots(__m256i u0, __m256i s0, __m256i u1, __m256i s1) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u0, s0), u1, s1);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u0, s0), u1, s1);
+#else
+    __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+#endif
+}
+
+/* Q4_0 or Q4_1 blocks b and b + 1 (b even) of one quantized row against cols (<= COLS) weight rows,
+   as quad_blocks takes four: a vector holds both blocks' codes, the low nibbles against each
+   block's first 16 x values, the high ones against its last 16, leaving block b's four lanes in the
+   low half of acc and b + 1's in the high half; their mw * sx into low[0] and low[1], weight row
+   c's in lane c. */
 static inline __attribute__((always_inline)) void two_q4_blocks(int format, const uint8_t *row, int64_t k,
                                                                 int64_t b, const uint8_t *w, int64_t wrow, int cols,
                                                                 __m256 *acc, __m128 *low) {
@@ -391,26 +406,25 @@ static inline __attribute__((always_inline)) void two_q4_blocks(int format, cons
     const float *dx = (const float *)(row + k);
     __m256i x0 = _mm256_loadu_si256((const __m256i *)(row + b * BLOCK));
     __m256i x1 = _mm256_loadu_si256((const __m256i *)(row + (b + 1) * BLOCK));
+    __m256i x_low = _mm256_permute2x128_si256(x0, x1, 0x20), x_high = _mm256_permute2x128_si256(x0, x1, 0x31);
     __m256 d = _mm256_setr_m128(_mm_set1_ps(dx[b]), _mm_set1_ps(dx[b + 1]));
+    __m256i nibble = _mm256_set1_epi8(15);
     float mw[2][COLS] = {{0}};
     for (int c = 0; c < cols; c++) {
-        __m256i eight[2];
-        float h[2];
-        for (int e = 0; e < 2; e++) {
-            const uint8_t *block = w + c * wrow + (b + e) * bytes;
-            __m128i raw = _mm_loadu_si128((const __m128i *)(block + (format == Q4_1 ? 4 : 2)));
-            __m256i codes = _mm256_and_si256(_mm256_setr_m128i(raw, _mm_srli_epi16(raw, 4)), _mm256_set1_epi8(15));
-            eight[e] = lane_dots(codes, e ? x1 : x0);
-            h[e] = half_value(block);
-            mw[e][c] = format == Q4_1 ? half_value(block + 2) : -8.0f * h[e];
-        }
-        __m256i lanes = _mm256_add_epi32(_mm256_permute2x128_si256(eight[0], eight[1], 0x20),
-                                         _mm256_permute2x128_si256(eight[0], eight[1], 0x31));
-        __m256 scale = _mm256_setr_m128(_mm_set1_ps(h[0]), _mm_set1_ps(h[1]));
+        const uint8_t *first = w + c * wrow + b * bytes, *codes = first + (format == Q4_1 ? 4 : 2);
+        __m256i raw = _mm256_setr_m128i(_mm_loadu_si128((const __m128i *)codes),
+                                        _mm_loadu_si128((const __m128i *)(codes + bytes)));
+        __m256i lanes = nibble_dots(_mm256_and_si256(raw, nibble), x_low,
+                                    _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble), x_high);
+        float h0 = half_value(first), h1 = half_value(first + bytes);
+        mw[0][c] = format == Q4_1 ? half_value(first + 2) : -8.0f * h0;
+        mw[1][c] = format == Q4_1 ? half_value(first + bytes + 2) : -8.0f * h1;
+        __m256 scale = _mm256_setr_m128(_mm_set1_ps(h0), _mm_set1_ps(h1));
         acc[c] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(lanes), scale), d, acc[c]);
     }
     for (int e = 0; e < 2; e++)
-        low[e] = _mm_fmadd_ps(_mm_loadu_ps(mw[e]), _mm_set1_ps(dx[blocks + b + e]), low[e]);
+        low[e] = _mm_fmadd_ps(_mm_setr_ps(mw[e][0], mw[e][1], mw[e][2], mw[e][3]), _mm_set1_ps(dx[blocks + b + e]),
+                              low[e]);
 }
 
 /* One quantized row against cols (<= COLS) weight rows. Inlined with constant arguments, so its
