@@ -9,6 +9,8 @@ A step of more rows than its kernel's limit widens the matrix once per load and 
 width, which is faster there (models/linear.py). On CUDA every compressed matrix is widened.
 """
 
+import functools
+
 import torch
 
 from flexh2o import native
@@ -17,15 +19,24 @@ from flexh2o.compression.int4_tiles import tileable, torch_lays_codes_so
 from flexh2o.compression.quant import GROUP
 
 MAX_ROWS = {"tiles": 256, "groups": 32}  # results/int4_kernels.md
-# A 16-bit matrix multiplied as stored (native/sixteen_bit.c, each value widened in registers)
-# against widened into a buffer then F.linear, on a 2-core Zen 4: 190-217 GFLOPS against 91-172 at
-# 128-512 rows; past that, 0.9-1.2x.
-SIXTEEN_BIT_MAX_ROWS = 512
+# A 16-bit matrix multiplied as stored (native/sixteen_bit.c, each value widened in registers), by
+# the floats a vector of the build holds. Against widened into a buffer then F.linear, on a 2-core
+# Zen 4: built with AVX-512, 190-217 GFLOPS against 91-172 at 128-512 rows (0.9-1.2x past that);
+# with AVX2 alone, 125-132 against 96-115 at 128 rows but 102-125 against 133-179 at 256-512. The
+# plain C build keeps the 4-bit products' limit.
+SIXTEEN_BIT_MAX_ROWS = {16: 512, 8: 128}
+
+
+@functools.cache
+def _sixteen_bit_rows(lib) -> int:
+    return SIXTEEN_BIT_MAX_ROWS.get(lib.sixteen_bit_width() if lib is not None else 0, MAX_ROWS["groups"])
 
 
 def max_rows(kernel: str, fmt: str = "groups") -> int:
     """The most rows at which `kernel` multiplies a matrix in format `fmt` as stored."""
-    return SIXTEEN_BIT_MAX_ROWS if kernel == "groups" and fmt in SIXTEEN_BIT else MAX_ROWS[kernel]
+    if kernel == "groups" and fmt in SIXTEEN_BIT:
+        return _sixteen_bit_rows(native.library())
+    return MAX_ROWS[kernel]
 
 
 def kernel_for(shape, dtype: torch.dtype, on_cpu: bool, groups_built: bool, fmt: str = "groups") -> str | None:

@@ -262,6 +262,7 @@ SIGNATURES = {
                              _f32, _ptr, _i32], _i32),
     "llama_layer_fields": ([], _i64),
     "read_bytes": ([_ptr, _i64, _i32, _i32, _i32, _ptr], _i64),
+    "sixteen_bit_width": ([], _i32),
 }
 # int8_dots.c's (a build of that file alone takes them too).
 INT8_SIGNATURES = {

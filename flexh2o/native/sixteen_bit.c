@@ -22,6 +22,7 @@ these tiles make 188-221 (the CPU's peak about 232).
 
 #if defined(__AVX512F__) && defined(__F16C__)
 typedef __m512 sums; /* 16 partial sums, or 16 values */
+#define WIDTH 16 /* floats a vector holds */
 #define TILE_X 4
 #define TILE_W 6
 
@@ -42,6 +43,7 @@ static inline float total(sums p) {
 typedef struct {
     __m256 low, high; /* lanes 0-7, 8-15 */
 } sums;
+#define WIDTH 8
 #define TILE_X 2
 #define TILE_W 2
 
@@ -130,6 +132,11 @@ static ALWAYS_INLINE_16 void products(int bf16, const float *x, int64_t m, int64
     }
 }
 
+/* The floats a vector of this build holds: 16 (AVX-512), 8 (AVX2) or 1 (plain C). */
+int sixteen_bit_width(void) {
+    return WIDTH;
+}
+
 void matmul_sixteen(int bf16, const float *x, int64_t m, int64_t ldx, int64_t k, const uint16_t *w, float *y,
                     int64_t ldy, int64_t first, int64_t last) {
     if (bf16)
@@ -138,6 +145,10 @@ void matmul_sixteen(int bf16, const float *x, int64_t m, int64_t ldx, int64_t k,
         products(0, x, m, ldx, k, w, y, ldy, first, last);
 }
 #else
+int sixteen_bit_width(void) {
+    return 1;
+}
+
 static float value(int bf16, uint16_t bits) {
     return bf16 ? bf16_to_float(bits) : (float)f16_from_bits(bits);
 }

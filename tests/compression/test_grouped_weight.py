@@ -66,16 +66,25 @@ def test_which_matrices_each_kernel_takes(monkeypatch):
     assert kernel_for((128,), torch.float32, True, True) is None
 
 
-def test_16_bit_matrices_are_multiplied_as_stored_at_more_rows_than_4_bit_ones():
+def test_16_bit_matrices_are_multiplied_as_stored_at_more_rows_than_4_bit_ones(monkeypatch):
     """A 4-bit product of float32 activations pays for each value it makes and loses to widening
-    past 32 rows; a 16-bit one makes each value in one conversion and keeps ahead up to 512."""
+    past 32 rows; a 16-bit one makes each value in one conversion and keeps ahead up to 512 rows
+    with AVX-512, 128 with AVX2; a plain C build keeps the 4-bit limit."""
     from flexh2o.models.linear import as_stored
     data = torch.zeros(8, 64 * 2, dtype=torch.uint8)
-    for fmt, most in (("groups", 32), ("Q4_1", 32), ("Q8_0", 32), ("F16", 512), ("BF16", 512)):
+    width = native.library().sixteen_bit_width() if native.library() is not None else 0
+    sixteen = {16: 512, 8: 128}.get(width, 32)
+    for fmt, most in (("groups", 32), ("Q4_1", 32), ("Q8_0", 32), ("F16", sixteen), ("BF16", sixteen)):
         assert kernel_choice.max_rows("groups", fmt) == most
         weight = grouped_weight.GroupedWeight(data, 64, lambda: None, fmt)
         assert as_stored(weight, most) and not as_stored(weight, most + 1), fmt
     assert kernel_choice.max_rows("tiles") == kernel_choice.MAX_ROWS["tiles"]
+    for build_width, rows in ((16, 512), (8, 128), (1, 32)):
+        class Build:
+            def sixteen_bit_width(self):
+                return build_width
+        monkeypatch.setattr(native, "library", Build)
+        assert kernel_choice.max_rows("groups", "F16") == rows
 
 
 @pytest.mark.parametrize("kv", [{}, {"hh_ratio": 0.3}])
