@@ -22,7 +22,7 @@ MAX_ROWS = {"tiles": 256, "groups": 32}  # results/int4_kernels.md
 # A 16-bit matrix multiplied as stored (native/sixteen_bit.c, each value widened in registers), by
 # the floats a vector of the build holds. Against widened into a buffer then F.linear, on a 2-core
 # Zen 4: built with AVX-512, 190-217 GFLOPS against 91-172 at 128-512 rows (0.9-1.2x past that);
-# with AVX2 alone, 125-132 against 96-115 at 128 rows but 102-125 against 133-179 at 256-512. The
+# with AVX2 alone, 120-139 against 96-115 at 128 rows but 116-138 against 133-179 at 256-512. The
 # plain C build keeps the 4-bit products' limit.
 SIXTEEN_BIT_MAX_ROWS = {16: 512, 8: 128}
 

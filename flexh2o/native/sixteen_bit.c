@@ -8,7 +8,8 @@ does exactly these operations, so all give the same bits, and a row's result doe
 the other rows, the tile it fell in or the threads.
 
 With AVX-512 a tile is four rows of x by six weight rows: 24 sums in registers, each x vector used
-six times and each weight vector four, sixteen values a step. pairs.h's tiles (two weight rows'
+six times and each weight vector four, sixteen values a step; with AVX2, three rows by two (12 of
+AVX2's 16 registers hold the sums). pairs.h's tiles (two weight rows'
 eight-lane sums in a register, each x vector loaded into both halves) did twice the loads a
 multiply-add: on a 2-core Zen 4, 162-181 GFLOPS on a 1.26B model's matrices at 32-256 rows where
 these tiles make 188-221 (the CPU's peak about 232).
@@ -44,7 +45,7 @@ typedef struct {
     __m256 low, high; /* lanes 0-7, 8-15 */
 } sums;
 #define WIDTH 8
-#define TILE_X 2
+#define TILE_X 3
 #define TILE_W 2
 
 static inline sums zeros(void) { return (sums){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
@@ -100,6 +101,8 @@ static ALWAYS_INLINE_16 void rows_tile(int bf16, int64_t rows, int cols, const f
     case 1: tile(bf16, 1, cols, x, ldx, k, w, y, ldy); return;
 #if TILE_X > 2
     case 2: tile(bf16, 2, cols, x, ldx, k, w, y, ldy); return;
+#endif
+#if TILE_X > 3
     case 3: tile(bf16, 3, cols, x, ldx, k, w, y, ldy); return;
 #endif
     default: tile(bf16, TILE_X, cols, x, ldx, k, w, y, ldy);
