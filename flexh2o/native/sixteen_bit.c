@@ -9,10 +9,10 @@ the other rows, the tile it fell in or the threads.
 
 With AVX-512 a tile is four rows of x by six weight rows: 24 sums in registers, each x vector used
 six times and each weight vector four, sixteen values a step; with AVX2, three rows by two (12 of
-AVX2's 16 registers hold the sums). pairs.h's tiles (two weight rows'
-eight-lane sums in a register, each x vector loaded into both halves) did twice the loads a
-multiply-add: on a 2-core Zen 4, 162-181 GFLOPS on a 1.26B model's matrices at 32-256 rows where
-these tiles make 188-221 (the CPU's peak about 232).
+its 16 registers hold the sums). pairs.h's tiles (two weight rows' eight-lane sums in a register,
+each x vector loaded into both halves) did twice the loads a multiply-add: on a 2-core Zen 4,
+162-181 GFLOPS on a 1.26B model's matrices at 32-256 rows where these tiles make 188-221 (the
+CPU's peak about 232).
 */
 
 #include <math.h>
