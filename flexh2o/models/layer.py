@@ -178,8 +178,8 @@ class Layer:
             loaded = [(home, p.wait()) for home, p in zip(self.home[self.gathered:], self._loading)]
         else:  # kept loaded: only a weight that widens holds a buffer, and only once a step widened it
             if self._may_widen is None:  # (a GroupedWeight's `values` is None until then)
-                self._may_widen = [(home, p.wait()) for home, p in zip(self.home[self.gathered:], self._in_place)
-                                   if getattr(p.wait(), "widens", False)]
+                kept = [(home, p.wait()) for home, p in zip(self.home[self.gathered:], self._in_place)]
+                self._may_widen = [(home, value) for home, value in kept if getattr(value, "widens", False)]
             loaded = [(home, value) for home, value in self._may_widen if getattr(value, "values", True) is not None]
         for home, value in loaded:
             self.tiers.release_loaded(value, home)

@@ -23,12 +23,6 @@ static int64_t block_bytes(int format) {
     return format == Q4_0 ? 18 : format == Q4_1 ? 20 : format == Q8_0 ? 34 : 2 * BLOCK;
 }
 
-static float half_at(const uint8_t *p) {
-    uint16_t bits;
-    memcpy(&bits, p, 2);
-    return (float)f16_from_bits(bits);
-}
-
 static void block_values(int format, const uint8_t *b, float *v) {
     if (format == F16 || format == BF16) {
         uint16_t bits[BLOCK];
@@ -177,10 +171,6 @@ static void block_pairs(int format, const float *x, int64_t m, int64_t ldx, int6
 
 void matmul_blocks(int format, const float *x, int64_t m, int64_t ldx, int64_t k, const uint8_t *w, float *y,
                    int64_t ldy, int64_t first, int64_t last) {
-    if (format == F16 || format == BF16) {
-        matmul_sixteen(format == BF16, x, m, ldx, k, (const uint16_t *)w, y, ldy, first, last);
-        return;
-    }
     int64_t row_bytes = k / BLOCK * block_bytes(format), j = first;
 #ifdef PAIRS_512
     block_pairs(format, x, m, ldx, k, w, row_bytes, y, ldy, &j, last); /* all but a few rows, two at a time */
@@ -196,10 +186,6 @@ void matmul_blocks(int format, const float *x, int64_t m, int64_t ldx, int64_t k
 #else
 void matmul_blocks(int format, const float *x, int64_t m, int64_t ldx, int64_t k, const uint8_t *w, float *y,
                    int64_t ldy, int64_t first, int64_t last) {
-    if (format == F16 || format == BF16) {
-        matmul_sixteen(format == BF16, x, m, ldx, k, (const uint16_t *)w, y, ldy, first, last);
-        return;
-    }
     int64_t per_row = k / BLOCK, bytes = block_bytes(format);
     float v[BLOCK];
     for (int64_t j = first; j < last; j++) {
@@ -242,8 +228,8 @@ void dequantize_blocks(int format, const uint8_t *blocks, int64_t n, void *out, 
 /* A product over every weight row, on `threads` OpenMP threads (where built with OpenMP), in chunks
    of CHUNK rows: handed out by OpenMP's own pool, a decode step's small products are split over
    the cores (Python's thread hand-off cost more than they took). format: a GGUF block format, or
-   GROUPS for quant.py's groups (quant4.c's matmul_groups). A 16-bit matrix goes in chunks of 24
-   rows, whole tiles of sixteen_bit.c's six. */
+   GROUPS for quant.py's groups (quant4.c's matmul_groups). A 16-bit matrix (sixteen_bit.c's
+   matmul_sixteen) goes in chunks of 24 rows, whole tiles of its six. */
 #define CHUNK 16
 void matmul_all(int format, const float *x, int64_t m, int64_t ldx, int64_t k, const uint8_t *w, float *y,
                 int64_t ldy, int64_t n, int threads) {
@@ -253,6 +239,8 @@ void matmul_all(int format, const float *x, int64_t m, int64_t ldx, int64_t k, c
         int64_t last = j + chunk < n ? j + chunk : n;
         if (format == GROUPS)
             matmul_groups(x, m, ldx, k, w, y, ldy, j, last);
+        else if (format == F16 || format == BF16)
+            matmul_sixteen(format == BF16, x, m, ldx, k, (const uint16_t *)w, y, ldy, j, last);
         else
             matmul_blocks(format, x, m, ldx, k, w, y, ldy, j, last);
     }

@@ -39,6 +39,25 @@ static inline _Float16 f16_from_bits(uint16_t b) {
     return h;
 }
 
+/* The float16 at p (any alignment) as a float. */
+static inline float half_at(const uint8_t *p) {
+    uint16_t bits;
+    memcpy(&bits, p, 2);
+    return (float)f16_from_bits(bits);
+}
+
+/* The four bytes at p (any alignment). */
+static inline uint32_t bits32(const uint8_t *p) {
+    uint32_t b;
+    memcpy(&b, p, 4);
+    return b;
+}
+
+/* The sum of s[0..7] in sum8's order, for the paths without vectors. */
+static inline float sum8_of(const float *s) {
+    return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
+}
+
 
 #ifdef __AVX2__
 /* Eight floats as bfloat16, rounded to nearest even (float_to_bf16's rounding, NaN kept a NaN). */
@@ -85,7 +104,7 @@ void matmul_groups(const float *x, int64_t m, int64_t ldx, int64_t k, const uint
                    int64_t first, int64_t last);
 
 /* sixteen_bit.c's product of F16 (bf16 0) or BF16 weight rows [first, last) of k values each
-   (blocks.c's matmul_blocks hands them over). */
+   (blocks.c's matmul_all hands them over). */
 void matmul_sixteen(int bf16, const float *x, int64_t m, int64_t ldx, int64_t k, const uint16_t *w, float *y,
                     int64_t ldy, int64_t first, int64_t last);
 

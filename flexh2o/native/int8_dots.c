@@ -40,18 +40,6 @@ int64_t int8_row_bytes(int64_t k) {
     return k + 8 * (k / BLOCK);
 }
 
-static inline uint32_t bits32(const uint8_t *p) {
-    uint32_t b;
-    memcpy(&b, p, 4);
-    return b;
-}
-
-static float half_value(const uint8_t *p) {
-    uint16_t bits;
-    memcpy(&bits, p, 2);
-    return (float)f16_from_bits(bits);
-}
-
 /* q, dx and sx of a block whose largest magnitude is amax; `bad`: a value not finite. */
 static void finish_block(const float *v, float amax, int bad, int8_t *q, float *dx, float *sx) {
     if (bad) {
@@ -130,7 +118,7 @@ void quantize_int8(const float *x, int64_t m, int64_t ldx, int64_t k, uint8_t *o
 /* The plain C step of a (row of x, weight row) pair: Q8_0 block `block` against the row's block at x
    (scale dx), into the float sums A[8] of its parity. */
 static void block_step(const uint8_t *block, const int8_t *x, float dx, float *A) {
-    float d = half_value(block);
+    float d = half_at(block);
     int lanes[8] = {0};
     for (int v = 0; v < BLOCK; v++)
         lanes[v / 4] += ((const int8_t *)block)[2 + v] * x[v];
@@ -141,14 +129,14 @@ static void block_step(const uint8_t *block, const int8_t *x, float dx, float *A
 /* The same for a Q4_0 or Q4_1 block (the row's block sum sx): its four lanes into A[4] and its
    mw * sx into L, the sums of its place among four. */
 static void quad_step(int format, const uint8_t *block, const int8_t *x, float dx, float sx, float *A, float *L) {
-    float d = half_value(block);
+    float d = half_at(block);
     const uint8_t *codes = block + (format == Q4_1 ? 4 : 2);
     int lanes[4] = {0};
     for (int v = 0; v < BLOCK; v++)
         lanes[v % 16 / 4] += ((codes[v % 16] >> (v < 16 ? 0 : 4)) & 15) * x[v];
     for (int l = 0; l < 4; l++)
         A[l] = fmaf((float)lanes[l] * d, dx, A[l]);
-    *L = fmaf(format == Q4_1 ? half_value(block + 2) : -8.0f * d, sx, *L);
+    *L = fmaf(format == Q4_1 ? half_at(block + 2) : -8.0f * d, sx, *L);
 }
 
 /* Block b of the row at x (its scales dx, sums sx) into the sums A[16] and L[4] of its format. */
@@ -165,7 +153,7 @@ static float pair_result(int format, const float *A, const float *L) {
     float S[8];
     for (int l = 0; l < 8; l++)
         S[l] = A[l] + A[8 + l];
-    float sum = ((S[0] + S[4]) + (S[2] + S[6])) + ((S[1] + S[5]) + (S[3] + S[7])); /* common.h's sum8 */
+    float sum = sum8_of(S);
     return format == Q8_0 ? sum : sum + ((L[0] + L[1]) + (L[2] + L[3]));
 }
 
@@ -376,7 +364,7 @@ static inline __attribute__((always_inline)) void step(const uint8_t *row, int64
         const uint8_t *block = w + c * wrow + b * bytes;
         __m256i q = _mm256_loadu_si256((const __m256i *)(block + 2));
         __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(lane_dots(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q))),
-                                      _mm256_set1_ps(half_value(block)));
+                                      _mm256_set1_ps(half_at(block)));
         acc[c] = _mm256_fmadd_ps(scaled, d, acc[c]);
     }
 }
@@ -416,9 +404,9 @@ static inline __attribute__((always_inline)) void two_q4_blocks(int format, cons
                                         _mm_loadu_si128((const __m128i *)(codes + bytes)));
         __m256i lanes = nibble_dots(_mm256_and_si256(raw, nibble), x_low,
                                     _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble), x_high);
-        float h0 = half_value(first), h1 = half_value(first + bytes);
-        mw[0][c] = format == Q4_1 ? half_value(first + 2) : -8.0f * h0;
-        mw[1][c] = format == Q4_1 ? half_value(first + bytes + 2) : -8.0f * h1;
+        float h0 = half_at(first), h1 = half_at(first + bytes);
+        mw[0][c] = format == Q4_1 ? half_at(first + 2) : -8.0f * h0;
+        mw[1][c] = format == Q4_1 ? half_at(first + bytes + 2) : -8.0f * h1;
         __m256 scale = _mm256_setr_m128(_mm_set1_ps(h0), _mm_set1_ps(h1));
         acc[c] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(lanes), scale), d, acc[c]);
     }

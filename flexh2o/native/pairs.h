@@ -32,7 +32,7 @@ Zen 4 they held back the tile's multiply-adds (converted, Q4_0 and Q4_1 at 8 and
    rows of x they will be multiplied with. */
 typedef void (*pair_values)(int format, const uint8_t *a, const uint8_t *b, int64_t unit, const float scales[4],
                             int rows, __m512 w[8]);
-/* Where a unit's float16 scale is (its minimum follows it), from its row's start; -1: none. */
+/* Where a unit's float16 scale is (its minimum follows it), from its row's start. */
 typedef int64_t (*scale_at)(int format, int64_t unit);
 
 /* Eight floats of x in both halves. */
@@ -106,12 +106,6 @@ static inline __m512i pair_of_32(const uint8_t *a, const uint8_t *b) {
                               _mm256_loadu_si256((const __m256i *)b), 1);
 }
 
-static inline uint32_t bits32(const uint8_t *p) {
-    uint32_t b;
-    memcpy(&b, p, 4);
-    return b;
-}
-
 /* The scales (and minimums) at `at` in the weight rows 0 .. 2 * pairs - 1 (pairs <= 4) as floats, in
    s: converted together, not one by one (a scalar conversion each cost more than the lookups they
    feed), and left in memory, where each is broadcast by a load rather than shuffled out of a register. */
@@ -131,8 +125,8 @@ static ALWAYS_INLINE void unit_scales(int64_t at, int pairs, const uint8_t *w, i
    (pairs * rows <= 16). The next tile's rows are prefetched as this one's are read: reading a
    matrix from memory, the hardware's own prefetching left the product waiting (1.3-1.6x slower).
    They are prefetched into L2, not L1: into L1, reading and multiplying took turns (at one row of
-   x a cold F16 layer took about its time warm plus its time to read: 20 GB/s where plain loads
-   read 35; into L2, 29). */
+   x a cold F16 layer, then multiplied here, took about its time warm plus its time to read: 20
+   GB/s where plain loads read 35; into L2, 29). */
 static ALWAYS_INLINE void pair_tile(pair_values values, scale_at scales, int format, int size, int pairs, int rows,
                                     const float *x, int64_t ldx, int64_t k, const uint8_t *w, int64_t row_bytes,
                                     float *y, int64_t ldy) {
@@ -144,8 +138,7 @@ static ALWAYS_INLINE void pair_tile(pair_values values, scale_at scales, int for
         for (int c = 0; c < 2 * pairs; c++)
             _mm_prefetch((const char *)w + (2 * pairs + c) * row_bytes + u * unit_bytes, _MM_HINT_T1);
         float s[16];
-        if (scales(format, u) >= 0)
-            unit_scales(scales(format, u), pairs, w, row_bytes, s);
+        unit_scales(scales(format, u), pairs, w, row_bytes, s);
         __m512 v[4][8];
         for (int p = 0; p < pairs; p++)
             values(format, w + 2 * p * row_bytes, w + (2 * p + 1) * row_bytes, u, s + 4 * p, rows, v[p]);

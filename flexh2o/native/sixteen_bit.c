@@ -165,7 +165,7 @@ void matmul_sixteen(int bf16, const float *x, int64_t m, int64_t ldx, int64_t k,
                 p[c % STEP] = fmaf(value(bf16, w[j * k + c]), x[i * ldx + c], p[c % STEP]);
             for (int l = 0; l < 8; l++)
                 s[l] = p[l] + p[8 + l];
-            y[i * ldy + j] = ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7])); /* sum8's order */
+            y[i * ldy + j] = sum8_of(s);
         }
 }
 #endif
