@@ -30,7 +30,7 @@ from flexh2o.common.output_files import write_json_atomic
 
 SOURCES = ("quant4.c", "blocks.c", "sixteen_bit.c", "attention.c", "layer_ops.c", "int8_dots.c", "decode_layers.c",
            "read_rate.c")
-HEADERS = ("common.h", "pairs.h")  # hashed with the sources: a change to them is a new build
+HEADERS = ("common.h", "pairs.h", "int8_tiles.h")  # hashed with the sources: a change to them is a new build
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
 OPENMP = "-fopenmp"  # the products' threads (a compiler without it builds them single-threaded)
 
